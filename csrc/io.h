@@ -1,0 +1,25 @@
+/* io.h: payload streaming between files and caller-owned memory.
+ *
+ * The payload of a checkpoint is read straight into the destination arrays
+ * and written straight from the source arrays, in chunks small enough to
+ * stay in cache, with the CRC32C computed on each chunk while it is hot.
+ * Callers run several of these at once on disjoint ranges (threads with the
+ * GIL released) and join the CRCs with kvs_crc32c_combine().
+ */
+#ifndef KVS_IO_H
+#define KVS_IO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVS_ESHORT 1010             /* end of file before len bytes */
+
+/* Reads len bytes at offset off into buf; *crc (if not NULL) is updated with
+ * the CRC32C of the bytes read.  Returns 0, KVS_ESHORT or -errno. */
+int kvs_pread_full(int fd, uint8_t *buf, size_t len, uint64_t off, uint32_t *crc);
+
+/* Writes len bytes from buf at offset off; *crc (if not NULL) is updated.
+ * Returns 0 or -errno (ENOSPC, EFBIG, EIO ...). */
+int kvs_pwrite_full(int fd, const uint8_t *buf, size_t len, uint64_t off, uint32_t *crc);
+
+#endif

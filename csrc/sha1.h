@@ -1,0 +1,48 @@
+/* sha1.h: SHA1 for checkpoint names and one-pass prefix lookup.
+ *
+ * A checkpoint is named by the SHA1 of its prompt bytes, and a lookup needs
+ * the digest of the prompt's first n bytes for every distinct stored length
+ * n.  kvs_sha1_prefixes() gets all of them in one pass over the prompt by
+ * finishing a copy of the running state at each length, so a lookup costs
+ * one hash of the prompt plus one or two blocks per length, whatever the
+ * number of stored checkpoints.
+ *
+ * The block function is chosen at run time (dispatch.h).  Nothing here
+ * allocates; the caller owns every buffer.
+ */
+#ifndef KVS_SHA1_H
+#define KVS_SHA1_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVS_SHA1_DIGEST 20
+#define KVS_SHA1_BLOCK 64
+
+typedef struct {
+    uint32_t state[5];
+    uint64_t total;             /* bytes hashed so far */
+    uint8_t buf[KVS_SHA1_BLOCK];
+    size_t buflen;
+} kvs_sha1_ctx;
+
+void kvs_sha1_begin(kvs_sha1_ctx *ctx);
+void kvs_sha1_update(kvs_sha1_ctx *ctx, const uint8_t *data, size_t len);
+/* Writes the digest of everything hashed so far; ctx is left unchanged, so
+ * hashing can go on (this is what makes one-pass prefixes possible). */
+void kvs_sha1_digest(const kvs_sha1_ctx *ctx, uint8_t out[KVS_SHA1_DIGEST]);
+
+void kvs_sha1(const uint8_t *data, size_t len, uint8_t out[KVS_SHA1_DIGEST]);
+
+/* Digest of data[:lengths[i]] into out + 20*i for every i < n, in one pass.
+ * order is scratch space for n indices (the caller's, so nothing here
+ * allocates).  Returns 0, or the index + 1 of the first length > len (out is
+ * then unspecified). */
+size_t kvs_sha1_prefixes(const uint8_t *data, size_t len,
+                         const uint64_t *lengths, size_t n,
+                         size_t *order, uint8_t *out);
+
+/* The block function in use, for tests of each path in isolation. */
+void kvs_sha1_blocks(uint32_t state[5], const uint8_t *p, size_t nblocks);
+
+#endif

@@ -1,0 +1,20 @@
+"""kvstore: a disk cache of LLM KV-cache checkpoints.
+
+A checkpoint file is named by the SHA1 of the rendered prompt bytes; a request
+loads the longest stored checkpoint whose text is a byte prefix of its prompt
+and prefills only the rest.  See SPEC.md for the file format.
+"""
+
+from kvstore._native import crc32c, sha1, sha1_prefixes
+from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
+                            KVStoreError, StoreClosed, UnsafePath)
+from kvstore.format import Entry, ExtFlag, Header, Reason, read_entry, touch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "sha1", "sha1_prefixes", "crc32c",
+    "Header", "Reason", "ExtFlag", "Entry", "read_entry", "touch",
+    "KVStoreError", "CorruptCheckpoint", "CheckpointOSError", "CheckpointMissing",
+    "UnsafePath", "StoreClosed",
+]

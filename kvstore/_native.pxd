@@ -1,0 +1,57 @@
+# Declarations of csrc/ for kvstore/_native.pyx.
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+
+cdef extern from "dispatch.h" nogil:
+    enum:
+        KVS_IMPL_AUTO
+        KVS_IMPL_PORTABLE
+        KVS_IMPL_X86
+        KVS_IMPL_ARM
+    void kvs_init()
+    int kvs_sha1_select(int impl)
+    int kvs_crc32c_select(int impl)
+    int kvs_sha1_has(int impl)
+    int kvs_crc32c_has(int impl)
+    const char *kvs_sha1_impl_name()
+    const char *kvs_crc32c_impl_name()
+
+cdef extern from "sha1.h" nogil:
+    void kvs_sha1(const uint8_t *data, size_t n, uint8_t *out)
+    size_t kvs_sha1_prefixes(const uint8_t *data, size_t n, const uint64_t *lengths,
+                             size_t count, size_t *order, uint8_t *out)
+
+cdef extern from "crc32c.h" nogil:
+    uint32_t kvs_crc32c(uint32_t crc, const uint8_t *data, size_t n)
+    uint32_t kvs_crc32c_combine(uint32_t a, uint32_t b, uint64_t len_b)
+
+cdef extern from "header.h" nogil:
+    enum:
+        KVS_HEADER_SIZE
+        KVS_EMAGIC
+        KVS_EVERSION
+        KVS_ETOKENS
+        KVS_ETRUNC
+        KVS_ENOTREG
+    ctypedef struct kvs_header:
+        uint8_t version
+        uint8_t quant_bits
+        uint8_t reason
+        uint8_t ext_flags
+        uint8_t model_id
+        uint32_t tokens
+        uint32_t hits
+        uint32_t ctx_size
+        uint8_t payload_abi
+        uint64_t created_at
+        uint64_t last_used
+        uint64_t payload_bytes
+    void kvs_header_pack(const kvs_header *h, uint8_t *out)
+    int kvs_header_parse(const uint8_t *buf, kvs_header *h)
+    int kvs_envelope_fits(uint64_t file_size, uint32_t text_len, uint64_t payload_bytes)
+    int kvs_touch(const char *path, uint64_t now, uint32_t *hits_out)
+
+cdef extern from "io.h" nogil:
+    enum:
+        KVS_ESHORT
+    int kvs_pread_full(int fd, uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)
+    int kvs_pwrite_full(int fd, const uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)

@@ -1,0 +1,271 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Bindings over csrc/: buffers in, buffers or exceptions out.
+
+The GIL is released around every loop over bytes.  Status codes from C become
+exceptions in exactly one place, :func:`_raise_status`.
+"""
+
+import os
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.ref cimport Py_INCREF
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+
+from kvstore._native cimport *
+
+from kvstore.errors import CorruptCheckpoint, UnsafePath, os_error
+
+kvs_init()
+
+_IMPLS = {"auto": KVS_IMPL_AUTO, "portable": KVS_IMPL_PORTABLE,
+          "x86": KVS_IMPL_X86, "arm": KVS_IMPL_ARM}
+
+HEADER_SIZE = KVS_HEADER_SIZE
+
+_REASONS = {
+    KVS_EMAGIC: "bad_magic",
+    KVS_EVERSION: "bad_version",
+    KVS_ETOKENS: "zero_tokens",
+    KVS_ETRUNC: "truncated",
+    KVS_ESHORT: "truncated",
+}
+
+
+cdef int _raise_status(int rc, object path, str what) except -1:
+    """The one place where a csrc status code becomes an exception."""
+    if rc == 0:
+        return 0
+    if rc < 0:
+        raise os_error(-rc, path, what)
+    if rc == KVS_ENOTREG:
+        raise UnsafePath(0, f"{what}: not a regular file", os.fspath(path))
+    raise CorruptCheckpoint(_REASONS.get(rc, f"status_{rc}"), path, what)
+
+
+def select(sha1=None, crc32c=None):
+    """Selects the SHA1 and/or CRC32C implementation.
+
+    Args:
+        sha1, crc32c: "auto", "portable", "x86" or "arm"; None keeps the current.
+
+    Raises:
+        ValueError: the name is unknown or that path cannot run on this CPU.
+    """
+    for name, value in (("sha1", sha1), ("crc32c", crc32c)):
+        if value is None:
+            continue
+        if value not in _IMPLS:
+            raise ValueError(f"unknown {name} implementation {value!r}; expected one of {sorted(_IMPLS)}")
+        rc = kvs_sha1_select(_IMPLS[value]) if name == "sha1" else kvs_crc32c_select(_IMPLS[value])
+        if rc != 0:
+            raise ValueError(f"{name} implementation {value!r} is not available on this machine")
+
+
+def available():
+    """The implementations that can run here: {"sha1": [...], "crc32c": [...]}."""
+    return {
+        "sha1": [n for n in ("portable", "x86", "arm") if kvs_sha1_has(_IMPLS[n])],
+        "crc32c": [n for n in ("portable", "x86", "arm") if kvs_crc32c_has(_IMPLS[n])],
+    }
+
+
+def implementation():
+    """The running implementations, e.g. {"sha1": "sha-ni", "crc32c": "sse4.2"}."""
+    return {"sha1": kvs_sha1_impl_name().decode(), "crc32c": kvs_crc32c_impl_name().decode()}
+
+
+def sha1(data):
+    """SHA1 digest (20 bytes) of any buffer-protocol object."""
+    cdef Py_buffer view
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 20)
+    cdef uint8_t *o = <uint8_t *>PyBytes_AS_STRING(out)
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        with nogil:
+            kvs_sha1(<const uint8_t *>view.buf, <size_t>view.len, o)
+    finally:
+        PyBuffer_Release(&view)
+    return out
+
+
+def sha1_prefixes(data, lengths):
+    """Digests of data[:n] for every n in lengths, in the order given, in one pass.
+
+    Args:
+        data: any buffer-protocol object.
+        lengths: iterable of ints, any order, repeats allowed.
+
+    Returns:
+        list of 20-byte digests, one per length.
+
+    Raises:
+        ValueError: a length is negative or larger than len(data).
+    """
+    cdef Py_buffer view
+    cdef list lens = lengths if type(lengths) is list else list(lengths)
+    cdef Py_ssize_t n = len(lens), i
+    cdef long long v
+    cdef uint64_t *c_lens = NULL
+    cdef size_t *order = NULL
+    cdef uint8_t *out = NULL
+    cdef list result
+    if n == 0:
+        return []
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        c_lens = <uint64_t *>malloc(n * sizeof(uint64_t))
+        order = <size_t *>malloc(n * sizeof(size_t))
+        out = <uint8_t *>malloc(n * 20)
+        if c_lens == NULL or order == NULL or out == NULL:
+            raise MemoryError()
+        for i in range(n):
+            try:
+                v = lens[i]
+            except OverflowError:
+                v = -1
+            if v < 0 or v > view.len:
+                raise ValueError(f"length {lens[i]!r} at index {i} is outside 0..{view.len} (the data length)")
+            c_lens[i] = <uint64_t>v
+        with nogil:
+            kvs_sha1_prefixes(<const uint8_t *>view.buf, <size_t>view.len, c_lens, n, order, out)
+        result = PyList_New(n)
+        for i in range(n):
+            d = PyBytes_FromStringAndSize(<char *>out + 20 * i, 20)
+            Py_INCREF(d)
+            PyList_SET_ITEM(result, i, d)
+        return result
+    finally:
+        free(c_lens)
+        free(order)
+        free(out)
+        PyBuffer_Release(&view)
+
+
+def crc32c(data, uint32_t crc=0):
+    """CRC32C (Castagnoli) of data, continuing from crc.
+
+    crc32c(b, crc32c(a)) == crc32c(a + b).
+    """
+    cdef Py_buffer view
+    cdef uint32_t r
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        with nogil:
+            r = kvs_crc32c(crc, <const uint8_t *>view.buf, <size_t>view.len)
+    finally:
+        PyBuffer_Release(&view)
+    return r
+
+
+def crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b):
+    """CRC32C of a + b from crc32c(a), crc32c(b) and len(b)."""
+    return kvs_crc32c_combine(crc_a, crc_b, len_b)
+
+
+def pack_header(int version, int quant_bits, int reason, int ext_flags, int model_id,
+                uint32_t tokens, uint32_t hits, uint32_t ctx_size, int payload_abi,
+                uint64_t created_at, uint64_t last_used, uint64_t payload_bytes):
+    """The 48 header bytes; fields must already be range-checked by the caller."""
+    cdef kvs_header h
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, KVS_HEADER_SIZE)
+    h.version = version
+    h.quant_bits = quant_bits
+    h.reason = reason
+    h.ext_flags = ext_flags
+    h.model_id = model_id
+    h.tokens = tokens
+    h.hits = hits
+    h.ctx_size = ctx_size
+    h.payload_abi = payload_abi
+    h.created_at = created_at
+    h.last_used = last_used
+    h.payload_bytes = payload_bytes
+    kvs_header_pack(&h, <uint8_t *>PyBytes_AS_STRING(out))
+    return out
+
+
+def parse_header(buf, path=None):
+    """Parses 48 header bytes into a tuple in pack_header's argument order.
+
+    Raises:
+        CorruptCheckpoint: short buffer, bad magic, version != 1, zero tokens.
+    """
+    cdef Py_buffer view
+    cdef kvs_header h
+    cdef int rc
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    try:
+        if view.len < KVS_HEADER_SIZE:
+            raise CorruptCheckpoint("truncated", path, f"header is {view.len} bytes, expected {KVS_HEADER_SIZE}")
+        rc = kvs_header_parse(<const uint8_t *>view.buf, &h)
+    finally:
+        PyBuffer_Release(&view)
+    if rc == KVS_EVERSION:
+        raise CorruptCheckpoint("bad_version", path, f"version {h.version}, expected 1")
+    _raise_status(rc, path, "header")
+    return (h.version, h.quant_bits, h.reason, h.ext_flags, h.model_id, h.tokens, h.hits,
+            h.ctx_size, h.payload_abi, h.created_at, h.last_used, h.payload_bytes)
+
+
+def envelope_fits(uint64_t file_size, uint32_t text_len, uint64_t payload_bytes):
+    """True when 52 + text_len + payload_bytes <= file_size (no overflow)."""
+    return kvs_envelope_fits(file_size, text_len, payload_bytes) == 0
+
+
+def touch(path, uint64_t now):
+    """hits + 1 (saturating) and last_used = now, atomically in place; returns hits."""
+    cdef bytes p = os.fsencode(path)
+    cdef const char *cp = p
+    cdef uint32_t hits = 0
+    cdef int rc
+    with nogil:
+        rc = kvs_touch(cp, now, &hits)
+    _raise_status(rc, path, "touch")
+    return hits
+
+
+def pread_into(int fd, buf, uint64_t offset, path=None, crc=None):
+    """Fills the writable buffer buf from fd at offset, GIL released.
+
+    Returns:
+        the CRC32C of the bytes read, continuing from crc, or None when crc is None.
+
+    Raises:
+        CorruptCheckpoint: end of file before the buffer was full.
+        CheckpointOSError: the read failed.
+    """
+    cdef Py_buffer view
+    cdef uint32_t c = 0 if crc is None else crc
+    cdef uint32_t *cp = NULL if crc is None else &c
+    cdef int rc
+    PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
+    try:
+        with nogil:
+            rc = kvs_pread_full(fd, <uint8_t *>view.buf, <size_t>view.len, offset, cp)
+    finally:
+        PyBuffer_Release(&view)
+    _raise_status(rc, path if path is not None else f"fd {fd}", "read")
+    return None if crc is None else c
+
+
+def pwrite_from(int fd, buf, uint64_t offset, path=None, crc=None):
+    """Writes all of buf to fd at offset, GIL released; returns the CRC as pread_into."""
+    cdef Py_buffer view
+    cdef uint32_t c = 0 if crc is None else crc
+    cdef uint32_t *cp = NULL if crc is None else &c
+    cdef int rc
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    try:
+        with nogil:
+            rc = kvs_pwrite_full(fd, <const uint8_t *>view.buf, <size_t>view.len, offset, cp)
+    finally:
+        PyBuffer_Release(&view)
+    _raise_status(rc, path if path is not None else f"fd {fd}", "write")
+    return None if crc is None else c
+
+
+if os.environ.get("KVSTORE_PORTABLE", "") not in ("", "0"):
+    select(sha1="portable", crc32c="portable")
