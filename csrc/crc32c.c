@@ -31,7 +31,7 @@
 static uint32_t table8[8][256];
 static uint32_t shift_long[4][256];
 static uint32_t shift_short[4][256];
-static uint32_t x2n_table[32];
+static uint32_t x2n_table[31];
 
 /* a * b modulo POLY, bit-reflected (bit 31 is x^0). */
 static uint32_t multmodp(uint32_t a, uint32_t b)
@@ -48,12 +48,14 @@ static uint32_t multmodp(uint32_t a, uint32_t b)
     return p;
 }
 
-/* x^(n * 2^k) modulo POLY. */
+/* x^(n * 2^k) modulo POLY.  x^(2^k) repeats with period 31, not 32 as for
+ * zlib's CRC-32: x has order 2^31 - 1 modulo the Castagnoli polynomial, so
+ * x^(2^31) == x.  (k & 31 gave wrong results for lengths >= 2^29 bytes.) */
 static uint32_t x2nmodp(uint64_t n, unsigned k)
 {
     uint32_t p = 1u << 31;
     while (n) {
-        if (n & 1) p = multmodp(x2n_table[k & 31], p);
+        if (n & 1) p = multmodp(x2n_table[k % 31], p);
         n >>= 1;
         k++;
     }
@@ -223,7 +225,7 @@ void kvs_crc32c_build_tables(void)
         for (int k = 1; k < 8; k++)
             table8[k][n] = (table8[k - 1][n] >> 8) ^ table8[0][table8[k - 1][n] & 255];
     x2n_table[0] = 1u << 30;     /* x^1 */
-    for (int k = 1; k < 32; k++)
+    for (int k = 1; k < 31; k++)
         x2n_table[k] = multmodp(x2n_table[k - 1], x2n_table[k - 1]);
     build_shift(shift_long, LONG_SLICE);
     build_shift(shift_short, SHORT_SLICE);

@@ -9,11 +9,15 @@ from kvstore._native import crc32c, sha1, sha1_prefixes
 from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
                             KVStoreError, StoreClosed, UnsafePath)
 from kvstore.format import Entry, ExtFlag, Header, Reason, read_entry, touch
+from kvstore import policy
+from kvstore.policy import Options
+from kvstore.store import Checkpoint, KVStore
 
 __version__ = "0.1.0"
 
 __all__ = [
     "sha1", "sha1_prefixes", "crc32c",
+    "KVStore", "Options", "Checkpoint", "policy",
     "Header", "Reason", "ExtFlag", "Entry", "read_entry", "touch",
     "KVStoreError", "CorruptCheckpoint", "CheckpointOSError", "CheckpointMissing",
     "UnsafePath", "StoreClosed",

@@ -143,6 +143,9 @@ class Entry:
     file_size: int
     mtime_ns: int = 0
     inode: int = 0
+    # The prompt a lookup matched this entry against (set by KVStore.find so
+    # that load can compare the stored text byte for byte); never printed.
+    query: bytes = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def name(self):

@@ -1,0 +1,431 @@
+"""Payload ABI 16: the kvstore tensor payload, version 1 (SPEC section 3).
+
+Layout, offsets relative to the payload start P = 52 + text length:
+
+    0   "KVTP"                 magic
+    4   u32 M                  manifest length
+    8   u64 D                  data offset; P + D is a multiple of 4096
+    16  u32                    CRC32C of the manifest bytes
+    20  u32                    reserved, 0
+    24  M bytes                manifest, UTF-8 JSON
+    D   ...                    token ids (u32 LE), then each tensor; every
+                               block starts at a file offset that is a
+                               multiple of 64
+
+Writing is one pass over the arrays: each block is CRC'd while it is written
+(the CRC runs on the chunk just handed to the kernel, still in cache), and the
+manifest, written first with fixed-width placeholder CRCs, is rewritten in
+place with the real values at the end (JSON allows the trailing spaces that
+keep its length).
+
+Reading streams every block straight into its destination array and checks
+its CRC as it lands; nothing reads the payload into an intermediate buffer.
+For MLX the destination arrays are allocated by mx.load itself: the reader
+presents the payload to mx.load as a virtual safetensors file whose
+readinto() calls land, in parallel chunks with the GIL released, in the new
+arrays' own memory (see bench/README.md for why this beats zero-fill-then-read).
+"""
+
+import concurrent.futures
+import atexit
+import io
+import json
+import math
+import os
+import struct
+import threading
+
+import numpy as np
+
+from kvstore import _native
+from kvstore.errors import CorruptCheckpoint
+from kvstore.format import PREFIX_SIZE
+
+MAGIC = b"KVTP"
+PAYLOAD_HEADER = struct.Struct("<4sIQII")     # 24 bytes
+VERSION = 1
+
+# File-offset alignment of the data start (a page, so the data can be mapped
+# or read with O_DIRECT) and of every block (a cache line / SIMD width).
+DATA_ALIGN = 4096
+BLOCK_ALIGN = 64
+
+# No manifest this big is ever written (a 400-layer model with 10 tensors per
+# layer is ~0.5 MB); a larger length field is corruption, not a manifest.
+MAX_MANIFEST_BYTES = 64 << 20
+
+# Parallel reads: chunks of 8 MiB keep every thread busy on a few-hundred-MB
+# payload while each chunk's CRC still runs on cache-warm data; the pool is
+# small because the work is memory-bound (first touch of fresh pages).
+READ_CHUNK = 8 << 20
+READ_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+_CRC_PLACEHOLDER = 0xFFFFFFFF                 # widest u32 in decimal (10 digits)
+
+# dtype name (MLX's) -> (item size, safetensors code)
+DTYPES = {
+    "bool": (1, "BOOL"), "uint8": (1, "U8"), "uint16": (2, "U16"),
+    "uint32": (4, "U32"), "uint64": (8, "U64"), "int8": (1, "I8"),
+    "int16": (2, "I16"), "int32": (4, "I32"), "int64": (8, "I64"),
+    "float16": (2, "F16"), "bfloat16": (2, "BF16"), "float32": (4, "F32"),
+    "float64": (8, "F64"), "complex64": (8, "C64"),
+}
+
+
+def _align(x, a):
+    return (x + a - 1) // a * a
+
+
+# ---- sources: numpy or MLX arrays as flat byte buffers -------------------
+
+def _is_mlx(a):
+    return type(a).__module__.startswith("mlx")
+
+
+def tensor_source(name, a):
+    """Returns (dtype name, shape, flat contiguous byte buffer) for an array.
+
+    NumPy arrays and MLX arrays are accepted; MLX arrays are evaluated and
+    made contiguous first.  The buffer shares memory with the array when it
+    can (no copy for contiguous arrays).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tensor name {name!r} must be a non-empty str")
+    if _is_mlx(a):
+        import mlx.core as mx
+        mx.eval(a)
+        view = memoryview(a)
+        if not view.c_contiguous:
+            a = mx.contiguous(a)
+            mx.eval(a)
+            view = memoryview(a)
+        dtype = str(a.dtype).rsplit(".", 1)[-1]
+        shape = tuple(int(d) for d in a.shape)
+        buf = view
+    else:
+        a = np.asarray(a)
+        dtype = a.dtype.name
+        if dtype == "bool":
+            dtype = "bool"
+        a = np.ascontiguousarray(a)
+        shape = tuple(int(d) for d in a.shape)
+        buf = a.reshape(-1).view(np.uint8)
+    if dtype not in DTYPES:
+        raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return dtype, shape, buf
+
+
+class Plan:
+    """Where every block of one payload goes; built before anything is written."""
+
+    def __init__(self, text_len, tokens, tensors, meta):
+        self.payload_start = PREFIX_SIZE + text_len
+        self.tokens = np.ascontiguousarray(tokens, dtype="<u4").reshape(-1)
+        self.sources = [(name,) + tensor_source(name, a) for name, a in tensors.items()]
+        if meta is None:
+            meta = {}
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta must be a dict, not {type(meta).__name__}")
+        self.meta = meta
+
+        # Manifest with placeholder CRCs: its length is final from here on.
+        self.manifest = {
+            "version": VERSION,
+            "tokens": {"offset": 0, "count": int(self.tokens.size), "crc32c": _CRC_PLACEHOLDER},
+            "tensors": [],
+            "meta": meta,
+        }
+        for name, dtype, shape, buf in self.sources:
+            self.manifest["tensors"].append({
+                "name": name, "dtype": dtype, "shape": list(shape),
+                "offset": 0, "nbytes": buf.nbytes, "crc32c": _CRC_PLACEHOLDER})
+        # Offsets need M and M needs offsets: offsets have at most 20 digits,
+        # so reserve that width, lay out, then serialise for real.
+        for t in [self.manifest["tokens"]] + self.manifest["tensors"]:
+            t["offset"] = 10**19
+        try:
+            self.manifest_len = len(self._encode())
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"meta is not JSON-serialisable: {e}") from None
+        P = self.payload_start
+        self.data_offset = _align(P + PAYLOAD_HEADER.size + self.manifest_len, DATA_ALIGN) - P
+        at = self.data_offset
+        self.manifest["tokens"]["offset"] = at
+        at += self.tokens.nbytes
+        for t in self.manifest["tensors"]:
+            at = _align(P + at, BLOCK_ALIGN) - P
+            t["offset"] = at
+            at += t["nbytes"]
+        self.payload_bytes = at
+
+    def _encode(self):
+        return json.dumps(self.manifest, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False).encode("utf-8")
+
+    def manifest_bytes(self):
+        raw = self._encode()
+        assert len(raw) <= self.manifest_len
+        return raw + b" " * (self.manifest_len - len(raw))
+
+    def write(self, fd, path):
+        """Writes the payload at its place in fd, CRC'ing every block as it goes."""
+        P = self.payload_start
+        m = self.manifest
+        m["tokens"]["crc32c"] = _native.pwrite_from(fd, self.tokens, P + m["tokens"]["offset"], path, 0)
+        for t, (_, _, _, buf) in zip(m["tensors"], self.sources):
+            t["crc32c"] = _native.pwrite_from(fd, buf, P + t["offset"], path, 0)
+        raw = self.manifest_bytes()
+        head = PAYLOAD_HEADER.pack(MAGIC, len(raw), self.data_offset, _native.crc32c(raw), 0)
+        _native.pwrite_from(fd, head + raw, P, path)
+
+
+# ---- reading --------------------------------------------------------------
+
+class Manifest:
+    """A validated manifest: every offset and length bounded by the payload."""
+
+    def __init__(self, raw, entry, data_offset):
+        path = entry.path
+        try:
+            m = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise CorruptCheckpoint("bad_manifest", path, "manifest is not UTF-8 JSON") from None
+        if not isinstance(m, dict) or m.get("version") != VERSION:
+            raise CorruptCheckpoint("bad_manifest", path, "manifest version is not 1")
+        limit = entry.payload_bytes
+        blocks = []
+
+        def block(d, what):
+            if not isinstance(d, dict):
+                raise CorruptCheckpoint("bad_manifest", path, f"{what} is not an object")
+            off, n, crc = d.get("offset"), d.get("nbytes"), d.get("crc32c")
+            for k, v in (("offset", off), ("nbytes", n), ("crc32c", crc)):
+                if type(v) is not int or v < 0:
+                    raise CorruptCheckpoint("bad_manifest", path, f"{what}.{k} is not a non-negative int")
+            if crc > 0xFFFFFFFF:
+                raise CorruptCheckpoint("bad_manifest", path, f"{what}.crc32c out of range")
+            if off < data_offset or n > limit or off > limit - n:
+                raise CorruptCheckpoint("bad_manifest", path, f"{what} lies outside the payload data")
+            if (entry.payload_offset + off) % BLOCK_ALIGN:
+                raise CorruptCheckpoint("bad_manifest", path, f"{what} is not {BLOCK_ALIGN}-byte aligned")
+            blocks.append((off, n, what))
+            return off, n, crc
+
+        tok = m.get("tokens")
+        if not isinstance(tok, dict) or type(tok.get("count")) is not int:
+            raise CorruptCheckpoint("bad_manifest", path, "tokens block missing")
+        if tok["count"] != entry.tokens:
+            raise CorruptCheckpoint("token_count", path,
+                                    f"manifest has {tok['count']} tokens, header {entry.tokens}")
+        self.tokens = block(dict(tok, nbytes=4 * tok["count"]), "tokens")
+
+        tensors = m.get("tensors")
+        if not isinstance(tensors, list):
+            raise CorruptCheckpoint("bad_manifest", path, "tensors is not a list")
+        self.tensors = []
+        names = set()
+        for i, t in enumerate(tensors):
+            if not isinstance(t, dict):
+                raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} is not an object")
+            name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
+            if not isinstance(name, str) or name in names:
+                raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} has a missing or repeated name")
+            names.add(name)
+            if dtype not in DTYPES:
+                raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} has unknown dtype")
+            if (not isinstance(shape, list) or len(shape) > 16
+                    or any(type(d) is not int or d < 0 for d in shape)):
+                raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} has a bad shape")
+            off, n, crc = block(t, f"tensor {i}")
+            if math.prod(shape) * DTYPES[dtype][0] != n:
+                raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} nbytes does not match its shape")
+            self.tensors.append((name, dtype, tuple(shape), off, n, crc))
+        blocks.sort()
+        for (o1, n1, w1), (o2, _, w2) in zip(blocks, blocks[1:]):
+            if o1 + n1 > o2:
+                raise CorruptCheckpoint("bad_manifest", path, f"{w1} overlaps {w2}")
+        meta = m.get("meta", {})
+        if not isinstance(meta, dict):
+            raise CorruptCheckpoint("bad_manifest", path, "meta is not an object")
+        self.meta = meta
+
+
+def read_manifest(fd, entry):
+    """Reads and validates the payload header and manifest of an open checkpoint."""
+    path, P = entry.path, entry.payload_offset
+    if entry.payload_bytes < PAYLOAD_HEADER.size:
+        raise CorruptCheckpoint("bad_payload", path, "payload shorter than its header")
+    head = os.pread(fd, PAYLOAD_HEADER.size, P)
+    if len(head) < PAYLOAD_HEADER.size:
+        raise CorruptCheckpoint("truncated", path, "payload header cut short")
+    magic, mlen, data_offset, mcrc, _ = PAYLOAD_HEADER.unpack(head)
+    if magic != MAGIC:
+        raise CorruptCheckpoint("bad_payload_magic", path, "payload is not KVTP")
+    if mlen > MAX_MANIFEST_BYTES or PAYLOAD_HEADER.size + mlen > entry.payload_bytes:
+        raise CorruptCheckpoint("bad_payload", path, f"manifest length {mlen} exceeds the payload")
+    if data_offset < PAYLOAD_HEADER.size + mlen or data_offset > entry.payload_bytes \
+            or (P + data_offset) % DATA_ALIGN:
+        raise CorruptCheckpoint("bad_payload", path, f"data offset {data_offset} is invalid")
+    raw = os.pread(fd, mlen, P + PAYLOAD_HEADER.size)
+    if len(raw) != mlen:
+        raise CorruptCheckpoint("truncated", path, "manifest cut short")
+    if _native.crc32c(raw) != mcrc:
+        raise CorruptCheckpoint("crc", path, "manifest CRC mismatch")
+    return Manifest(raw, entry, data_offset)
+
+
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _get_pool():
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvstore-read")
+            atexit.register(_pool.shutdown, wait=True)
+        return _pool
+
+
+def read_block(fd, buf, offset, path, verify):
+    """Fills the writable byte buffer buf from fd at offset in parallel chunks.
+
+    Returns the CRC32C of the bytes (None when verify is false).
+    """
+    mv = memoryview(buf).cast("B") if memoryview(buf).format != "B" else memoryview(buf)
+    n = mv.nbytes
+    crc0 = 0 if verify else None
+    if n <= 2 * READ_CHUNK or READ_THREADS == 1:
+        return _native.pread_into(fd, mv, offset, path, crc0)
+    parts = [(a, min(n, a + READ_CHUNK)) for a in range(0, n, READ_CHUNK)]
+    futs = [_get_pool().submit(_native.pread_into, fd, mv[a:b], offset + a, path, crc0)
+            for a, b in parts]
+    crcs = [f.result() for f in futs]
+    if not verify:
+        return None
+    crc = crcs[0]
+    for (a, b), c in zip(parts[1:], crcs[1:]):
+        crc = _native.crc32c_combine(crc, c, b - a)
+    return crc
+
+
+def _check(crc, want, path, what):
+    if crc is not None and crc != want:
+        raise CorruptCheckpoint("crc", path, f"{what} CRC mismatch")
+
+
+def read_tokens(fd, entry, manifest, verify=True):
+    """The token ids as a numpy uint32 array, CRC-checked."""
+    off, n, crc = manifest.tokens
+    out = np.empty(n // 4, dtype="<u4")
+    got = read_block(fd, out.view(np.uint8), entry.payload_offset + off, entry.path, verify)
+    _check(got, crc, entry.path, "tokens")
+    return out.astype(np.uint32, copy=False)
+
+
+def _numpy_dtype(dtype):
+    if dtype == "bfloat16":
+        # NumPy has no bfloat16: the bits come back as uint16 (documented).
+        return np.dtype("<u2")
+    return np.dtype(dtype).newbyteorder("<")
+
+
+def read_tensors_numpy(fd, entry, manifest, verify=True):
+    """Every tensor as a numpy array (bfloat16 as its uint16 bit pattern)."""
+    out = {}
+    for name, dtype, shape, off, n, crc in manifest.tensors:
+        a = np.empty(shape, dtype=_numpy_dtype(dtype))
+        if n:
+            got = read_block(fd, a.reshape(-1).view(np.uint8), entry.payload_offset + off, entry.path, verify)
+            _check(got, crc, entry.path, f"tensor {name!r}")
+        out[name] = a
+    return out
+
+
+class _VirtualSafetensors(io.RawIOBase):
+    """The payload's tensors seen as one safetensors file, for mx.load.
+
+    mx.load allocates each array and calls readinto() once with the array's
+    own memory; this object answers with parallel preads from the checkpoint
+    at the tensor's real offset and checks its CRC.  Reads that do not cover
+    a whole tensor in order are served too, and their tensors are CRC-checked
+    after the load from the arrays themselves.
+    """
+
+    def __init__(self, fd, entry, manifest, verify):
+        self.fd, self.entry, self.verify = fd, entry, verify
+        header, self.spans, at = {}, [], 0
+        for name, dtype, shape, off, n, crc in manifest.tensors:
+            header[name] = {"dtype": DTYPES[dtype][1], "shape": list(shape), "data_offsets": [at, at + n]}
+            self.spans.append((at, n, entry.payload_offset + off, crc, name))
+            at += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.head = struct.pack("<Q", len(raw)) + raw
+        self.size = len(self.head) + at
+        self.pos = 0
+        self.partial = set()      # tensors read other than whole-in-one-call
+        self.error = None
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, pos, whence=0):
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.size + pos
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, b):
+        mv = memoryview(b).cast("B")
+        n, done = mv.nbytes, 0
+        while done < n and self.pos < self.size:
+            if self.pos < len(self.head):
+                k = min(n - done, len(self.head) - self.pos)
+                mv[done:done + k] = self.head[self.pos:self.pos + k]
+            else:
+                rel = self.pos - len(self.head)
+                span = next(s for s in self.spans if s[0] <= rel < s[0] + s[1])
+                start, size, file_off, crc, name = span
+                k = min(n - done, start + size - rel)
+                whole = rel == start and k == size
+                try:
+                    got = read_block(self.fd, mv[done:done + k], file_off + rel - start, self.entry.path,
+                                     self.verify and whole)
+                    if whole:
+                        _check(got, crc, self.entry.path, f"tensor {name!r}")
+                    else:
+                        self.partial.add(name)
+                except Exception as e:      # mx.load would mask it: keep it
+                    self.error = self.error or e
+                    raise
+            self.pos += k
+            done += k
+        return done
+
+
+def read_tensors_mlx(fd, entry, manifest, verify=True):
+    """Every tensor as an MLX array, read straight into the arrays' memory."""
+    import mlx.core as mx
+    if not manifest.tensors:
+        return {}
+    src = _VirtualSafetensors(fd, entry, manifest, verify)
+    try:
+        loaded = mx.load(src, format="safetensors")
+    except Exception as e:
+        if src.error is not None:
+            raise src.error from None
+        raise CorruptCheckpoint("bad_payload", entry.path, f"mx.load failed: {type(e).__name__}") from None
+    if src.error is not None:
+        raise src.error
+    out = {}
+    for name, dtype, shape, off, n, crc in manifest.tensors:
+        a = loaded[name]
+        if name in src.partial and verify:
+            _check(_native.crc32c(memoryview(a)), crc, entry.path, f"tensor {name!r}")
+        out[name] = a
+    return out

@@ -1,0 +1,678 @@
+"""KVStore: the directory cache (SPEC sections 4-8 and 11).
+
+One directory of .kv files shared by any number of processes:
+
+- find() hashes the prompt once and asks the index for the longest stored
+  text that is a byte prefix of it (section 4);
+- load() streams the payload into arrays, checks every CRC, compares the
+  stored text with the prompt, records the hit in place and consumes very
+  long checkpoints (section 5);
+- save() writes a temporary file, fsyncs, renames into place and fsyncs the
+  directory, then evicts down to the budget (sections 6 and 8);
+- save_async() does the same on a background thread.
+
+Nothing here knows about models: the tensors are named arrays and the meta is
+the engine's JSON.  Corrupt files never reach the caller: they are removed (or
+moved aside) and the lookup is a miss.
+"""
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import os
+import re
+import secrets
+import stat as stat_mod
+import threading
+import time
+
+import numpy as np
+
+from kvstore import _native, payload, policy
+from kvstore import trailers as trailer_mod
+from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
+                            KVStoreError, StoreClosed, UnsafePath)
+from kvstore.format import (LOADABLE_ABIS, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Entry, ExtFlag, Header,
+                            Reason, entry_from_fd, open_checkpoint, read_entry)
+from kvstore.index import DirectoryIndex
+from kvstore.policy import Options
+from kvstore.writer import BackgroundWriter
+
+log = logging.getLogger("kvstore")
+
+# ds4's default disk budget (ds4_kvstore.h).
+DEFAULT_BUDGET_MB = 4096
+
+LOCK_NAME = ".kvstore.lock"
+QUARANTINE_DIR = ".quarantine"
+
+# A temporary file is "<40 hex>.kv.tmp.<pid>.<random>".  One whose writer is
+# gone is debris of a crash; one older than this is removed even if its pid
+# is alive again (pid reuse, or a writer on another host of a shared mount).
+_TMP_RE = re.compile(r"^[0-9a-fA-F]{40}\.kv\.tmp\.(\d+)\.[0-9a-f]+$")
+STALE_TMP_AGE_S = 24 * 3600
+
+_WRITE_FLAGS = (os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                | getattr(os, "O_CLOEXEC", 0))
+_RDWR_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+# wipe() overwrites in blocks of this size before unlinking.
+_WIPE_BLOCK = 1 << 20
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A loaded checkpoint: the exact tokens, the tensors and the engine meta."""
+    entry: Entry
+    tokens: np.ndarray
+    tensors: dict
+    meta: dict
+    text_bytes: bytes = dataclasses.field(repr=False)
+    trailers: dict = dataclasses.field(default_factory=dict)
+
+
+def _short(name):
+    return name[:12] + "…kv" if len(name) > 12 else name
+
+
+def _as_bytes(text):
+    if isinstance(text, str):
+        return text.encode("utf-8")
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        return bytes(text)
+    raise TypeError(f"prompt text must be str or bytes, not {type(text).__name__}")
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class KVStore:
+    """A directory of KV checkpoints.
+
+    Args:
+        path: the directory; created 0700 if missing.
+        budget_mb: disk budget for every valid .kv file in the directory.
+        model_id: header model id of this engine's checkpoints (0..255).
+        quant_bits: quant bits of the model weights (2,3,4,5,6,8 or 16).
+        ctx_size: the engine's context size; checkpoints made with a larger
+            context are never loaded.  None: no limit (header gets 0).
+        reject_different_quant: make quant part of the match.
+        options: kvstore.Options (min_tokens, cold_max_tokens, ...).
+        durable: fsync file and directory on save (crash-safe publish).
+        verify: check every payload CRC on load.
+        quarantine: move corrupt files to <dir>/.quarantine instead of deleting.
+        max_age_s: remove checkpoints not used for this long (None: keep).
+    """
+
+    def __init__(self, path, budget_mb=DEFAULT_BUDGET_MB, model_id=0, quant_bits=16,
+                 ctx_size=None, reject_different_quant=False, options=None, durable=True,
+                 verify=True, quarantine=False, max_age_s=None):
+        self.path = os.path.abspath(os.fspath(path))
+        if budget_mb is None or budget_mb < 0:
+            raise ValueError(f"budget_mb={budget_mb!r} must be a number >= 0")
+        if not 0 <= int(model_id) <= 255:
+            raise ValueError(f"model_id={model_id!r} is outside 0..255")
+        Header(quant_bits=quant_bits, tokens=1, ctx_size=0, payload_bytes=0).pack()  # validates
+        if ctx_size is not None and not 0 < int(ctx_size) < 2**32:
+            raise ValueError(f"ctx_size={ctx_size!r} must be a positive u32 or None")
+        self.budget_bytes = int(budget_mb * 1024 * 1024)
+        self.model_id = int(model_id)
+        self.quant_bits = quant_bits
+        self.ctx_size = None if ctx_size is None else int(ctx_size)
+        self.reject_different_quant = bool(reject_different_quant)
+        self.options = options if options is not None else Options()
+        self.durable = durable
+        self.verify = verify
+        self.quarantine = quarantine
+        self.max_age_s = max_age_s
+        self._closed = False
+        self._writer = None
+        self._lock = threading.RLock()
+        self._stats = dict(hits=0, misses=0, loads=0, bytes_loaded=0, load_s=0.0, saves=0,
+                           bytes_saved=0, save_s=0.0, refused=0, save_errors=0, evictions=0,
+                           corrupt=0, consumed=0)
+        self._open_dir()
+        self._index = DirectoryIndex(self.path, self._eligible)
+        self._remove_stale_tmp()
+        self._index.refresh(force=True)
+        self.evict()
+
+    # -- set-up ------------------------------------------------------------
+
+    def _open_dir(self):
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=False)
+            os.chmod(self.path, 0o700)      # whatever the umask
+        except FileExistsError:
+            st = os.lstat(self.path)
+            if stat_mod.S_ISLNK(st.st_mode) or not stat_mod.S_ISDIR(st.st_mode):
+                raise UnsafePath(errno.ENOTDIR, "store path is not a directory", self.path) from None
+        except OSError as e:
+            raise CheckpointOSError(e.errno, f"cannot create store directory: {e.strerror}", self.path) from None
+        if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
+            raise CheckpointOSError(errno.EACCES, "store directory is not readable and writable", self.path)
+
+    def _remove_stale_tmp(self):
+        now = time.time()
+        with os.scandir(self.path) as it:
+            for de in it:
+                m = _TMP_RE.match(de.name)
+                if not m:
+                    continue
+                try:
+                    age = now - de.stat(follow_symlinks=False).st_mtime
+                except OSError:
+                    continue
+                if not _pid_alive(int(m.group(1))) or age > STALE_TMP_AGE_S:
+                    try:
+                        os.unlink(de.path)
+                        log.info("kvstore: stale_tmp_removed file=%s", _short(de.name))
+                    except OSError:
+                        pass
+
+    def _check_open(self):
+        if self._closed:
+            raise StoreClosed(f"KVStore({self.path!r}) is closed")
+
+    # -- lookup (section 4) ------------------------------------------------
+
+    def _eligible(self, e):
+        return (e.model_id == self.model_id and e.payload_abi in LOADABLE_ABIS
+                and e.tokens >= self.options.min_tokens
+                and (self.ctx_size is None or e.ctx_size <= self.ctx_size)
+                and (not self.reject_different_quant or e.quant_bits == self.quant_bits))
+
+    def find(self, prompt):
+        """The entry with the longest stored text that is a byte prefix of prompt.
+
+        Args:
+            prompt: str (UTF-8) or bytes.
+
+        Returns:
+            Entry, or None on a miss.
+        """
+        self._check_open()
+        data = _as_bytes(prompt)
+        with self._lock:
+            self._index.refresh()
+            lengths = self._index.lengths_upto(len(data))
+            if lengths:
+                digests = _native.sha1_prefixes(data, lengths)
+                for n, d in zip(reversed(lengths), reversed(digests)):
+                    e = self._index.get(n, d)
+                    if e is not None:
+                        return dataclasses.replace(e, query=data)
+            self._stats["misses"] += 1
+        return None
+
+    # -- load (section 5) --------------------------------------------------
+
+    def load(self, entry, into="numpy"):
+        """Loads a checkpoint found by find() (or listed by entries()).
+
+        Args:
+            entry: an Entry.
+            into: "numpy" or "mlx" (arrays of that library; bfloat16 tensors
+                come back as uint16 bit patterns in NumPy, which has no bfloat16).
+
+        Returns:
+            Checkpoint, or None when the file vanished, is corrupt (it is then
+            removed or quarantined) or its text does not match the prompt.
+        """
+        self._check_open()
+        if into not in ("numpy", "mlx"):
+            raise ValueError(f"into={into!r}; expected 'numpy' or 'mlx'")
+        t0 = time.perf_counter()
+        try:
+            fd, st = open_checkpoint(entry.path)
+        except CheckpointMissing:
+            log.info("kvstore: miss reason=vanished file=%s", _short(entry.name))
+            return self._miss(entry)
+        except CheckpointOSError as e:
+            log.warning("kvstore: miss reason=unreadable file=%s errno=%s", _short(entry.name), e.errno)
+            return self._miss(entry)
+        try:
+            cur = entry_from_fd(fd, st, entry.path)
+            if cur.payload_abi not in LOADABLE_ABIS:
+                log.info("kvstore: miss reason=foreign_abi abi=%d file=%s", cur.payload_abi, _short(entry.name))
+                return self._miss(entry)
+            text = os.pread(fd, cur.text_bytes, PREFIX_SIZE)
+            if len(text) != cur.text_bytes:
+                raise CorruptCheckpoint("truncated", entry.path, "text cut short")
+            if cur.sha and _native.sha1(text).hex() != cur.sha:
+                raise CorruptCheckpoint("text_hash", entry.path, "stored text does not hash to the file name")
+            if entry.query is not None and entry.query[:len(text)] != text:
+                # A SHA1 collision: the digests matched, the bytes do not.
+                log.warning("kvstore: miss reason=text_mismatch file=%s", _short(entry.name))
+                return self._miss(entry)
+            manifest = payload.read_manifest(fd, cur)
+            tokens = payload.read_tokens(fd, cur, manifest, self.verify)
+            if into == "mlx":
+                tensors = payload.read_tensors_mlx(fd, cur, manifest, self.verify)
+            else:
+                tensors = payload.read_tensors_numpy(fd, cur, manifest, self.verify)
+            trailer_values = {}
+            if cur.file_size > cur.trailer_offset:
+                raw = os.pread(fd, cur.file_size - cur.trailer_offset, cur.trailer_offset)
+                trailer_values, _, _ = trailer_mod.parse_trailer(raw, cur.path, log)
+        except CorruptCheckpoint as e:
+            self._discard_corrupt(entry.path, st, e.reason)
+            return self._miss(entry)
+        finally:
+            os.close(fd)
+
+        try:
+            hits = _native.touch(entry.path, int(time.time()))
+        except KVStoreError:
+            hits = cur.hits      # deleted or replaced meanwhile: the load stands
+        if cur.tokens > self.options.cold_max_tokens:
+            # The live session now owns this state and writes fresh waypoints.
+            self._unlink_if_same(entry.path, st)
+            self._stats["consumed"] += 1
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._stats["hits"] += 1
+            self._stats["loads"] += 1
+            self._stats["bytes_loaded"] += cur.file_size
+            self._stats["load_s"] += dt
+        log.info("kvstore: hit tokens=%d text=%d load_ms=%.1f file=%s", cur.tokens, cur.text_bytes,
+                 dt * 1e3, _short(entry.name))
+        cur = dataclasses.replace(cur, hits=hits)
+        return Checkpoint(entry=cur, tokens=tokens, tensors=tensors, meta=manifest.meta,
+                          text_bytes=text, trailers=trailer_values)
+
+    def _miss(self, entry):
+        with self._lock:
+            self._stats["misses"] += 1
+            self._index.discard(entry.name) if not os.path.lexists(entry.path) else None
+        return None
+
+    def _unlink_if_same(self, path, st):
+        """Unlinks path only if it is still the file we opened (not a newer save)."""
+        try:
+            now = os.stat(path, follow_symlinks=False)
+            if now.st_ino == st.st_ino and now.st_dev == st.st_dev:
+                os.unlink(path)
+                with self._lock:
+                    self._index.discard(os.path.basename(path))
+                return True
+        except FileNotFoundError:
+            pass
+        return False
+
+    def _discard_corrupt(self, path, st, reason):
+        name = os.path.basename(path)
+        with self._lock:
+            self._stats["corrupt"] += 1
+        if self.quarantine:
+            qdir = os.path.join(self.path, QUARANTINE_DIR)
+            try:
+                os.makedirs(qdir, mode=0o700, exist_ok=True)
+                os.rename(path, os.path.join(qdir, name))
+                with self._lock:
+                    self._index.discard(name)
+                action = "quarantined"
+            except OSError:
+                action = "kept"
+        else:
+            action = "removed" if self._unlink_if_same(path, st) else "kept"
+        log.warning("kvstore: corrupt reason=%s action=%s file=%s", reason, action, _short(name))
+
+    # -- save (section 6) --------------------------------------------------
+
+    def _refuse(self, why, **kv):
+        with self._lock:
+            self._stats["refused"] += 1
+        extra = "".join(f" {k}={v}" for k, v in kv.items())
+        log.info("kvstore: save_refused reason=%s%s", why, extra)
+        return None
+
+    def save(self, text, tokens, tensors, meta=None, reason=Reason.COLD, ctx_size=None,
+             trailers=None):
+        """Stores a checkpoint for the prompt text.
+
+        Args:
+            text: the rendered prompt prefix (str or bytes) the state belongs to.
+            tokens: the exact token ids prefilled for it (sequence or array).
+            tensors: dict name -> numpy or MLX array.
+            meta: engine JSON (dict) stored in the manifest.
+            reason: kvstore.Reason.
+            ctx_size: context size the state was made with (default: the store's).
+            trailers: dict ext-bit -> value for the trailer hooks (SPEC section 10).
+
+        Returns:
+            the new (or kept) Entry, or None when refused (too few tokens, over
+            budget) or when the disk failed; the log says why.
+        """
+        self._check_open()
+        text = _as_bytes(text)
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.size >= 2**32:
+            raise ValueError(f"tokens must be a 1-D sequence of < 2**32 ids, got shape {tokens.shape}")
+        if tokens.size and (tokens.dtype.kind not in "ui" or tokens.min() < 0 or tokens.max() >= 2**32):
+            raise ValueError("tokens must be integer ids in 0..2**32-1")
+        if len(text) >= 2**32:
+            raise ValueError(f"text of {len(text)} bytes is longer than 2**32-1")
+        n = int(tokens.size)
+        if n == 0 or n < self.options.min_tokens:
+            return self._refuse("min_tokens", tokens=n, min_tokens=self.options.min_tokens)
+        ctx = self.ctx_size if ctx_size is None else int(ctx_size)
+        plan = payload.Plan(len(text), tokens, tensors, meta)
+        values = {_bit(k): v for k, v in (trailers or {}).items()}
+        trailer_raw, ext = trailer_mod.encode_trailer(values) if values else (b"", 0)
+        if self.budget_bytes and not policy.file_size_fits(len(text), plan.payload_bytes, len(trailer_raw),
+                                                           self.budget_bytes):
+            return self._refuse("budget", bytes=PREFIX_SIZE + len(text) + plan.payload_bytes,
+                                budget=self.budget_bytes)
+        sha = _native.sha1(text).hex()
+        name = sha + ".kv"
+        path = os.path.join(self.path, name)
+        t0 = time.perf_counter()
+        try:
+            kept = self._keep_existing(path, text, ctx, values)
+            if kept is not None:
+                return kept
+            header = Header(quant_bits=self.quant_bits, tokens=n, ctx_size=ctx or 0,
+                            payload_bytes=plan.payload_bytes, reason=Reason(reason),
+                            ext_flags=ext, model_id=self.model_id, payload_abi=PAYLOAD_ABI_TENSORS,
+                            created_at=int(time.time()), last_used=0)
+            entry = self._publish(path, header, text, plan, trailer_raw)
+        except OSError as e:
+            with self._lock:
+                self._stats["save_errors"] += 1
+            log.warning("kvstore: save_failed errno=%s error=%s file=%s", e.errno,
+                        errno.errorcode.get(e.errno, "?"), _short(name))
+            return None
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._stats["saves"] += 1
+            self._stats["bytes_saved"] += entry.file_size
+            self._stats["save_s"] += dt
+            self._index.add(entry)
+        log.info("kvstore: saved reason=%s tokens=%d text=%d bytes=%d save_ms=%.1f file=%s",
+                 Reason(reason).name.lower(), n, len(text), entry.file_size, dt * 1e3, _short(name))
+        self.evict(protect=entry, incoming_text=text)
+        return entry
+
+    def _compatible(self, e, ctx):
+        return (e.model_id == self.model_id and e.payload_abi in LOADABLE_ABIS
+                and (ctx is None or e.ctx_size <= ctx)
+                and (not self.reject_different_quant or e.quant_bits == self.quant_bits))
+
+    def _keep_existing(self, path, text, ctx, values):
+        """SPEC 6.2: a compatible file with the same name is kept; only its trailer changes."""
+        try:
+            fd, st = open_checkpoint(path, _RDWR_FLAGS)
+        except CheckpointMissing:
+            return None
+        except UnsafePath:
+            return None              # a planted symlink: the rename replaces the name
+        try:
+            try:
+                e = entry_from_fd(fd, st, path)
+            except CorruptCheckpoint:
+                return None
+            if not self._compatible(e, ctx) or os.pread(fd, e.text_bytes, PREFIX_SIZE) != text:
+                return None
+            if values:
+                e = self._rewrite_trailer(fd, e, values)
+            with self._lock:
+                self._index.add(e)
+            log.info("kvstore: save_kept file=%s", _short(e.name))
+            return e
+        finally:
+            os.close(fd)
+
+    def _rewrite_trailer(self, fd, e, values):
+        """Merges values into the file's trailer in place; unknown sections stay.
+
+        A crash half-way leaves a trailer section whose CRC fails: readers drop
+        that section and the checkpoint itself stays usable (SPEC section 10).
+        """
+        old_raw = os.pread(fd, e.file_size - e.trailer_offset, e.trailer_offset)
+        old_values, sections, _ = trailer_mod.parse_trailer(old_raw, e.path, log)
+        merged = {**old_values, **values}
+        keep = [s for s in sections if s.bit not in merged and s.bit not in trailer_mod.hooks()]
+        raw, ext = trailer_mod.encode_trailer(merged, keep)
+        if raw == old_raw:
+            return e
+        _native.pwrite_from(fd, raw, e.trailer_offset, e.path)
+        os.ftruncate(fd, e.trailer_offset + len(raw))
+        had = 0
+        for s in sections:
+            had |= 1 << s.bit
+        flags = (int(e.ext_flags) & ~had & 0xFF) | ext
+        os.pwrite(fd, bytes([flags]), 6)
+        if self.durable:
+            os.fsync(fd)
+        return entry_from_fd(fd, os.fstat(fd), e.path)
+
+    def _publish(self, path, header, text, plan, trailer_raw):
+        """Writes a temporary file and renames it into place (crash-safe)."""
+        tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, _WRITE_FLAGS, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            head = header.pack() + len(text).to_bytes(4, "little")
+            _native.pwrite_from(fd, head + text, 0, tmp)
+            plan.write(fd, tmp)
+            if trailer_raw:
+                _native.pwrite_from(fd, trailer_raw, PREFIX_SIZE + len(text) + plan.payload_bytes, tmp)
+            if self.durable:
+                os.fsync(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        try:
+            entry = entry_from_fd(fd, os.fstat(fd), path)
+        finally:
+            os.close(fd)
+        if self.durable:
+            _fsync_dir(self.path)
+        return entry
+
+    def save_async(self, text, tokens, tensors, **kwargs):
+        """save() on the background writer; returns a concurrent.futures.Future.
+
+        The arrays are captured now: NumPy arrays are copied (the caller may
+        reuse its buffers at once), MLX arrays are evaluated (they are
+        immutable).  Blocks only while the writer's bounded queue is full.
+        """
+        self._check_open()
+        tokens = np.array(tokens, copy=True)
+        captured = {}
+        for k, a in tensors.items():
+            if payload._is_mlx(a):
+                import mlx.core as mx
+                mx.eval(a)
+                captured[k] = a
+            else:
+                captured[k] = np.array(a, copy=True)
+        with self._lock:
+            if self._writer is None:
+                self._writer = BackgroundWriter()
+        return self._writer.submit(self.save, _as_bytes(text), tokens, captured, **kwargs)
+
+    def flush(self):
+        """Waits for every queued save_async to finish."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    # -- eviction (section 8) ----------------------------------------------
+
+    def evict(self, protect=None, incoming_text=None):
+        """Deletes lowest-score checkpoints until the directory fits the budget.
+
+        Runs under an advisory lock on <dir>/.kvstore.lock so that two
+        evicting processes never delete more than needed.
+
+        Args:
+            protect: an Entry never chosen (unless it alone exceeds the budget).
+            incoming_text: the text of the checkpoint just written; continued
+                waypoints it supersedes score lower.
+
+        Returns:
+            the list of evicted entries.
+        """
+        self._check_open()
+        evicted = []
+        lock_fd = os.open(os.path.join(self.path, LOCK_NAME),
+                          os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                          0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            with self._lock:
+                self._index.refresh(force=True)
+                entries = list(self._index.entries.values())
+            now = int(time.time())
+            if self.max_age_s is not None:
+                for e in entries:
+                    t = e.last_used or e.created_at
+                    if t and now - t > self.max_age_s and (protect is None or e.name != protect.name):
+                        if self._delete(e, "max_age"):
+                            evicted.append(e)
+                entries = [e for e in entries if e not in evicted]
+            total = sum(e.file_size for e in entries)
+            if not self.budget_bytes or total <= self.budget_bytes:
+                return evicted
+            # Fresh hit counts: other processes touch headers in place.
+            fresh = []
+            for e in entries:
+                try:
+                    fresh.append(read_entry(e.path))
+                except KVStoreError:
+                    total -= e.file_size
+            superseded = self._superseded(fresh, protect, incoming_text)
+            protected = frozenset([protect.sha]) if protect is not None else frozenset()
+            while total > self.budget_bytes and fresh:
+                victim = policy.pick_victim(fresh, now, superseded=superseded, protected=protected)
+                if victim is None:
+                    break
+                fresh.remove(victim)
+                if self._delete(victim, "budget"):
+                    evicted.append(victim)
+                total -= victim.file_size
+        finally:
+            os.close(lock_fd)      # releases the lock
+        return evicted
+
+    def _superseded(self, entries, incoming, text):
+        """Shas of continued waypoints that the incoming checkpoint supersedes."""
+        if incoming is None or text is None:
+            return frozenset()
+        cands = [e for e in entries
+                 if e.reason == Reason.CONTINUED and e.sha and e.text_bytes < len(text)
+                 and e.model_id == incoming.model_id and incoming.ctx_size <= e.ctx_size
+                 and (not self.reject_different_quant or e.quant_bits == incoming.quant_bits)]
+        if not cands:
+            return frozenset()
+        digests = _native.sha1_prefixes(text, [e.text_bytes for e in cands])
+        return frozenset(e.sha for e, d in zip(cands, digests) if d.hex() == e.sha)
+
+    def _delete(self, e, why):
+        try:
+            os.unlink(e.path)
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            self._index.discard(e.name)
+            self._stats["evictions"] += 1
+        log.info("kvstore: evicted reason=%s tokens=%d bytes=%d file=%s", why, e.tokens, e.file_size,
+                 _short(e.name))
+        return True
+
+    # -- listing, stats, wipe, close ---------------------------------------
+
+    def entries(self):
+        """Every valid envelope in the directory (foreign payload ABIs included)."""
+        self._check_open()
+        with self._lock:
+            self._index.refresh()
+            return sorted(self._index.entries.values(), key=lambda e: e.name)
+
+    def stats(self):
+        """Counters of this process plus the directory's current size."""
+        self._check_open()
+        with self._lock:
+            self._index.refresh()
+            out = dict(self._stats)
+            out["entries"] = len(self._index.entries)
+            out["bytes"] = self._index.total_bytes()
+            out["budget_bytes"] = self.budget_bytes
+        return out
+
+    def wipe(self, entry=None):
+        """Overwrites then unlinks one checkpoint, or every checkpoint.
+
+        The text copy in every file is prompt content: wipe overwrites the
+        bytes with zeros (and syncs) before unlinking, so a later reader of
+        the disk blocks does not find them in freed space.
+
+        Returns:
+            the number of files wiped.
+        """
+        self._check_open()
+        targets = [entry] if entry is not None else self.entries()
+        n = 0
+        for e in targets:
+            try:
+                fd, st = open_checkpoint(e.path, _RDWR_FLAGS)
+            except KVStoreError:
+                continue
+            try:
+                zero = bytes(min(_WIPE_BLOCK, st.st_size))
+                for off in range(0, st.st_size, _WIPE_BLOCK):
+                    os.pwrite(fd, zero[:min(_WIPE_BLOCK, st.st_size - off)], off)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if self._unlink_if_same(e.path, st):
+                n += 1
+        return n
+
+    def close(self):
+        """Waits for queued saves and closes the store."""
+        if self._closed:
+            return
+        if self._writer is not None:
+            self._writer.close()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _bit(key):
+    """Trailer keys: an ExtFlag member or a bit index."""
+    if isinstance(key, ExtFlag):
+        if int(key).bit_count() != 1:
+            raise ValueError(f"trailer key {key!r} must be a single extension flag")
+        return int(key).bit_length() - 1
+    key = int(key)
+    if not 0 <= key <= 7:
+        raise ValueError(f"trailer key {key} is not an extension bit index 0..7")
+    return key

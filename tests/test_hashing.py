@@ -1,0 +1,403 @@
+"""SHA1, one-pass prefix SHA1 and CRC32C: C against hashlib, known vectors and
+kvstore._reference, on every compiled path (the `impl` fixture)."""
+
+import functools
+import hashlib
+import json
+import mmap
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvstore
+from kvstore import _native, _reference
+
+# The impl fixture switches a global once per test, not per example.
+HSETTINGS = settings(suppress_health_check=[HealthCheck.function_scoped_fixture],
+                     deadline=None, max_examples=150)
+
+BLOCK_EDGES = [55, 56, 63, 64, 65, 119, 120, 127, 128]
+
+
+def rand_bytes(n, seed=0):
+    return random.Random(seed).randbytes(n)
+
+
+BUF = rand_bytes(300_000 + 16, seed=1)
+
+
+@functools.lru_cache(maxsize=None)
+def ref_crc(off, n):
+    """_reference.crc32c of BUF[off:off+n], computed once for all impls (it is slow)."""
+    return _reference.crc32c(BUF[off:off + n])
+
+
+# ---- selection ------------------------------------------------------------
+
+EXPECTED_NAMES = {"portable": ("portable", "portable"), "x86": ("sha-ni", "sse4.2"),
+                  "arm": ("armv8", "armv8")}
+
+
+def test_implementation_reports_selection(impl):
+    got = _native.implementation()
+    if impl.sha1:
+        assert got["sha1"] == EXPECTED_NAMES[impl.sha1][0]
+    if impl.crc32c:
+        assert got["crc32c"] == EXPECTED_NAMES[impl.crc32c][1]
+
+
+def test_available_always_has_portable():
+    av = _native.available()
+    assert av["sha1"][0] == "portable" and av["crc32c"][0] == "portable"
+    assert set(av["sha1"]) <= {"portable", "x86", "arm"}
+    assert set(av["crc32c"]) <= {"portable", "x86", "arm"}
+
+
+def test_select_auto_picks_fastest_available(impl):
+    _native.select(sha1="auto", crc32c="auto")
+    av = _native.available()
+    assert _native.implementation() == {
+        "sha1": EXPECTED_NAMES[av["sha1"][-1]][0],
+        "crc32c": EXPECTED_NAMES[av["crc32c"][-1]][1],
+    }
+
+
+@pytest.mark.parametrize("kw", [{"sha1": "nope"}, {"crc32c": "nope"}, {"sha1": "X86"},
+                                {"crc32c": ""}])
+def test_select_unknown_name_raises(impl, kw):
+    before = _native.implementation()
+    with pytest.raises(ValueError, match=repr(next(iter(kw.values())))):
+        _native.select(**kw)
+    assert _native.implementation() == before
+
+
+@pytest.mark.parametrize("which", ["sha1", "crc32c"])
+def test_select_unavailable_raises_and_keeps_selection(impl, which):
+    missing = [n for n in ("x86", "arm") if n not in _native.available()[which]]
+    assert missing, "an x86 and an arm path cannot both run on one CPU"
+    before = _native.implementation()
+    for name in missing:
+        with pytest.raises(ValueError, match=f"{name!r} is not available"):
+            _native.select(**{which: name})
+        assert _native.implementation() == before
+
+
+@pytest.mark.parametrize("env,forced", [("1", True), ("0", False), ("", False)])
+def test_kvstore_portable_env_forces_portable_at_import(env, forced):
+    code = "import json, kvstore._native as n; print(json.dumps(n.implementation()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "KVSTORE_PORTABLE": env}).stdout
+    impls = json.loads(out)
+    if forced:
+        assert impls == {"sha1": "portable", "crc32c": "portable"}
+    else:
+        av = _native.available()
+        assert impls == {"sha1": EXPECTED_NAMES[av["sha1"][-1]][0],
+                         "crc32c": EXPECTED_NAMES[av["crc32c"][-1]][1]}
+
+
+# ---- sha1 -----------------------------------------------------------------
+
+SHA1_VECTORS = [
+    (b"", "da39a3ee5e6b4b0d3255bfef95601890afd80709"),
+    (b"abc", "a9993e364706816aba3e25717850c26c9cd0d89d"),
+    (b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",
+     "84983e441c3bd26ebaae4aa1f95129e5e54670f1"),
+    (b"abcdefghbcdefghicdefghijdefghijkefghijklfghijklmghijklmnhijklmnoijklmnopjklmnopqklmnopqrl"
+     b"mnopqrsmnopqrstnopqrstu", "a49b2446a02c645bf419f995b67091253a04a259"),
+    (b"a" * 1_000_000, "34aa973cd4c4daa4f61eeb2bdbad27316534016f"),
+]
+
+
+@pytest.mark.parametrize("data,digest", SHA1_VECTORS, ids=lambda v: str(len(v)) if isinstance(v, bytes) else None)
+def test_sha1_known_vectors(impl, data, digest):
+    assert kvstore.sha1(data).hex() == digest
+
+
+def test_sha1_every_length_to_300(impl):
+    for n in range(301):
+        d = BUF[:n]
+        got = kvstore.sha1(d)
+        assert type(got) is bytes and len(got) == 20
+        assert got == hashlib.sha1(d).digest(), n
+        assert got == _reference.sha1(d), n
+
+
+@pytest.mark.parametrize("edge", BLOCK_EDGES)
+@pytest.mark.parametrize("blocks", [0, 1, 7])
+def test_sha1_block_boundaries(impl, edge, blocks):
+    n = edge + 64 * blocks
+    for off in range(8):
+        d = BUF[off:off + n]
+        assert kvstore.sha1(d) == hashlib.sha1(d).digest(), (n, off)
+
+
+@pytest.mark.parametrize("n", [3 * 2**20 + 17, 8 * 2**20])
+def test_sha1_large_buffer(impl, n):
+    d = rand_bytes(n, seed=n)
+    assert kvstore.sha1(d) == hashlib.sha1(d).digest()
+
+
+def test_sha1_unaligned_memoryview_slices(impl):
+    mv = memoryview(BUF)
+    for off in range(1, 8):
+        for n in [0, 1, 63, 64, 65, 1000, 4096 + 3, 100_001]:
+            assert kvstore.sha1(mv[off:off + n]) == hashlib.sha1(BUF[off:off + n]).digest(), (off, n)
+
+
+def test_sha1_buffer_kinds(impl, tmp_path):
+    data = BUF[:5000]
+    want = hashlib.sha1(data).digest()
+    assert kvstore.sha1(bytearray(data)) == want
+    assert kvstore.sha1(memoryview(data)) == want
+    assert kvstore.sha1(memoryview(data[:4096]).cast("I")) == hashlib.sha1(data[:4096]).digest()
+    p = tmp_path / "blob"
+    p.write_bytes(data)
+    with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        assert kvstore.sha1(m) == want
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.int32, np.uint32,
+                                   np.float16, np.float32, np.float64, np.complex64, np.bool_])
+def test_sha1_numpy_arrays(impl, dtype):
+    raw = np.frombuffer(BUF[:4800], dtype=np.uint8)
+    if dtype is np.bool_:
+        arr = (raw & 1).astype(np.bool_).reshape(40, 120)
+    else:
+        arr = raw.view(dtype).reshape(4, -1)        # 2-d, C-contiguous
+    assert arr.flags.c_contiguous
+    assert kvstore.sha1(arr) == hashlib.sha1(arr.tobytes()).digest()
+    assert kvstore.sha1_prefixes(arr, [arr.nbytes, 1]) == [hashlib.sha1(arr.tobytes()).digest(),
+                                                         hashlib.sha1(arr.tobytes()[:1]).digest()]
+    assert kvstore.crc32c(arr) == _reference.crc32c(arr.tobytes())
+
+
+def test_sha1_refuses_non_contiguous_buffer(impl):
+    # Hashing a strided view's underlying memory would name the wrong bytes.
+    arr = np.arange(100, dtype=np.uint32)[::2]
+    with pytest.raises((BufferError, ValueError)):
+        kvstore.sha1(arr)
+    with pytest.raises((BufferError, ValueError)):
+        kvstore.crc32c(arr)
+
+
+def test_sha1_rejects_non_buffer(impl):
+    with pytest.raises(TypeError):
+        kvstore.sha1("text")
+    with pytest.raises(TypeError):
+        kvstore.crc32c([1, 2, 3])
+
+
+@HSETTINGS
+@given(st.binary(max_size=2000))
+def test_sha1_property(impl, data):
+    assert kvstore.sha1(data) == hashlib.sha1(data).digest()
+
+
+# ---- sha1_prefixes --------------------------------------------------------
+
+def hashlib_prefixes(data, lengths):
+    return [hashlib.sha1(bytes(data[:n])).digest() for n in lengths]
+
+
+def test_prefixes_unsorted_with_repeats_and_ends(impl):
+    data = BUF[:1000]
+    lengths = [1000, 0, 64, 63, 64, 999, 0, 500, 128, 1, 1000, 65, 56, 55, 57, 119, 120, 121]
+    assert kvstore.sha1_prefixes(data, lengths) == hashlib_prefixes(data, lengths)
+
+
+def test_prefixes_every_length_dense(impl):
+    # Every cut in a row: many prefixes end inside one block, which is the
+    # path where two pending digests are finished together.
+    data = BUF[:300]
+    asc = list(range(301))
+    assert kvstore.sha1_prefixes(data, asc) == hashlib_prefixes(data, asc)
+    shuffled = asc * 2
+    random.Random(3).shuffle(shuffled)
+    assert kvstore.sha1_prefixes(data, shuffled) == hashlib_prefixes(data, shuffled)
+    desc = asc[::-1]
+    assert kvstore.sha1_prefixes(data, desc) == hashlib_prefixes(data, desc)
+
+
+def test_prefixes_large_data_few_lengths(impl):
+    data = rand_bytes(3 * 2**20 + 5, seed=11)
+    lengths = [len(data), 17, 2**20, 2**20 + 1, 64 * 1000, 64 * 1000 - 9, len(data) - 1]
+    assert kvstore.sha1_prefixes(data, lengths) == hashlib_prefixes(data, lengths)
+
+
+def test_prefixes_empty_and_single(impl):
+    assert kvstore.sha1_prefixes(b"abc", []) == []
+    assert kvstore.sha1_prefixes(b"", []) == []
+    assert kvstore.sha1_prefixes(b"", [0]) == [hashlib.sha1(b"").digest()]
+    assert kvstore.sha1_prefixes(b"abc", [3]) == [hashlib.sha1(b"abc").digest()]
+    assert kvstore.sha1_prefixes(b"abc", (0,)) == [hashlib.sha1(b"").digest()]
+
+
+def test_prefixes_accepts_any_iterable_of_ints(impl):
+    data = BUF[:700]
+    want = hashlib_prefixes(data, [5, 700, 64])
+    assert kvstore.sha1_prefixes(data, (n for n in [5, 700, 64])) == want
+    assert kvstore.sha1_prefixes(data, (5, 700, 64)) == want
+    assert kvstore.sha1_prefixes(data, np.array([5, 700, 64], dtype=np.int64)) == want
+    assert kvstore.sha1_prefixes(data, [np.uint32(5), np.int16(700), np.uint64(64)]) == want
+    assert kvstore.sha1_prefixes(bytearray(data), range(0, 701, 100)) == hashlib_prefixes(data, range(0, 701, 100))
+
+
+def test_prefixes_unaligned_memoryview(impl):
+    mv = memoryview(BUF)
+    for off in range(1, 8):
+        view = mv[off:off + 777]
+        lengths = [777, 0, 64, 700, 65]
+        assert kvstore.sha1_prefixes(view, lengths) == hashlib_prefixes(BUF[off:off + 777], lengths)
+
+
+@pytest.mark.parametrize("bad,index", [([-1], 0), ([3, 11], 1), ([10, 0, 2**70], 2),
+                                       ([0, -2**70], 1), ([5, 10, 11, 3], 2)])
+def test_prefixes_bad_length_names_value(impl, bad, index):
+    with pytest.raises(ValueError) as ei:
+        kvstore.sha1_prefixes(b"0123456789", bad)
+    msg = str(ei.value)
+    assert f"length {bad[index]!r} at index {index}" in msg
+    assert "0..10" in msg
+
+
+@HSETTINGS
+@given(st.data())
+def test_prefixes_property(impl, data):
+    d = data.draw(st.binary(max_size=1500), label="data")
+    lengths = data.draw(st.lists(st.integers(0, len(d)), max_size=40), label="lengths")
+    assert kvstore.sha1_prefixes(d, lengths) == [hashlib.sha1(d[:n]).digest() for n in lengths]
+    assert kvstore.sha1_prefixes(d, lengths) == _reference.sha1_prefixes(d, lengths)
+
+
+@HSETTINGS
+@given(st.data())
+def test_prefixes_property_sorted_block_cuts(impl, data):
+    # Ascending lengths near block edges: the pass keeps up to two pending
+    # digests while the main state advances.
+    nblocks = data.draw(st.integers(0, 40))
+    d = BUF[:64 * nblocks + data.draw(st.integers(0, 63))]
+    cuts = data.draw(st.lists(st.integers(0, nblocks).flatmap(
+        lambda b: st.sampled_from([64 * b - 1, 64 * b, 64 * b + 1, 64 * b + 55, 64 * b + 56])),
+        max_size=30))
+    lengths = sorted(c for c in cuts if 0 <= c <= len(d))
+    assert kvstore.sha1_prefixes(d, lengths) == hashlib_prefixes(d, lengths)
+
+
+# ---- crc32c ---------------------------------------------------------------
+
+CRC_VECTORS = [  # RFC 3720 B.4 and the common check value
+    (b"123456789", 0xE3069283),
+    (b"", 0),
+    (bytes(32), 0x8A9136AA),
+    (b"\xff" * 32, 0x62A8AB43),
+    (bytes(range(32)), 0x46DD794E),
+    (bytes(range(31, -1, -1)), 0x113FDB5C),
+]
+
+
+@pytest.mark.parametrize("data,crc", CRC_VECTORS)
+def test_crc32c_known_vectors(impl, data, crc):
+    assert kvstore.crc32c(data) == crc
+    assert _reference.crc32c(data) == crc
+
+
+def test_crc32c_every_length_and_odd_offsets(impl):
+    for off in (0, 1, 3, 5, 7):
+        for n in range(301):
+            assert kvstore.crc32c(BUF[off:off + n]) == ref_crc(off, n), (off, n)
+
+
+@pytest.mark.parametrize("n", [767, 768, 769, 1000, 24575, 24576, 24577, 100000])
+def test_crc32c_three_stream_thresholds(impl, n):
+    mv = memoryview(BUF)
+    for off in range(8):
+        assert kvstore.crc32c(mv[off:off + n]) == ref_crc(off, n), (n, off)
+
+
+def test_crc32c_large_buffer(impl):
+    # Reference-checked 300 kB blocks joined with combine() give the CRC of
+    # the whole 6 MB buffer, built from repeats of them.
+    block = BUF[:300_000]
+    c = ref_crc(0, 300_000)
+    whole = block * 20 + BUF[:17]
+    want = 0
+    for _ in range(20):
+        want = _native.crc32c_combine(want, c, len(block))
+    want = _native.crc32c_combine(want, ref_crc(0, 17), 17)
+    assert kvstore.crc32c(whole) == want
+    assert kvstore.crc32c(memoryview(whole)[3:]) == kvstore.crc32c(BUF[3:300_000] + block * 19 + BUF[:17])
+
+
+def test_crc32c_buffer_kinds(impl):
+    data = BUF[:4096]
+    want = ref_crc(0, 4096)
+    assert kvstore.crc32c(bytearray(data)) == want
+    assert kvstore.crc32c(memoryview(data).cast("Q")) == want
+    assert kvstore.crc32c(np.frombuffer(data, dtype=np.float32).reshape(32, 32)) == want
+
+
+def test_crc32c_continue_argument(impl):
+    assert kvstore.crc32c(b"56789", kvstore.crc32c(b"1234")) == 0xE3069283
+    assert kvstore.crc32c(b"", 0xDEADBEEF) == 0xDEADBEEF
+    with pytest.raises(OverflowError):
+        kvstore.crc32c(b"x", 2**32)
+    with pytest.raises(OverflowError):
+        kvstore.crc32c(b"x", -1)
+
+
+@HSETTINGS
+@given(st.binary(max_size=3000), st.binary(max_size=3000))
+def test_crc32c_incremental_property(impl, a, b):
+    assert kvstore.crc32c(b, kvstore.crc32c(a)) == kvstore.crc32c(a + b)
+
+
+@HSETTINGS
+@given(st.binary(max_size=1000))
+def test_crc32c_matches_reference_property(impl, data):
+    assert kvstore.crc32c(data) == _reference.crc32c(data)
+
+
+@HSETTINGS
+@given(st.binary(max_size=5000), st.binary(max_size=5000))
+def test_crc32c_combine_property(impl, a, b):
+    ca, cb = kvstore.crc32c(a), kvstore.crc32c(b)
+    assert _native.crc32c_combine(ca, cb, len(b)) == kvstore.crc32c(a + b)
+
+
+def test_crc32c_combine_edges(impl):
+    a, b = BUF[:1234], BUF[1234:100_000]
+    assert _native.crc32c_combine(kvstore.crc32c(a), kvstore.crc32c(b), len(b)) == ref_crc(0, 100_000)
+    assert _native.crc32c_combine(0x12345678, 0, 0) == 0x12345678   # b empty
+    assert _native.crc32c_combine(0, kvstore.crc32c(b), len(b)) == kvstore.crc32c(b)   # a empty
+    # Zero-byte runs of any length: crc(a + zeros(n)) from combine.
+    for n in (1, 7, 8, 255, 256, 8192, 65537):
+        z = bytes(n)
+        assert _native.crc32c_combine(kvstore.crc32c(a), kvstore.crc32c(z), n) == kvstore.crc32c(a + z)
+
+
+@HSETTINGS
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
+       st.integers(0, 2**62), st.integers(0, 2**62))
+def test_crc32c_combine_huge_lengths_associative(impl, ca, cb, cc, lb, lc):
+    # crc(a||b||c) joined either way must agree, for lengths no buffer here
+    # could hold: checks the x^(8n) power for 64-bit n.
+    left = _native.crc32c_combine(_native.crc32c_combine(ca, cb, lb), cc, lc)
+    right = _native.crc32c_combine(ca, _native.crc32c_combine(cb, cc, lc), lb + lc)
+    assert left == right
+
+
+def test_crc32c_combine_every_power_of_two_length(impl):
+    # Shifting by 2^k bytes twice is shifting by 2^(k+1) bytes, for every
+    # bit of a 64-bit length (a wrong period of the x^(2^k) table breaks
+    # lengths >= 2^29 here, which no in-memory test reaches).
+    for c in (1, 0xE3069283, 0xFFFFFFFF):
+        for k in range(63):
+            twice = _native.crc32c_combine(_native.crc32c_combine(c, 0, 2**k), 0, 2**k)
+            assert twice == _native.crc32c_combine(c, 0, 2**(k + 1)), k
