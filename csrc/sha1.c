@@ -377,7 +377,13 @@ void kvs_sha1(const uint8_t *data, size_t len, uint8_t out[KVS_SHA1_DIGEST])
     kvs_sha1_digest(&ctx, out);
 }
 
-/* Heapsort of indices by length: in place, O(n log n), no allocation. */
+/* Sorts indices by length: an LSD radix sort on packed (length, index)
+ * keys, one byte of the length per pass (three passes for a 400 KB prompt),
+ * using the caller's digest buffer as the second key array.  Where a key
+ * does not fit in 64 bits (a prompt over 16 TiB or over a million lengths)
+ * an indirect heapsort runs instead.  No allocation either way. */
+#define PACK_INDEX_BITS 20
+
 static void sift_down(size_t *a, const uint64_t *key, size_t root, size_t end)
 {
     for (;;) {
@@ -390,8 +396,27 @@ static void sift_down(size_t *a, const uint64_t *key, size_t root, size_t end)
     }
 }
 
-static void sort_by_length(size_t *order, const uint64_t *lengths, size_t n)
+static void sort_by_length(size_t *order, const uint64_t *lengths, size_t n, uint8_t *scratch)
 {
+    uint64_t max = 0;
+    for (size_t i = 0; i < n; i++)
+        if (lengths[i] > max) max = lengths[i];
+    if (sizeof(size_t) == sizeof(uint64_t) && n <= ((size_t)1 << PACK_INDEX_BITS)
+        && max < ((uint64_t)1 << (64 - PACK_INDEX_BITS))) {
+        uint64_t *a = (uint64_t *)(void *)order, *b = (uint64_t *)(void *)scratch, *t;
+        size_t count[256];
+        for (size_t i = 0; i < n; i++) a[i] = lengths[i] << PACK_INDEX_BITS | i;
+        for (int shift = PACK_INDEX_BITS; (max << PACK_INDEX_BITS) >> shift; shift += 8) {
+            memset(count, 0, sizeof count);
+            for (size_t i = 0; i < n; i++) count[(a[i] >> shift) & 255]++;
+            for (size_t k = 0, sum = 0; k < 256; k++) { size_t c = count[k]; count[k] = sum; sum += c; }
+            for (size_t i = 0; i < n; i++) b[count[(a[i] >> shift) & 255]++] = a[i];
+            t = a; a = b; b = t;
+        }
+        for (size_t i = 0; i < n; i++)
+            order[i] = (size_t)(a[i] & (((uint64_t)1 << PACK_INDEX_BITS) - 1));
+        return;
+    }
     for (size_t i = 0; i < n; i++) order[i] = i;
     for (size_t i = n / 2; i-- > 0;) sift_down(order, lengths, i, n);
     for (size_t end = n; end-- > 1;) {
@@ -442,7 +467,7 @@ size_t kvs_sha1_prefixes(const uint8_t *data, size_t len,
     if (ascending)
         for (size_t i = 0; i < n; i++) order[i] = i;
     else
-        sort_by_length(order, lengths, n);
+        sort_by_length(order, lengths, n, out);
 
     /* The pass hashes whole blocks straight from data and pads each
      * prefix's last partial block from data too: no streaming buffer.

@@ -35,8 +35,9 @@ void kvs_sha1_digest(const kvs_sha1_ctx *ctx, uint8_t out[KVS_SHA1_DIGEST]);
 void kvs_sha1(const uint8_t *data, size_t len, uint8_t out[KVS_SHA1_DIGEST]);
 
 /* Digest of data[:lengths[i]] into out + 20*i for every i < n, in one pass.
- * order is scratch space for n indices (the caller's, so nothing here
- * allocates).  Returns 0, or the index + 1 of the first length > len (out is
+ * order is scratch space for n indices, and out doubles as scratch for
+ * the sort before the digests land in it (the caller's memory, so nothing
+ * here allocates).  Returns 0, or the index + 1 of the first length > len (out is
  * then unspecified). */
 size_t kvs_sha1_prefixes(const uint8_t *data, size_t len,
                          const uint64_t *lengths, size_t n,

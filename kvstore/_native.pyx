@@ -13,6 +13,7 @@ from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
+from libc.string cimport memcmp
 
 from kvstore._native cimport *
 
@@ -142,6 +143,57 @@ def sha1_prefixes(data, lengths):
         free(order)
         free(out)
         PyBuffer_Release(&view)
+
+
+def sha1_prefix_matches(data, lengths, expected):
+    """Indices i where sha1(data[:lengths[i]]) == expected[20*i:20*i+20], ascending.
+
+    The lookup primitive of the directory index: one SHA1 pass over data,
+    then one 20-byte compare per length, with no Python object per length.
+
+    Args:
+        data: any buffer-protocol object (the prompt).
+        lengths: a C-contiguous uint64 buffer (e.g. numpy.uint64 array) of
+            lengths <= len(data); ascending order is fastest, repeats allowed.
+        expected: a buffer of 20 * len(lengths) bytes, the digest for each length.
+
+    Raises:
+        ValueError: sizes disagree or a length is larger than len(data).
+    """
+    cdef const uint64_t[::1] lens = lengths
+    cdef Py_buffer view, exp
+    cdef Py_ssize_t n = lens.shape[0], i
+    cdef size_t bad = 0
+    cdef size_t *order = NULL
+    cdef uint8_t *out = NULL
+    cdef list matches = []
+    if n == 0:
+        return matches
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        PyObject_GetBuffer(expected, &exp, PyBUF_SIMPLE)
+        try:
+            if exp.len != 20 * n:
+                raise ValueError(f"expected holds {exp.len} bytes, need 20 * {n}")
+            order = <size_t *>malloc(n * sizeof(size_t))
+            out = <uint8_t *>malloc(n * 20)
+            if order == NULL or out == NULL:
+                raise MemoryError()
+            with nogil:
+                bad = kvs_sha1_prefixes(<const uint8_t *>view.buf, <size_t>view.len, &lens[0], n,
+                                        order, out)
+            if bad:
+                raise ValueError(f"length {lens[bad - 1]} at index {bad - 1} is larger than the data ({view.len})")
+            for i in range(n):
+                if memcmp(out + 20 * i, <const uint8_t *>exp.buf + 20 * i, 20) == 0:
+                    matches.append(i)
+        finally:
+            PyBuffer_Release(&exp)
+    finally:
+        free(order)
+        free(out)
+        PyBuffer_Release(&view)
+    return matches
 
 
 def crc32c(data, uint32_t crc=0):

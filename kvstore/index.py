@@ -6,13 +6,16 @@ over the prompt (kvstore.sha1_prefixes) answers for every entry at once.
 
 Other processes add and delete files at any time.  The index re-lists the
 directory only when the directory's mtime says something changed, and then
-reads only the headers of names it has not seen (or whose inode changed), so
-a lookup in an unchanged directory costs one stat.
+reads only the headers of names it has not seen (or whose inode, mtime or
+size changed), so a lookup in an unchanged directory costs one stat.
 """
 
-import bisect
 import os
 import time
+
+import numpy as np
+
+from kvstore import _native
 
 from kvstore.errors import KVStoreError
 from kvstore.format import is_checkpoint_name, read_entry
@@ -36,10 +39,15 @@ class DirectoryIndex:
         self.path = os.fspath(path)
         self.eligible = eligible
         self.entries = {}          # name -> Entry (every valid envelope)
-        self._bad = {}             # name -> inode of a file that failed to parse
-        self._by_len = {}          # text length -> {digest bytes -> Entry}
-        self._lengths = []         # sorted distinct lengths of eligible entries
+        self._bad = {}             # name -> (inode, mtime, size) of a file that failed to parse
+        self._by_digest = {}       # digest bytes -> Entry (eligible entries)
+        # Lookup arrays, rebuilt on change: eligible entries sorted by text
+        # length, their lengths (uint64) and their digests (20 bytes each).
+        self._sorted = []
+        self._lengths = np.zeros(0, dtype=np.uint64)
+        self._digests = b""
         self._mtime = None
+        self._listed_ns = 0        # time.time_ns() when the last listing started
         self.generation = 0        # bumped on every change
 
     # -- upkeep ------------------------------------------------------------
@@ -48,36 +56,47 @@ class DirectoryIndex:
         """Re-lists the directory if it changed since the last listing."""
         st = os.stat(self.path)
         now = time.time_ns()
+        # The last listing saw every change stamped before it started; one
+        # made just after it, within the same coarse tick, may have left the
+        # mtime unchanged.  So an unchanged mtime is trusted only when the
+        # last listing started well after it (checking `now` instead would
+        # miss such a change for good).
         if (not force and st.st_mtime_ns == self._mtime
-                and now - st.st_mtime_ns > MTIME_GRANULARITY_NS):
+                and self._listed_ns - st.st_mtime_ns > MTIME_GRANULARITY_NS):
             return False
+        # A file is known by (inode, mtime, size), not the inode alone: a
+        # checkpoint deleted and stored again under the same name often gets
+        # the inode number just freed (ext4 hands it out at once).
         seen = {}
         with os.scandir(self.path) as it:
             for de in it:
                 if is_checkpoint_name(de.name):
                     try:
-                        seen[de.name] = de.inode()
+                        fst = de.stat(follow_symlinks=False)
                     except OSError:
-                        pass
+                        continue
+                    seen[de.name] = (fst.st_ino, fst.st_mtime_ns, fst.st_size)
         changed = False
         for name in list(self.entries):
-            if seen.get(name) != self.entries[name].inode:
+            e = self.entries[name]
+            if seen.get(name) != (e.inode, e.mtime_ns, e.file_size):
                 self._drop(name)
                 changed = True
         for name in list(self._bad):
             if seen.get(name) != self._bad[name]:
                 del self._bad[name]
-        for name, ino in seen.items():
-            if name in self.entries or self._bad.get(name) == ino:
+        for name, key in seen.items():
+            if name in self.entries or self._bad.get(name) == key:
                 continue
             try:
                 entry = read_entry(os.path.join(self.path, name))
             except KVStoreError:
-                self._bad[name] = ino
+                self._bad[name] = key
                 continue
             self._add(entry)
             changed = True
         self._mtime = st.st_mtime_ns
+        self._listed_ns = now
         if changed:
             self._rebuild_lengths()
         return changed
@@ -96,32 +115,38 @@ class DirectoryIndex:
     def _add(self, entry):
         self.entries[entry.name] = entry
         if entry.sha and self.eligible(entry):
-            self._by_len.setdefault(entry.text_bytes, {})[bytes.fromhex(entry.sha)] = entry
+            self._by_digest[bytes.fromhex(entry.sha)] = entry
 
     def _drop(self, name):
         entry = self.entries.pop(name, None)
         if entry is None:
             return False
-        bucket = self._by_len.get(entry.text_bytes)
-        if bucket is not None and entry.sha:
-            bucket.pop(bytes.fromhex(entry.sha), None)
-            if not bucket:
-                del self._by_len[entry.text_bytes]
+        if entry.sha:
+            self._by_digest.pop(bytes.fromhex(entry.sha), None)
         return True
 
     def _rebuild_lengths(self):
-        self._lengths = sorted(self._by_len)
+        self._sorted = sorted(self._by_digest.values(), key=lambda e: (e.text_bytes, e.tokens))
+        self._lengths = np.fromiter((e.text_bytes for e in self._sorted), dtype=np.uint64,
+                                    count=len(self._sorted))
+        self._digests = b"".join(bytes.fromhex(e.sha) for e in self._sorted)
         self.generation += 1
 
     # -- lookup ------------------------------------------------------------
 
-    def lengths_upto(self, n):
-        """The sorted distinct eligible text lengths <= n."""
-        return self._lengths[:bisect.bisect_right(self._lengths, n)]
+    def longest_prefix(self, data):
+        """The eligible entry with the longest text that is a prefix of data.
 
-    def get(self, length, digest):
-        bucket = self._by_len.get(length)
-        return None if bucket is None else bucket.get(digest)
+        One SHA1 pass over data gives the digest at every stored length; the
+        last (longest) match wins.  Entries of equal length are ordered by
+        token count, so a tie goes to more tokens.
+        """
+        n = int(np.searchsorted(self._lengths, len(data), side="right"))
+        if n == 0:
+            return None
+        matches = _native.sha1_prefix_matches(data, self._lengths[:n],
+                                              memoryview(self._digests)[:20 * n])
+        return self._sorted[matches[-1]] if matches else None
 
     def total_bytes(self):
         return sum(e.file_size for e in self.entries.values())

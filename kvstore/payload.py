@@ -27,6 +27,7 @@ arrays' own memory (see bench/README.md for why this beats zero-fill-then-read).
 """
 
 import concurrent.futures
+import copy
 import atexit
 import io
 import json
@@ -54,11 +55,14 @@ BLOCK_ALIGN = 64
 # layer is ~0.5 MB); a larger length field is corruption, not a manifest.
 MAX_MANIFEST_BYTES = 64 << 20
 
-# Parallel reads: chunks of 8 MiB keep every thread busy on a few-hundred-MB
-# payload while each chunk's CRC still runs on cache-warm data; the pool is
-# small because the work is memory-bound (first touch of fresh pages).
-READ_CHUNK = 8 << 20
-READ_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Parallel I/O: a block of at least 2 MiB is split into up to IO_THREADS
+# slices of at least 1 MiB, each read (or written) and CRC'd by its own
+# thread with the GIL released.  Most of the cost of a load is the kernel
+# touching fresh pages of the destination arrays, and that parallelises;
+# a KV block of a 7B-class model is 4 MiB per layer and tensor, so the split
+# happens within a tensor.  The pool is small: the work is memory-bound.
+MIN_SLICE = 1 << 20
+IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 _CRC_PLACEHOLDER = 0xFFFFFFFF                 # widest u32 in decimal (10 digits)
 
@@ -105,11 +109,14 @@ def tensor_source(name, a):
     else:
         a = np.asarray(a)
         dtype = a.dtype.name
-        if dtype == "bool":
-            dtype = "bool"
-        a = np.ascontiguousarray(a)
+        # The shape before any reshaping: np.ascontiguousarray makes a 0-d
+        # array 1-d, and a scalar must come back with shape ().
         shape = tuple(int(d) for d in a.shape)
-        buf = a.reshape(-1).view(np.uint8)
+        if dtype not in DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        # The file is little-endian: a big-endian array is byte-swapped here.
+        a = np.ascontiguousarray(a.reshape(-1), dtype=a.dtype.newbyteorder("<"))
+        buf = a.view(np.uint8)
     if dtype not in DTYPES:
         raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
     return dtype, shape, buf
@@ -171,9 +178,9 @@ class Plan:
         """Writes the payload at its place in fd, CRC'ing every block as it goes."""
         P = self.payload_start
         m = self.manifest
-        m["tokens"]["crc32c"] = _native.pwrite_from(fd, self.tokens, P + m["tokens"]["offset"], path, 0)
+        m["tokens"]["crc32c"] = write_block(fd, self.tokens, P + m["tokens"]["offset"], path)
         for t, (_, _, _, buf) in zip(m["tensors"], self.sources):
-            t["crc32c"] = _native.pwrite_from(fd, buf, P + t["offset"], path, 0)
+            t["crc32c"] = write_block(fd, buf, P + t["offset"], path)
         raw = self.manifest_bytes()
         head = PAYLOAD_HEADER.pack(MAGIC, len(raw), self.data_offset, _native.crc32c(raw), 0)
         _native.pwrite_from(fd, head + raw, P, path)
@@ -282,31 +289,55 @@ def _get_pool():
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvstore-read")
+            _pool = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-io")
             atexit.register(_pool.shutdown, wait=True)
         return _pool
 
 
-def read_block(fd, buf, offset, path, verify):
-    """Fills the writable byte buffer buf from fd at offset in parallel chunks.
+def _slices(n):
+    parts = min(IO_THREADS, n // MIN_SLICE)
+    if parts < 2:
+        return [(0, n)]
+    step = -(-n // parts) + 4095 & ~4095
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
 
-    Returns the CRC32C of the bytes (None when verify is false).
-    """
-    mv = memoryview(buf).cast("B") if memoryview(buf).format != "B" else memoryview(buf)
-    n = mv.nbytes
-    crc0 = 0 if verify else None
-    if n <= 2 * READ_CHUNK or READ_THREADS == 1:
-        return _native.pread_into(fd, mv, offset, path, crc0)
-    parts = [(a, min(n, a + READ_CHUNK)) for a in range(0, n, READ_CHUNK)]
-    futs = [_get_pool().submit(_native.pread_into, fd, mv[a:b], offset + a, path, crc0)
-            for a, b in parts]
+
+def _parallel(fn, fd, mv, offset, path, crc0):
+    """Runs fn(fd, slice, offset, path, crc0) over the slices of mv; joins the CRCs."""
+    parts = _slices(mv.nbytes)
+    if len(parts) == 1:
+        return fn(fd, mv, offset, path, crc0)
+    pool = _get_pool()
+    futs = [pool.submit(fn, fd, mv[a:b], offset + a, path, crc0) for a, b in parts]
     crcs = [f.result() for f in futs]
-    if not verify:
+    if crc0 is None:
         return None
     crc = crcs[0]
     for (a, b), c in zip(parts[1:], crcs[1:]):
         crc = _native.crc32c_combine(crc, c, b - a)
     return crc
+
+
+def _bytes_view(buf):
+    mv = memoryview(buf)
+    if mv.nbytes == 0:
+        # cast() refuses a shape with a zero in it (an MLX array of shape
+        # (0, 4)); an empty block has no bytes to move either way.
+        return memoryview(bytearray())
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def read_block(fd, buf, offset, path, verify):
+    """Fills the writable byte buffer buf from fd at offset, in parallel slices.
+
+    Returns the CRC32C of the bytes (None when verify is false).
+    """
+    return _parallel(_native.pread_into, fd, _bytes_view(buf), offset, path, 0 if verify else None)
+
+
+def write_block(fd, buf, offset, path):
+    """Writes the byte buffer buf to fd at offset, in parallel slices; returns its CRC32C."""
+    return _parallel(_native.pwrite_from, fd, _bytes_view(buf), offset, path, 0)
 
 
 def _check(crc, want, path, what):
@@ -413,19 +444,28 @@ def read_tensors_mlx(fd, entry, manifest, verify=True):
     import mlx.core as mx
     if not manifest.tensors:
         return {}
-    src = _VirtualSafetensors(fd, entry, manifest, verify)
-    try:
-        loaded = mx.load(src, format="safetensors")
-    except Exception as e:
-        if src.error is not None:
-            raise src.error from None
-        raise CorruptCheckpoint("bad_payload", entry.path, f"mx.load failed: {type(e).__name__}") from None
-    if src.error is not None:
-        raise src.error
+    # mx.load's safetensors reader has no float64 (MLX keeps float64 on the
+    # CPU only): those tensors are read through NumPy and copied into MLX.
+    wide = copy.copy(manifest)
+    wide.tensors = [t for t in manifest.tensors if t[1] == "float64"]
+    direct = copy.copy(manifest)
+    direct.tensors = [t for t in manifest.tensors if t[1] != "float64"]
     out = {}
-    for name, dtype, shape, off, n, crc in manifest.tensors:
-        a = loaded[name]
-        if name in src.partial and verify:
-            _check(_native.crc32c(memoryview(a)), crc, entry.path, f"tensor {name!r}")
-        out[name] = a
-    return out
+    if direct.tensors:
+        src = _VirtualSafetensors(fd, entry, direct, verify)
+        try:
+            loaded = mx.load(src, format="safetensors")
+        except Exception as e:
+            if src.error is not None:
+                raise src.error from None
+            raise CorruptCheckpoint("bad_payload", entry.path, f"mx.load failed: {type(e).__name__}") from None
+        if src.error is not None:
+            raise src.error
+        for name, dtype, shape, off, n, crc in direct.tensors:
+            a = loaded[name]
+            if name in src.partial and verify:
+                _check(_native.crc32c(memoryview(a)), crc, entry.path, f"tensor {name!r}")
+            out[name] = a
+    for name, a in read_tensors_numpy(fd, entry, wide, verify).items():
+        out[name] = mx.array(a, dtype=mx.float64)
+    return {t[0]: out[t[0]] for t in manifest.tensors}

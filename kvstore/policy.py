@@ -217,6 +217,8 @@ def _fits_dtype(array, value):
 
 def _last_user_before_assistant_array(array, user_id, assistant_id):
     array = array.reshape(-1)
+    if array.size == 0:
+        return -1
     # An id the dtype cannot hold cannot occur in the array; comparing with it
     # would overflow (or raise) on some numpy versions.
     end = array.size

@@ -211,13 +211,9 @@ class KVStore:
         data = _as_bytes(prompt)
         with self._lock:
             self._index.refresh()
-            lengths = self._index.lengths_upto(len(data))
-            if lengths:
-                digests = _native.sha1_prefixes(data, lengths)
-                for n, d in zip(reversed(lengths), reversed(digests)):
-                    e = self._index.get(n, d)
-                    if e is not None:
-                        return dataclasses.replace(e, query=data)
+            e = self._index.longest_prefix(data)
+            if e is not None:
+                return dataclasses.replace(e, query=data)
             self._stats["misses"] += 1
         return None
 
@@ -362,9 +358,7 @@ class KVStore:
         """
         self._check_open()
         text = _as_bytes(text)
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.size >= 2**32:
-            raise ValueError(f"tokens must be a 1-D sequence of < 2**32 ids, got shape {tokens.shape}")
+        tokens = _token_array(tokens)
         if tokens.size and (tokens.dtype.kind not in "ui" or tokens.min() < 0 or tokens.max() >= 2**32):
             raise ValueError("tokens must be integer ids in 0..2**32-1")
         if len(text) >= 2**32:
@@ -474,6 +468,10 @@ class KVStore:
             plan.write(fd, tmp)
             if trailer_raw:
                 _native.pwrite_from(fd, trailer_raw, PREFIX_SIZE + len(text) + plan.payload_bytes, tmp)
+            # A zero-byte last block sits at an aligned offset past the last
+            # byte written: without a trailer the file would end short of
+            # payload_bytes and read back as truncated.
+            os.ftruncate(fd, PREFIX_SIZE + len(text) + plan.payload_bytes + len(trailer_raw))
             if self.durable:
                 os.fsync(fd)
             os.rename(tmp, path)
@@ -500,7 +498,9 @@ class KVStore:
         immutable).  Blocks only while the writer's bounded queue is full.
         """
         self._check_open()
-        tokens = np.array(tokens, copy=True)
+        # Shape checked before the copy: a broadcast view of 2**32 ids costs
+        # nothing, its copy 16 GiB.
+        tokens = np.array(_token_array(tokens), copy=True)
         captured = {}
         for k, a in tensors.items():
             if payload._is_mlx(a):
@@ -550,7 +550,14 @@ class KVStore:
                 for e in entries:
                     t = e.last_used or e.created_at
                     if t and now - t > self.max_age_s and (protect is None or e.name != protect.name):
-                        if self._delete(e, "max_age"):
+                        # The index's copy predates hits recorded in place
+                        # since (touch): an entry that looks old is re-read.
+                        try:
+                            cur = read_entry(e.path)
+                        except KVStoreError:
+                            continue
+                        t = cur.last_used or cur.created_at
+                        if t and now - t > self.max_age_s and self._delete(e, "max_age"):
                             evicted.append(e)
                 entries = [e for e in entries if e not in evicted]
             total = sum(e.file_size for e in entries)
@@ -566,7 +573,8 @@ class KVStore:
             superseded = self._superseded(fresh, protect, incoming_text)
             protected = frozenset([protect.sha]) if protect is not None else frozenset()
             while total > self.budget_bytes and fresh:
-                victim = policy.pick_victim(fresh, now, superseded=superseded, protected=protected)
+                victim = policy.pick_victim(fresh, now, superseded=superseded, protected=protected,
+                                            half_life_s=self.options.hit_half_life_s)
                 if victim is None:
                     break
                 fresh.remove(victim)
@@ -664,6 +672,14 @@ class KVStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _token_array(tokens):
+    """tokens as a 1-D array (no copy) of fewer than 2**32 ids, or ValueError."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.size >= 2**32:
+        raise ValueError(f"tokens must be a 1-D sequence of < 2**32 ids, got shape {tokens.shape}")
+    return tokens
 
 
 def _bit(key):

@@ -8,7 +8,10 @@
 
 #include "crc32c.h"
 #include "dispatch.h"
+#include "header.h"
 #include "sha1.h"
+
+#define NLEN 64               /* lengths per kvs_sha1_prefixes call */
 
 static int passed, failed;
 
@@ -28,6 +31,131 @@ static uint8_t next_byte(void)
 {
     rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
     return (uint8_t)rng;
+}
+
+
+/* kvs_sha1_prefixes(data[:len], lengths) against one kvs_sha1 per length. */
+static void check_prefixes(const uint8_t *data, size_t len, const uint64_t *lengths, size_t n,
+                           const char *what)
+{
+    size_t order[NLEN];
+    uint8_t out[NLEN * 20], d[20];
+    int ok = kvs_sha1_prefixes(data, len, lengths, n, order, out) == 0;
+    for (size_t i = 0; ok && i < n; i++) {
+        kvs_sha1(data, (size_t)lengths[i], d);
+        ok = memcmp(d, out + 20 * i, 20) == 0;
+    }
+    check(ok, what, len);
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Random lengths (unsorted, with repeats, near block edges), then the same
+ * ascending, then every cut of a short message, on the selected SHA1. */
+static void check_prefixes_all(const uint8_t *buf, size_t max)
+{
+    uint64_t lengths[NLEN];
+    size_t order[NLEN];
+    uint8_t out[NLEN * 20];
+
+    for (int round = 0; round < 200; round++) {
+        size_t len = round < 100 ? (size_t)round * 7 : (size_t)next_byte() << 8 | next_byte();
+        size_t n = 1 + next_byte() % NLEN;
+        if (len > max) len = max;
+        for (size_t i = 0; i < n; i++) {
+            uint64_t v;
+            switch (next_byte() % 5) {
+            case 0: v = len; break;
+            case 1: v = 0; break;
+            case 2: v = i ? lengths[next_byte() % i] : len; break;         /* a repeat */
+            case 3: v = ((uint64_t)(next_byte() << 8 | next_byte()) % (len / 64 + 1)) * 64
+                        + (uint64_t)(next_byte() % 3) - 1; break;          /* a block edge */
+            default: v = ((uint64_t)next_byte() << 16 | (uint64_t)next_byte() << 8 | next_byte()) % (len + 1);
+            }
+            if (v > len) v = len;                                          /* edge - 1 wrapped */
+            lengths[i] = v;
+        }
+        check_prefixes(buf, len, lengths, n, "sha1_prefixes unsorted");
+        qsort(lengths, n, sizeof lengths[0], cmp_u64);
+        check_prefixes(buf, len, lengths, n, "sha1_prefixes ascending");
+    }
+    for (size_t start = 0; start < 200; start += NLEN) {          /* every cut of 200 bytes */
+        size_t n = 0;
+        for (uint64_t v = start; v < start + NLEN && v <= 200; v++) lengths[n++] = v;
+        check_prefixes(buf, 200, lengths, n, "sha1_prefixes dense");
+    }
+    lengths[0] = 5; lengths[1] = 11; lengths[2] = 3;
+    check(kvs_sha1_prefixes(buf, 10, lengths, 3, order, out) == 2, "sha1_prefixes too long", 10);
+    check(kvs_sha1_prefixes(buf, 10, lengths, 0, order, out) == 0, "sha1_prefixes none", 10);
+}
+
+static int header_equal(const kvs_header *a, const kvs_header *b)
+{
+    return a->version == b->version && a->quant_bits == b->quant_bits && a->reason == b->reason &&
+           a->ext_flags == b->ext_flags && a->model_id == b->model_id && a->tokens == b->tokens &&
+           a->hits == b->hits && a->ctx_size == b->ctx_size && a->payload_abi == b->payload_abi &&
+           a->created_at == b->created_at && a->last_used == b->last_used &&
+           a->payload_bytes == b->payload_bytes;
+}
+
+static uint64_t next_u64(void)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = v << 8 | next_byte();
+    return v;
+}
+
+static void check_header(void)
+{
+    kvs_header h, back;
+    uint8_t b[KVS_HEADER_SIZE];
+    static const uint8_t le[] = {0x04, 0x03, 0x02, 0x01};
+
+    for (int i = 0; i < 1000; i++) {
+        h.version = KVS_FORMAT_VERSION;
+        h.quant_bits = next_byte(); h.reason = next_byte(); h.ext_flags = next_byte();
+        h.model_id = next_byte(); h.payload_abi = next_byte();
+        h.tokens = (uint32_t)next_u64() | 1;
+        h.hits = (uint32_t)next_u64(); h.ctx_size = (uint32_t)next_u64();
+        h.created_at = next_u64(); h.last_used = next_u64(); h.payload_bytes = next_u64();
+        if (i == 0) { h.tokens = UINT32_MAX; h.hits = UINT32_MAX; h.payload_bytes = UINT64_MAX; }
+        kvs_header_pack(&h, b);
+        memset(&back, 0xAB, sizeof back);
+        check(kvs_header_parse(b, &back) == KVS_OK && header_equal(&h, &back), "header round trip", i);
+        check(b[21] == 0 && b[22] == 0 && b[23] == 0, "header reserved zero", i);
+        b[21] = b[22] = b[23] = 0xFF;                       /* reserved: ignored */
+        check(kvs_header_parse(b, &back) == KVS_OK && header_equal(&h, &back), "header reserved", i);
+    }
+    h.tokens = 0x01020304;
+    kvs_header_pack(&h, b);
+    check(memcmp(b, "KVC\x01", 4) == 0 && memcmp(b + 8, le, 4) == 0, "header layout", 0);
+    b[0] = 'X';
+    check(kvs_header_parse(b, &back) == KVS_EMAGIC, "header magic", 0);
+    b[0] = 'K'; b[3] = 2;
+    check(kvs_header_parse(b, &back) == KVS_EVERSION, "header version", 0);
+    b[3] = 1; memset(b + 8, 0, 4);
+    check(kvs_header_parse(b, &back) == KVS_ETOKENS, "header tokens", 0);
+}
+
+static void check_fits(void)
+{
+    static const struct { uint64_t size; uint32_t text; uint64_t payload; int ok; } cases[] = {
+        {52, 0, 0, 1}, {51, 0, 0, 0}, {0, 0, 0, 0}, {62, 10, 0, 1}, {62, 10, 1, 0},
+        {100, UINT32_MAX, 0, 0}, {52 + (uint64_t)UINT32_MAX, UINT32_MAX, 0, 1},
+        {51 + (uint64_t)UINT32_MAX, UINT32_MAX, 0, 0}, {100, UINT32_MAX - 40, 0, 0},
+        {100, 0, UINT64_MAX, 0}, {UINT64_MAX, 0, UINT64_MAX, 0}, {UINT64_MAX, 0, UINT64_MAX - 52, 1},
+        {UINT64_MAX, UINT32_MAX, UINT64_MAX - 52 - UINT32_MAX, 1},
+        {UINT64_MAX, UINT32_MAX, UINT64_MAX - 51 - UINT32_MAX, 0},
+        {100, 10, UINT64_MAX - 60, 0},          /* 52 + 10 + p wraps to 1 */
+        {100, UINT32_MAX, UINT64_MAX - 52 - UINT32_MAX + 6, 0},  /* wraps to 5 */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        check((kvs_envelope_fits(cases[i].size, cases[i].text, cases[i].payload) == KVS_OK) == cases[i].ok,
+              "envelope fits", i);
 }
 
 int main(void)
@@ -77,6 +205,8 @@ int main(void)
             hex(d0, hx);
             check(strcmp(hx, "da39a3ee5e6b4b0d3255bfef95601890afd80709") == 0, "sha1 empty", 0);
         }
+        if (kvs_sha1_select(impl) == 0)
+            check_prefixes_all(buf, MAX);
         if (kvs_crc32c_select(impl) == 0) {
             check(kvs_crc32c(0, (const uint8_t *)"123456789", 9) == 0xE3069283u, "crc32c check", 9);
             uint32_t whole = kvs_crc32c(0, buf, 100000);
@@ -85,6 +215,8 @@ int main(void)
             check(kvs_crc32c(a, buf + 33333, 100000 - 33333) == whole, "crc32c incremental", 100000);
         }
     }
+    check_header();
+    check_fits();
     printf("sha1 hardware paths: %d, crc32c hardware paths: %d\n", hw_sha, hw_crc);
     printf("%d passed, %d failed\n", passed, failed);
     free(buf);

@@ -1,0 +1,57 @@
+"""tests/c/test_native.c built straight from csrc/: natively, and for aarch64
+under qemu so the ARMv8 SHA1/CRC32C paths run on an x86 host too."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvstore import _native
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = sorted(str(p) for p in (ROOT / "csrc").glob("*.c"))
+TEST_C = str(ROOT / "tests" / "c" / "test_native.c")
+SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$", re.M)
+HW_LINE = re.compile(r"^sha1 hardware paths: (\d+), crc32c hardware paths: (\d+)$", re.M)
+
+
+def build_and_run(compiler, flags, exe, runner=()):
+    assert CSRC, "no csrc/*.c found"
+    subprocess.run([compiler, *flags, "-I", str(ROOT / "csrc"), TEST_C, *CSRC, "-o", str(exe)],
+                   check=True, capture_output=True, text=True, timeout=180)
+    return subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=180)
+
+
+def check_output(run):
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = SUMMARY.search(run.stdout)
+    assert summary, run.stdout
+    assert int(summary.group(2)) == 0 and "0 failed" in run.stdout, run.stdout + run.stderr
+    assert int(summary.group(1)) > 1000          # the checks ran, not an empty main
+    hw = HW_LINE.search(run.stdout)
+    assert hw, run.stdout
+    return int(hw.group(1)), int(hw.group(2))
+
+
+def test_native_c_paths(tmp_path):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler (cc or gcc) on PATH")
+    run = build_and_run(compiler, ["-O2"], tmp_path / "test_native")
+    sha_hw, crc_hw = check_output(run)
+    # Same CPU, same probes: the C test saw the hardware paths the module sees.
+    av = _native.available()
+    assert sha_hw == len(av["sha1"]) - 1
+    assert crc_hw == len(av["crc32c"]) - 1
+
+
+def test_aarch64_c_paths_under_qemu(tmp_path):
+    missing = [t for t in ("aarch64-linux-gnu-gcc", "qemu-aarch64") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not on PATH: the ARMv8 paths are not checked")
+    run = build_and_run("aarch64-linux-gnu-gcc", ["-O2", "-march=armv8-a+crc+crypto", "-static"],
+                        tmp_path / "test_native_aarch64", runner=["qemu-aarch64"])
+    assert check_output(run) == (1, 1), run.stdout
+    assert "sha1 hardware paths: 1, crc32c hardware paths: 1" in run.stdout

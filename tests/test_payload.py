@@ -1,0 +1,358 @@
+"""Payload ABI 16 through KVStore (SPEC section 3): every dtype from NumPy and
+MLX, into NumPy and MLX, odd shapes, non-contiguous inputs, meta JSON, and the
+byte layout of the file as written."""
+
+import hashlib
+import json
+import re
+import struct
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore import _reference
+from kvstore.payload import DTYPES
+from kvstore.store import KVStore
+
+try:
+    from kvstore import Options
+except ImportError:                      # older trees export it from policy only
+    from kvstore.policy import Options
+
+mx = pytest.importorskip("mlx.core")
+
+NUMPY_DTYPES = sorted(d for d in DTYPES if d != "bfloat16")   # NumPy has no bfloat16
+PAYLOAD_HEAD = struct.Struct("<4sIQII")
+HEADER = struct.Struct("<3sBBBBBIIIB3xQQQI")                   # 48-byte header + u32 text length
+
+
+@pytest.fixture
+def store(tmp_path):
+    with KVStore(tmp_path / "kv", options=Options(min_tokens=1), durable=False) as s:
+        yield s
+
+
+def checkpoint_files(directory):
+    """Checkpoints and temporaries in directory (not the lock file)."""
+    return sorted(p.name for p in directory.iterdir() if re.match(r"^[0-9a-f]{40}\.kv(\.tmp\..*)?$", p.name))
+
+
+def sample(dtype, shape, seed=0):
+    """Deterministic values of dtype that survive every cast (small integers)."""
+    rng = np.random.default_rng(seed)
+    if dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if dtype == "complex64":
+        return (rng.integers(-50, 50, size=shape) + 1j * rng.integers(-50, 50, size=shape)).astype(np.complex64)
+    lo = 0 if dtype.startswith("uint") else -100
+    return rng.integers(lo, 100, size=shape).astype(dtype)
+
+
+def mx_dtype(name):
+    return mx.bool_ if name == "bool" else getattr(mx, name)
+
+
+def mlx_sample(dtype, shape, seed=0):
+    if dtype == "bfloat16":
+        return mx.array(sample("float32", shape, seed)).astype(mx.bfloat16)
+    return mx.array(sample(dtype, shape, seed), dtype=mx_dtype(dtype))
+
+
+def bits(a):
+    """The values of an MLX array as NumPy, bfloat16 as its uint16 bit pattern."""
+    if a.dtype == mx.bfloat16:
+        return np.array(a.view(mx.uint16))
+    return np.array(a)
+
+
+def round_trip(store, text, tensors, into, tokens=(1, 2, 3), meta=None):
+    entry = store.save(text, list(tokens), tensors, meta=meta)
+    assert entry is not None
+    found = store.find(text + " and what follows")
+    assert found is not None and found.sha == entry.sha
+    ck = store.load(found, into=into)
+    assert ck is not None
+    assert ck.tokens.dtype == np.uint32
+    assert ck.tokens.tolist() == list(tokens)
+    return ck
+
+
+def check_numpy_result(got, want_np):
+    assert isinstance(got, np.ndarray)
+    assert got.shape == want_np.shape
+    assert got.dtype == want_np.dtype
+    assert np.array_equal(got, want_np)
+
+
+def check_mlx_result(got, want_dtype, want_bits):
+    assert isinstance(got, mx.array)
+    assert got.dtype == want_dtype
+    assert tuple(got.shape) == want_bits.shape
+    assert np.array_equal(bits(got), want_bits)
+
+
+# ---- every dtype ------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES)
+@pytest.mark.parametrize("into", ["numpy", "mlx"])
+def test_numpy_source_round_trip(store, dtype, into):
+    tensors = {"k": sample(dtype, (2, 3, 5), 1), "v": sample(dtype, (7,), 2)}
+    ck = round_trip(store, f"numpy {dtype}", tensors, into)
+    assert set(ck.tensors) == set(tensors)
+    for name, want in tensors.items():
+        if into == "numpy":
+            check_numpy_result(ck.tensors[name], want)
+        else:
+            check_mlx_result(ck.tensors[name], mx_dtype(dtype), want)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("into", ["numpy", "mlx"])
+def test_mlx_source_round_trip(store, dtype, into):
+    tensors = {"k": mlx_sample(dtype, (2, 3, 5), 3), "v": mlx_sample(dtype, (9,), 4)}
+    ck = round_trip(store, f"mlx {dtype}", tensors, into)
+    assert set(ck.tensors) == set(tensors)
+    for name, src in tensors.items():
+        want = bits(src)
+        if into == "numpy":
+            got = ck.tensors[name]
+            assert isinstance(got, np.ndarray)
+            # NumPy has no bfloat16: the bits come back as uint16 (documented).
+            assert got.dtype == (np.dtype(np.uint16) if dtype == "bfloat16" else want.dtype)
+            assert got.shape == want.shape
+            assert np.array_equal(got, want)
+        else:
+            check_mlx_result(ck.tensors[name], mx_dtype(dtype), want)
+
+
+def test_bfloat16_bits_are_exact(store):
+    # Values whose bfloat16 patterns cover sign, exponent extremes, subnormals and NaN.
+    pattern = np.array([0x0000, 0x8000, 0x3F80, 0xBF80, 0x7F7F, 0xFF7F, 0x0001, 0x007F,
+                        0x7F80, 0xFF80, 0x7FC0, 0x4049], dtype=np.uint16)
+    src = mx.array(pattern).view(mx.bfloat16)
+    ck = round_trip(store, "bf16 bits", {"x": src}, "numpy")
+    assert ck.tensors["x"].dtype == np.uint16
+    assert ck.tensors["x"].tolist() == pattern.tolist()
+    ck = store.load(store.find("bf16 bits"), into="mlx")
+    assert ck.tensors["x"].dtype == mx.bfloat16
+    assert np.array(ck.tensors["x"].view(mx.uint16)).tolist() == pattern.tolist()
+
+
+# ---- shapes -----------------------------------------------------------------
+
+@pytest.mark.parametrize("into", ["numpy", "mlx"])
+def test_zero_size_and_scalar_shapes_numpy(store, into):
+    tensors = {
+        "first_empty": np.zeros((0, 4), np.float16),
+        "scalar": np.array(2.5, np.float32),
+        "numpy_scalar": np.int32(-7),
+        "middle": sample("int16", (3, 4)),
+        "inner_empty": np.zeros((3, 0, 2), np.int32),
+        "last_empty": np.zeros((0,), np.uint8),       # a zero-byte block at the very end
+    }
+    ck = round_trip(store, "odd shapes np", tensors, into)
+    for name, src in tensors.items():
+        want = np.asarray(src)
+        got = ck.tensors[name]
+        if into == "numpy":
+            check_numpy_result(got, want)
+        else:
+            check_mlx_result(got, mx_dtype(want.dtype.name), want)
+
+
+@pytest.mark.parametrize("into", ["numpy", "mlx"])
+def test_zero_size_and_scalar_shapes_mlx(store, into):
+    tensors = {
+        "first_empty": mx.zeros((0, 4), dtype=mx.float16),
+        "scalar": mx.array(2.5, dtype=mx.float32),
+        "middle": mlx_sample("int16", (3, 4)),
+        "inner_empty": mx.zeros((3, 0, 2), dtype=mx.bfloat16),
+        "last_empty": mx.zeros((0,), dtype=mx.uint8),
+    }
+    ck = round_trip(store, "odd shapes mx", tensors, into)
+    for name, src in tensors.items():
+        got = ck.tensors[name]
+        if into == "numpy":
+            want = bits(src)
+            assert got.shape == want.shape and np.array_equal(got, want)
+        else:
+            check_mlx_result(got, src.dtype, bits(src))
+
+
+def test_no_tensors(store):
+    ck = round_trip(store, "tokens only", {}, "numpy", tokens=range(40))
+    assert ck.tensors == {}
+    ck = store.load(store.find("tokens only"), into="mlx")
+    assert ck.tensors == {} and ck.tokens.tolist() == list(range(40))
+
+
+@pytest.mark.parametrize("into", ["numpy", "mlx"])
+def test_many_tensors(store, into):
+    tensors = {f"layers.{i}.{kv}": sample("float16", (1, 2, i % 5 + 1, 8), i * 2 + (kv == "v"))
+               for i in range(120) for kv in ("k", "v")}
+    tensors["ünïcode name ✓"] = sample("int8", (5,))
+    ck = round_trip(store, "many tensors", tensors, into, tokens=range(1000, 1300))
+    assert list(ck.tensors) == list(tensors)         # order kept, nothing extra
+    for name, want in tensors.items():
+        got = ck.tensors[name]
+        assert np.array_equal(got if into == "numpy" else np.array(got), want), name
+
+
+# ---- meta -----------------------------------------------------------------
+
+def test_meta_json_round_trip(store):
+    meta = {
+        "classes": ["KVCache", "RotatingKVCache"],
+        "states": [{"offset": 4096, "step": 256, "keep": 4}, {"max_size": 512}],
+        "unicode": "prompt-free ✓ — ü",
+        "nested": {"a": [1, 2.5, -3e-7, True, False, None], "b": {}},
+        "big": 2**63 - 1,
+    }
+    ck = round_trip(store, "meta", {"x": np.arange(4, dtype=np.int32)}, "numpy", meta=meta)
+    assert ck.meta == meta
+    assert store.load(store.find("meta"), into="mlx").meta == meta
+
+
+def test_meta_defaults_to_empty(store):
+    assert round_trip(store, "no meta", {}, "numpy").meta == {}
+
+
+@pytest.mark.parametrize("meta", [{"x": {1, 2}}, {"nan": float("nan")}, ["not", "a", "dict"], {"f": print}])
+def test_meta_that_is_not_json_object_is_refused(store, meta, tmp_path):
+    with pytest.raises(ValueError):
+        store.save("bad meta", [1, 2], {}, meta=meta)
+    assert checkpoint_files(tmp_path / "kv") == []
+
+
+@pytest.mark.parametrize("array", [np.zeros(3, dtype=object), np.array(["a", "b"]),
+                                   np.zeros(2, dtype=np.float16).view("V2")])
+def test_unsupported_dtype_is_refused(store, tmp_path, array):
+    with pytest.raises(ValueError, match="dtype"):
+        store.save("bad dtype", [1], {"x": array})
+    assert checkpoint_files(tmp_path / "kv") == []
+    assert store.find("bad dtype") is None
+
+
+# ---- non-contiguous inputs ---------------------------------------------------
+
+def test_non_contiguous_numpy_inputs(store):
+    base = sample("float32", (6, 8, 10), 7)
+    tensors = {
+        "transposed": base.transpose(2, 0, 1),
+        "strided": base[:, ::3, 1::2],
+        "reversed": base[::-1, :, ::-2],
+        "fortran": np.asfortranarray(base),
+        "broadcast": np.broadcast_to(np.arange(5, dtype=np.int64), (4, 5)),
+        "big_endian": sample("int32", (3, 4)).astype(">i4"),
+    }
+    assert not any(t.flags.c_contiguous for k, t in tensors.items() if k not in ("big_endian",))
+    ck = round_trip(store, "non contiguous np", tensors, "numpy")
+    for name, src in tensors.items():
+        got = ck.tensors[name]
+        assert got.shape == src.shape, name
+        assert np.array_equal(got, src), name
+        assert got.flags.c_contiguous
+    ck = store.load(store.find("non contiguous np"), into="mlx")
+    for name, src in tensors.items():
+        assert np.array_equal(np.array(ck.tensors[name]), src), name
+
+
+def test_non_contiguous_mlx_inputs(store):
+    base = mx.array(sample("float32", (6, 8, 10), 8))
+    tensors = {
+        "slice": base[:, 2:5, :],
+        "strided": base[::2, :, 1::3],
+        "transposed": mx.transpose(base, (2, 0, 1)),
+        "swapped_bf16": mx.swapaxes(base.astype(mx.bfloat16), 0, 2),
+        "broadcast": mx.broadcast_to(mx.arange(5), (4, 5)),
+    }
+    ck = round_trip(store, "non contiguous mx", tensors, "numpy")
+    for name, src in tensors.items():
+        assert np.array_equal(ck.tensors[name], bits(src)), name
+    ck = store.load(store.find("non contiguous mx"), into="mlx")
+    for name, src in tensors.items():
+        check_mlx_result(ck.tensors[name], src.dtype, bits(src))
+
+
+# ---- file layout (SPEC section 3) ---------------------------------------------
+
+def parse(path):
+    raw = open(path, "rb").read()
+    (magic, version, quant, reason, ext, model, tokens, hits, ctx, abi,
+     created, last_used, payload_bytes, text_len) = HEADER.unpack_from(raw, 0)
+    assert magic == b"KVC" and version == 1
+    P = 52 + text_len
+    pmagic, mlen, data_off, mcrc, reserved = PAYLOAD_HEAD.unpack_from(raw, P)
+    manifest_raw = raw[P + 24:P + 24 + mlen]
+    return dict(raw=raw, tokens=tokens, abi=abi, payload_bytes=payload_bytes, text=raw[52:P], P=P,
+                pmagic=pmagic, mlen=mlen, data_off=data_off, mcrc=mcrc, reserved=reserved,
+                manifest_raw=manifest_raw, manifest=json.loads(manifest_raw))
+
+
+@pytest.mark.parametrize("text_len", [1, 29, 4000, 4020, 4096 - 52, 9000])
+def test_file_layout(store, text_len):
+    text = (b"0123456789abcdef" * 600)[:text_len - 1] + b"\xff"      # not UTF-8 on purpose
+    tokens = list(range(7, 7 + 123))                                 # 492 bytes: odd end of block
+    tensors = {"a": sample("float16", (3, 5, 7), 1), "b": sample("int8", (13,), 2),
+               "c": sample("float64", (2, 3), 3), "d": np.zeros((0, 3), np.float32),
+               "e": sample("uint64", (5,), 4)}
+    entry = store.save(text, tokens, tensors, meta={"m": 1})
+    f = parse(entry.path)
+    raw, P = f["raw"], f["P"]
+
+    assert f["text"] == text and entry.text_bytes == len(text)
+    assert entry.name == hashlib.sha1(text).hexdigest() + ".kv"
+    assert f["abi"] == 16
+    assert f["pmagic"] == b"KVTP"
+    assert f["reserved"] == 0
+    assert (P + f["data_off"]) % 4096 == 0
+    assert f["data_off"] >= 24 + f["mlen"]
+    assert f["mcrc"] == _reference.crc32c(f["manifest_raw"])
+    assert P + f["payload_bytes"] == len(raw) == entry.file_size     # no trailer
+
+    m = f["manifest"]
+    assert m["version"] == 1 and m["meta"] == {"m": 1}
+    assert m["tokens"]["count"] == f["tokens"] == len(tokens) == entry.tokens
+    blocks = [("tokens", m["tokens"]["offset"], 4 * m["tokens"]["count"], m["tokens"]["crc32c"],
+               np.array(tokens, dtype="<u4").tobytes())]
+    assert [t["name"] for t in m["tensors"]] == list(tensors)
+    for t in m["tensors"]:
+        src = np.ascontiguousarray(tensors[t["name"]])
+        assert t["dtype"] == src.dtype.name and t["shape"] == list(src.shape)
+        assert t["nbytes"] == src.nbytes
+        blocks.append((t["name"], t["offset"], t["nbytes"], t["crc32c"], src.astype(src.dtype.newbyteorder("<")).tobytes()))
+    assert m["tokens"]["offset"] == f["data_off"]                    # data starts with the token ids
+    end = 0
+    for name, off, n, crc, want in blocks:
+        assert (P + off) % 64 == 0, name
+        assert off >= end, f"{name} overlaps the block before"
+        assert off + n <= f["payload_bytes"]
+        block = raw[P + off:P + off + n]
+        assert block == want, name
+        assert crc == _reference.crc32c(block), name
+        end = off + n
+
+
+def test_manifest_token_count_equals_header(store):
+    for n in (1, 2, 1000, 4097):
+        e = store.save(f"count {n}", np.arange(n, dtype=np.int64), {})
+        f = parse(e.path)
+        assert f["manifest"]["tokens"]["count"] == f["tokens"] == n
+        assert store.load(store.find(f"count {n}")).tokens.tolist() == list(range(n))
+
+
+def test_token_ids_full_u32_range(store):
+    tokens = np.array([0, 1, 2**31, 2**32 - 1], dtype=np.uint64)
+    ck = round_trip(store, "u32 range", {}, "numpy", tokens=tokens.tolist())
+    assert ck.tokens.tolist() == tokens.tolist()
+
+
+def test_payload_larger_than_one_io_slice(store):
+    # 6 MiB + odd bytes: large enough that reads and writes are split into slices.
+    big = np.random.default_rng(5).integers(0, 2**32, size=(6 << 20) // 4 + 3, dtype=np.uint32)
+    ck = round_trip(store, "big", {"big": big, "tail": np.arange(3, dtype=np.uint8)}, "numpy")
+    assert np.array_equal(ck.tensors["big"], big)
+    ck = store.load(store.find("big"), into="mlx")
+    assert np.array_equal(np.array(ck.tensors["big"]), big)
+    assert isinstance(ck.tensors["big"], mx.array)

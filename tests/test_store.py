@@ -1,0 +1,479 @@
+"""KVStore save/load semantics (SPEC sections 5, 6, 10-13): refusals, keeping
+compatible files, hit updates, consumption, async saves, stats, permissions,
+stale temporaries, wipe, close, and no prompt text in the logs."""
+
+import concurrent.futures
+import hashlib
+import logging
+import os
+import re
+import stat
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore import trailers as trailer_mod
+from kvstore.store import KVStore
+
+try:
+    from kvstore import Options
+except ImportError:
+    from kvstore.policy import Options
+
+OPTS = Options(min_tokens=1)
+SECRET = "TOP-SECRET prompt ☂ 4242"      # must never reach a log line
+
+
+def make_store(path, **kw):
+    kw.setdefault("options", OPTS)
+    kw.setdefault("durable", False)
+    return KVStore(path, **kw)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with make_store(tmp_path / "kv") as s:
+        yield s
+
+
+def small_tensors(seed=0, n=64):
+    rng = np.random.default_rng(seed)
+    return {"k": rng.standard_normal((2, n)).astype(np.float16),
+            "v": rng.integers(-100, 100, size=(n,)).astype(np.int32)}
+
+
+def checkpoint_files(directory):
+    return sorted(n for n in os.listdir(directory) if re.match(r"^[0-9a-fA-F]{40}\.kv(\.tmp\..*)?$", n))
+
+
+def flip(path, offset, mask=0x40):
+    """Flips bits of one byte of a file in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ mask]))
+
+
+def trailer_of(path):
+    e = kvstore.read_entry(path)
+    with open(path, "rb") as f:
+        f.seek(e.trailer_offset)
+        raw = f.read()
+    return e, raw, trailer_mod.parse_trailer(raw)
+
+
+def messages(caplog):
+    return [r.getMessage() for r in caplog.records if r.name.startswith("kvstore")]
+
+
+# ---- refusals (SPEC 6.1) ----------------------------------------------------
+
+def test_refuses_too_few_tokens(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvstore")
+    with make_store(tmp_path / "kv", options=Options(min_tokens=8)) as s:
+        assert s.save("short prompt", list(range(7)), small_tensors()) is None
+        assert s.save("empty tokens", [], small_tensors()) is None
+        assert s.stats()["refused"] == 2 and s.stats()["saves"] == 0
+        assert checkpoint_files(s.path) == []
+        lines = [m for m in messages(caplog) if "save_refused" in m]
+        assert len(lines) == 2
+        assert "reason=min_tokens" in lines[0] and "tokens=7" in lines[0] and "min_tokens=8" in lines[0]
+        assert s.save("long enough prompt", list(range(8)), small_tensors()) is not None
+
+
+def test_refuses_over_budget(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvstore")
+    text, tokens, tensors = "budget prompt", list(range(10)), small_tensors(n=4096)
+    with make_store(tmp_path / "probe", budget_mb=0) as probe:       # 0: unlimited
+        size = probe.save(text, tokens, tensors).file_size
+    slack = -(-size // 100)                                         # 1 %, rounded up
+    with make_store(tmp_path / "tight", budget_mb=(size + slack - 1) / 2**20) as s:
+        assert s.save(text, tokens, tensors) is None
+        assert checkpoint_files(s.path) == []
+        line = [m for m in messages(caplog) if "save_refused" in m][-1]
+        assert "reason=budget" in line and f"budget={size + slack - 1}" in line
+    with make_store(tmp_path / "fits", budget_mb=(size + slack) / 2**20) as s:
+        e = s.save(text, tokens, tensors)
+        assert e is not None and e.file_size == size and os.path.exists(e.path)
+
+
+def test_refusal_leaves_existing_checkpoints(tmp_path):
+    with make_store(tmp_path / "kv", budget_mb=1) as s:
+        keep = s.save("kept", [1, 2], small_tensors())
+        assert s.save("far too big", [1, 2], {"x": np.zeros(2 << 20, np.uint8)}) is None
+        assert checkpoint_files(s.path) == [keep.name]
+
+
+# ---- an existing file (SPEC 6.2, 10) -------------------------------------------
+
+def test_compatible_existing_file_is_kept(store):
+    e1 = store.save("same text", [1, 2, 3], small_tensors(1))
+    before = open(e1.path, "rb").read()
+    ino = os.stat(e1.path).st_ino
+    e2 = store.save("same text", [1, 2, 3], small_tensors(2))       # no trailers: nothing to rewrite
+    assert e2 is not None and e2.sha == e1.sha
+    assert os.stat(e1.path).st_ino == ino
+    assert open(e1.path, "rb").read() == before
+    ck = store.load(store.find("same text"))
+    assert np.array_equal(ck.tensors["k"], small_tensors(1)["k"])   # the first save's state
+
+
+def test_kept_file_gets_only_its_trailer_rewritten(store):
+    tool_map = {"call_1": '{"name":"ls","arguments":{"path":"/"}}', "call_2": "ünïcode ✓"}
+    e1 = store.save("agent session", [5, 6, 7], small_tensors(3))
+    body_before = open(e1.path, "rb").read()[:e1.trailer_offset]
+    ino = os.stat(e1.path).st_ino
+
+    e2 = store.save("agent session", [5, 6, 7], small_tensors(3),
+                    trailers={kvstore.ExtFlag.TOOL_MAP: tool_map, kvstore.ExtFlag.SESSION_TITLE: "fix the build"})
+    assert e2 is not None
+    assert os.stat(e1.path).st_ino == ino
+    entry, raw, (values, sections, flags) = trailer_of(e1.path)
+    assert raw and values == {0: tool_map, 3: "fix the build"}
+    assert entry.ext_flags & kvstore.ExtFlag.TOOL_MAP and entry.ext_flags & kvstore.ExtFlag.SESSION_TITLE
+    after = open(e1.path, "rb").read()
+    assert after[7:entry.trailer_offset] == body_before[7:]            # only the ext-flags byte changed before it
+    assert after[:6] == body_before[:6]
+
+    ck = store.load(store.find("agent session, continued"))
+    assert ck.trailers == {0: tool_map, 3: "fix the build"}
+
+
+def test_unknown_trailer_sections_are_preserved(store):
+    e = store.save("forward compat", [1, 2], small_tensors(), trailers={kvstore.ExtFlag.SESSION_TITLE: "old"})
+    # A section for ext bit 6, which this build has no hook for.
+    body = b"\x00opaque future section\xff"
+    section = trailer_mod.SECTION_HEADER.pack(6, len(body), kvstore.crc32c(body)) + body
+    with open(e.path, "r+b") as f:
+        f.seek(0, os.SEEK_END)
+        f.write(section)
+        f.seek(6)
+        flags = f.read(1)[0]
+        f.seek(6)
+        f.write(bytes([flags | 1 << 6]))
+    ino = os.stat(e.path).st_ino
+
+    assert store.save("forward compat", [1, 2], small_tensors(),
+                      trailers={kvstore.ExtFlag.SESSION_TITLE: "new", kvstore.ExtFlag.TOOL_MAP: {"a": "b"}})
+    assert os.stat(e.path).st_ino == ino
+    entry, raw, (values, sections, flags) = trailer_of(e.path)
+    assert values == {0: {"a": "b"}, 3: "new"}
+    assert trailer_mod.Section(6, body) in sections
+    assert entry.ext_flags & (1 << 6)
+    assert store.load(store.find("forward compat")) is not None
+
+
+def test_trailers_on_first_save(store):
+    e = store.save("fresh with trailer", [1], small_tensors(), trailers={0: {"id": "text"}})
+    assert e.ext_flags == kvstore.ExtFlag.TOOL_MAP
+    assert trailer_of(e.path)[2][0] == {0: {"id": "text"}}
+    assert store.load(store.find("fresh with trailer")).trailers == {0: {"id": "text"}}
+
+
+@pytest.mark.parametrize("first, second", [
+    (dict(model_id=0), dict(model_id=3)),
+    (dict(ctx_size=8192), dict(ctx_size=4096)),
+    (dict(quant_bits=4), dict(quant_bits=8, reject_different_quant=True)),
+])
+def test_incompatible_existing_file_is_replaced(tmp_path, first, second):
+    d = tmp_path / "kv"
+    with make_store(d, **first) as a:
+        e1 = a.save("contested text", [1, 2, 3], small_tensors(1))
+    ino = os.stat(e1.path).st_ino
+    with make_store(d, **second) as b:
+        e2 = b.save("contested text", [1, 2, 3, 4], small_tensors(2))
+        assert e2 is not None and e2.path == e1.path
+        assert os.stat(e2.path).st_ino != ino
+        h = kvstore.read_entry(e2.path)
+        assert h.tokens == 4
+        assert h.model_id == second.get("model_id", 0)
+        assert h.ctx_size == (second.get("ctx_size") or 0)
+        assert h.quant_bits == second.get("quant_bits", 16)
+        ck = b.load(b.find("contested text"))
+        assert np.array_equal(ck.tensors["k"], small_tensors(2)["k"])
+        assert checkpoint_files(d) == [e1.name]
+
+
+def test_smaller_context_file_is_kept_by_larger_store(tmp_path):
+    d = tmp_path / "kv"
+    with make_store(d, ctx_size=2048) as a:
+        e1 = a.save("context text", [1, 2], small_tensors(1))
+    ino = os.stat(e1.path).st_ino
+    with make_store(d, ctx_size=8192) as b:
+        assert b.save("context text", [1, 2], small_tensors(2)) is not None
+        assert os.stat(e1.path).st_ino == ino
+        assert kvstore.read_entry(e1.path).ctx_size == 2048
+
+
+# ---- load (SPEC section 5) -----------------------------------------------------
+
+def test_load_touches_header(store):
+    e = store.save("touch me", [1, 2], small_tensors())
+    h0 = kvstore.read_entry(e.path)
+    assert h0.hits == 0 and h0.last_used == 0 and h0.created_at > 0
+    t0 = int(time.time())
+    ck = store.load(store.find("touch me please"))
+    h1 = kvstore.read_entry(e.path)
+    assert h1.hits == 1 and ck.entry.hits == 1
+    assert t0 <= h1.last_used <= int(time.time())
+    assert h1.created_at == h0.created_at
+    store.load(store.find("touch me again"))
+    assert kvstore.read_entry(e.path).hits == 2
+
+
+def test_effective_prompt_parts(store):
+    tokens = [101, 7, 2**31 + 5]
+    store.save("stored part", tokens, small_tensors())
+    prompt = "stored part, then the suffix ✓"
+    ck = store.load(store.find(prompt))
+    assert ck.tokens.tolist() == tokens
+    assert ck.text_bytes == b"stored part"
+    assert prompt.encode()[len(ck.text_bytes):] == ", then the suffix ✓".encode()
+
+
+def test_long_checkpoint_is_consumed_after_load(tmp_path):
+    with make_store(tmp_path / "kv", options=Options(min_tokens=1, cold_max_tokens=10)) as s:
+        long_e = s.save("long one", list(range(11)), small_tensors())
+        edge_e = s.save("edge one", list(range(10)), small_tensors())
+        ck = s.load(s.find("long one!"))
+        assert ck is not None and ck.tokens.size == 11
+        assert not os.path.exists(long_e.path)
+        assert s.find("long one!") is None
+        assert s.load(s.find("edge one!")) is not None
+        assert os.path.exists(edge_e.path)                   # == cold_max_tokens stays
+        assert s.stats()["consumed"] == 1
+
+
+# ---- save_async (SPEC 6.5) -------------------------------------------------------
+
+def test_save_async_captures_arrays_at_call_time(store):
+    k = np.arange(4096, dtype=np.float32)
+    tokens = np.arange(1, 33, dtype=np.uint32)
+    fut = store.save_async("async prompt", tokens, {"k": k})
+    assert isinstance(fut, concurrent.futures.Future)
+    k[:] = -1.0                                            # the caller reuses its buffers at once
+    tokens[:] = 0
+    e = fut.result(timeout=30)
+    assert isinstance(e, kvstore.Entry)
+    ck = store.load(store.find("async prompt"))
+    assert np.array_equal(ck.tensors["k"], np.arange(4096, dtype=np.float32))
+    assert ck.tokens.tolist() == list(range(1, 33))
+
+
+def test_save_async_mlx(store):
+    mx = pytest.importorskip("mlx.core")
+    a = mx.arange(100).astype(mx.bfloat16)
+    e = store.save_async("async mlx", [1, 2], {"a": a}).result(timeout=30)
+    ck = store.load(store.find("async mlx"), into="mlx")
+    assert e is not None and mx.array_equal(ck.tensors["a"], a).item()
+
+
+def test_save_async_refusal_and_error_come_through_the_future(tmp_path):
+    with make_store(tmp_path / "kv", options=Options(min_tokens=5)) as s:
+        assert s.save_async("few", [1, 2], small_tensors()).result(timeout=30) is None
+        with pytest.raises(ValueError):
+            s.save_async("bad meta", list(range(9)), small_tensors(), meta={"x": {1}}).result(timeout=30)
+        assert s.save_async("fine", list(range(9)), small_tensors()).result(timeout=30) is not None
+
+
+def _async_batch(s, n, prefix):
+    big = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)    # 4 MiB each
+    return [s.save_async(f"{prefix} {i}", [1, 2, 3], {"x": big}) for i in range(n)]
+
+
+def test_flush_waits_for_queued_saves(tmp_path):
+    with KVStore(tmp_path / "kv", options=OPTS, durable=True) as s:
+        futs = _async_batch(s, 6, "flush")
+        s.flush()
+        assert all(f.done() for f in futs)
+        assert len(checkpoint_files(s.path)) == 6
+        assert [f.result().name for f in futs] == [
+            hashlib.sha1(f"flush {i}".encode()).hexdigest() + ".kv" for i in range(6)]
+
+
+def test_close_waits_for_queued_saves(tmp_path):
+    s = KVStore(tmp_path / "kv", options=OPTS, durable=True)
+    futs = _async_batch(s, 6, "close")
+    s.close()
+    assert all(f.done() and f.result() is not None for f in futs)
+    assert len(checkpoint_files(tmp_path / "kv")) == 6
+
+
+# ---- stats ---------------------------------------------------------------------
+
+def test_stats_counters(tmp_path):
+    with make_store(tmp_path / "kv", budget_mb=0.1) as s:
+        st = s.stats()
+        for k in ("hits", "misses", "loads", "bytes_loaded", "saves", "evictions", "corrupt"):
+            assert st[k] == 0, k
+        assert s.find("nothing here") is None
+        e = s.save("counted", [1, 2], small_tensors(n=1024))
+        ck = s.load(s.find("counted, hit"))
+        st = s.stats()
+        assert (st["misses"], st["saves"], st["hits"], st["loads"]) == (1, 1, 1, 1)
+        assert st["bytes_loaded"] == e.file_size
+        assert st["entries"] == 1 and st["bytes"] == e.file_size and st["budget_bytes"] == int(0.1 * 2**20)
+
+        # Corrupt one tensor byte: a miss and a corrupt file.
+        bad = s.save("corrupted", [1, 2], small_tensors(n=1024))
+        flip(bad.path, bad.file_size - 10)
+        assert s.load(s.find("corrupted")) is None
+        st = s.stats()
+        assert st["corrupt"] == 1 and st["misses"] == 2 and st["hits"] == 1
+
+        # Enough saves to exceed 100 KiB: evictions counted.
+        for i in range(30):
+            s.save(f"filler {i}", [1, 2], small_tensors(i, n=1024))
+        st = s.stats()
+        assert st["saves"] == 32
+        assert st["evictions"] == 31 + 1 - st["entries"] - st["corrupt"]
+        assert st["evictions"] > 0
+        assert ck is not None
+
+
+# ---- permissions, temporaries (SPEC 11, 12) --------------------------------------------
+
+def test_modes_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        with KVStore(tmp_path / "a" / "kv", options=OPTS, quarantine=True) as s:
+            e = s.save("perm", [1, 2], small_tensors())
+            e2 = s.save("perm2", [1, 2], small_tensors())
+            flip(e2.path, e2.file_size - 1)                  # corrupt: goes to .quarantine
+            assert s.load(s.find("perm2")) is None
+            mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)
+            assert mode(s.path) == 0o700
+            assert mode(e.path) == 0o600
+            assert mode(os.path.join(s.path, ".quarantine")) == 0o700
+            assert mode(os.path.join(s.path, ".quarantine", e2.name)) == 0o600
+            for name in os.listdir(s.path):
+                p = os.path.join(s.path, name)
+                if os.path.isfile(p):
+                    assert mode(p) & 0o077 == 0, name
+    finally:
+        os.umask(old)
+
+
+def _dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_temporaries_removed_on_open(tmp_path):
+    d = tmp_path / "kv"
+    with make_store(d) as s:
+        good = s.save("survivor", [1, 2], small_tensors())
+    sha = hashlib.sha1(b"x").hexdigest()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = d / f"{sha}.kv.tmp.{_dead_pid()}.1a2b3c4d"
+        alive = d / f"{sha}.kv.tmp.{live.pid}.deadbeef"
+        alive_but_old = d / f"{sha}.kv.tmp.{live.pid}.0badf00d"
+        unrelated = d / "notes.kv.tmp.1.ab"
+        for p in (dead, alive, alive_but_old, unrelated):
+            p.write_bytes(b"partial")
+        old = time.time() - 3 * 24 * 3600
+        os.utime(alive_but_old, (old, old))
+        with make_store(d) as s:
+            assert not dead.exists()
+            assert alive.exists()
+            assert not alive_but_old.exists()
+            assert unrelated.exists()
+            assert good.path in [e.path for e in s.entries()]
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_wipe_overwrites_then_unlinks(tmp_path):
+    with make_store(tmp_path / "kv") as s:
+        e1 = s.save(SECRET + " one", [1, 2], small_tensors(1))
+        e2 = s.save(SECRET + " two", [1, 2], small_tensors(2))
+        e3 = s.save("not wiped", [1, 2], small_tensors(3))
+        # Hard links see the inode's bytes after the name is gone.
+        for e in (e1, e2):
+            os.link(e.path, tmp_path / (e.name + ".witness"))
+        assert s.wipe(s.find(SECRET + " one!")) == 1
+        assert not os.path.exists(e1.path) and os.path.exists(e2.path)
+        w1 = (tmp_path / (e1.name + ".witness")).read_bytes()
+        assert len(w1) == e1.file_size and w1 == bytes(len(w1))
+        assert SECRET.encode() not in w1
+        assert s.wipe() == 2
+        assert checkpoint_files(s.path) == []
+        w2 = (tmp_path / (e2.name + ".witness")).read_bytes()
+        assert w2 == bytes(e2.file_size)
+        assert s.find(SECRET + " two!") is None and s.find("not wiped") is None
+        assert e3.name not in os.listdir(s.path)
+
+
+# ---- close -------------------------------------------------------------------------
+
+def test_context_manager_closes(tmp_path):
+    with make_store(tmp_path / "kv") as s:
+        s.save("ctx", [1], small_tensors())
+    with pytest.raises(kvstore.StoreClosed):
+        s.find("ctx")
+
+
+def test_everything_after_close_raises_store_closed(tmp_path):
+    s = make_store(tmp_path / "kv")
+    e = s.save("closing", [1, 2], small_tensors())
+    s.close()
+    s.close()                                              # idempotent
+    calls = [lambda: s.find("closing"), lambda: s.load(e), lambda: s.save("x", [1], {}),
+             lambda: s.save_async("x", [1], {}), s.entries, s.evict, s.stats, s.wipe]
+    for call in calls:
+        with pytest.raises(kvstore.StoreClosed):
+            call()
+    assert issubclass(kvstore.StoreClosed, RuntimeError)
+    assert os.path.exists(e.path)                          # close deletes nothing
+
+
+# ---- privacy (SPEC 12) -------------------------------------------------------------
+
+def test_no_prompt_text_in_logs(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvstore")
+    secrets = [SECRET, "hunter2-password-in-prompt", "tool-result-SECRET-77"]
+    d = tmp_path / "kv"
+    with make_store(d, options=Options(min_tokens=2, cold_max_tokens=5), budget_mb=0.05,
+                    quarantine=True) as s:
+        s.save(secrets[0], [1], small_tensors())                         # refused: min_tokens
+        s.save(secrets[0], [1, 2], {"x": np.zeros(1 << 20, np.uint8)})  # refused: budget
+        e = s.save(secrets[0], [1, 2], small_tensors(),
+                   trailers={0: {"call": secrets[2]}, 3: secrets[1]})
+        s.save(secrets[0], [1, 2], small_tensors(), trailers={3: secrets[1] + "!"})    # kept
+        s.load(s.find(secrets[0] + secrets[1]))                          # hit
+        s.find(secrets[1])                                               # miss
+        s.save_async(secrets[1], list(range(9)), small_tensors()).result()   # consumed on load
+        s.load(s.find(secrets[1] + " more"))
+        for i in range(8):                                               # evictions
+            s.save(f"{secrets[2]} {i}", [1, 2], small_tensors(i, n=2048))
+        bad = s.save(secrets[1] + " corrupt", [1, 2], small_tensors())
+        with open(bad.path, "r+b") as f:
+            f.seek(bad.file_size - 3)
+            f.write(b"\xff\xfe\xfd")
+        s.load(s.find(secrets[1] + " corrupt!"))                         # corrupt, quarantined
+        with open(e.path, "r+b") as f:                                   # a trailer section dropped
+            f.seek(e.file_size - 1)
+            f.write(b"\x00")
+        found = s.find(secrets[0] + "x")
+        if found is not None:
+            s.load(found)
+        s.wipe()
+    with make_store(d, max_age_s=0) as s:
+        s.save(secrets[0], [1, 2], small_tensors())
+    kinds = {m.split()[1] for m in messages(caplog)}
+    assert {"save_refused", "saved", "save_kept", "hit", "evicted", "corrupt", "trailer_drop"} <= kinds
+    for r in caplog.records:
+        text = r.getMessage() + repr(r.args) + (r.exc_text or "")
+        for secret in secrets:
+            assert secret not in text, r.getMessage()
+            assert secret.encode("utf-8").hex() not in text
+        assert "TOP-SECRET" not in text and "hunter2" not in text
