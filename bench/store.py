@@ -45,7 +45,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvstore  # noqa: E402
-from foundation import PROMPT_BYTES, SEED, compare, fmt_time, machine_info, stats  # noqa: E402
+from foundation import PROMPT_BYTES, SAMPLE_NS, SEED, compare, fmt_time, machine_info  # noqa: E402
+from foundation import stats as _stats  # noqa: E402
 
 # ---- lookup ------------------------------------------------------------------
 
@@ -92,6 +93,10 @@ MiB = 1024 * 1024
 
 # ---------------------------------------------------------------- reporting
 
+def plural(n, word):
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def fmt_ratio(r):
     if r == 0 or r >= 0.1:
         return f"{r:.2f}"
@@ -107,6 +112,16 @@ def fmt_cell(s):
     if "median_gbps" in s:
         cell += f" ({s['median_gbps']:.2f} / {s['max_gbps']:.2f} GB/s)"
     return cell
+
+
+def stats(ns_list, nbytes=None):
+    """foundation.stats, keeping the samples (in run order) for the JSON."""
+    return {**_stats(ns_list, nbytes), "samples_ns": list(ns_list)}
+
+
+def paired_ratio(kv_ns, peer_ns):
+    """Median of kvstore/peer over samples taken in the same round: drift cancels."""
+    return statistics.median(a / b for a, b in zip(kv_ns, peer_ns))
 
 
 def mib_stats(values_mib):
@@ -193,7 +208,8 @@ def ds4_refresh(directory):
                 continue
             if len(h) < _DS4_FIXED_HEADER + 4 or h[:4] != b"KVC\x01":
                 continue
-            quant, tokens, ctx = h[4], *struct.unpack_from("<I", h, 8), *struct.unpack_from("<I", h, 16)
+            quant = h[4]
+            tokens, _hits, ctx = struct.unpack_from("<III", h, 8)
             (payload_bytes,) = struct.unpack_from("<Q", h, 40)
             (text_bytes,) = struct.unpack_from("<I", h, 48)
             if tokens == 0 or quant not in (2, 4):
@@ -257,21 +273,29 @@ def write_sparse_entry(directory, name, text_len, header):
         os.close(fd)
 
 
-def sample(fns, repeats, number, warmup):
-    """Like foundation.compare, with the calls per sample given, not calibrated.
+def sample(fns, repeats, heavy=()):
+    """foundation.compare, except for the functions named in heavy.
 
-    ds4's loop costs seconds per call at 10,000 entries; compare() would spend
-    a warm-up and a calibration call on it.  number: name -> calls per sample;
-    warmup: name -> untimed calls first.
+    ds4's loop costs a second or more per call at 10,000 entries: a heavy
+    function gets no warm-up and no calibration call, one call per sample.
+    The others get 3 warm-up calls and enough calls per sample to last about
+    SAMPLE_NS (at most 20).
 
     Returns:
         (name -> list of per-call nanoseconds, one per repeat,
          name -> what the last call returned).
     """
     names = list(fns)
+    number = {}
     for name in names:
-        for _ in range(warmup[name]):
+        if name in heavy:
+            number[name] = 1
+            continue
+        for _ in range(3):
             fns[name]()
+        t0 = time.perf_counter_ns()
+        fns[name]()
+        number[name] = max(1, min(20, SAMPLE_NS // max(1, time.perf_counter_ns() - t0)))
     out = {name: [] for name in names}
     last = {}
     for r in range(repeats):
@@ -317,6 +341,7 @@ def bench_lookup(report, tmp, rng, quick):
     made = 0
     try:
         for n in LOOKUP_SIZES:
+            t_n = time.perf_counter()
             for name, length in zip(names[made:n - 1], lengths[made:n - 1]):
                 write_sparse_entry(directory, name, length, header)
             made = n - 1
@@ -336,13 +361,8 @@ def bench_lookup(report, tmp, rng, quick):
                                                         ENTRY_CTX_SIZE),
                 "sha1": lambda: hashlib.sha1(miss_prompt).digest(),
             }
-            # kvstore and hashlib take well under a millisecond: 20 calls a
-            # sample and a warm-up; ds4 hashes up to 2 GB a call: 1 call, and
-            # a warm-up only where that is cheap.
-            heavy = n >= 1000
-            number = {k: (1 if k.startswith("ds4") and heavy else 20) for k in fns}
-            warmup = {k: (0 if k.startswith("ds4") and heavy else 3) for k in fns}
-            times, got = sample(fns, repeats, number, warmup)
+            # ds4 hashes 0.2 GB (N=1,000) to 2 GB (N=10,000) a call.
+            times, got = sample(fns, repeats, heavy=("ds4_miss", "ds4_hit") if n >= 1000 else ())
             st = {k: stats(v) for k, v in times.items()}
             # Both found the same thing (checked on what the timed calls returned).
             assert got["kv_miss"] is None and got["ds4_miss"] == -1, (got["kv_miss"], got["ds4_miss"])
@@ -352,8 +372,7 @@ def bench_lookup(report, tmp, rng, quick):
             top = n == max(LOOKUP_SIZES)
             # ds4 also rescans the directory before every lookup (kv_cache_refresh:
             # a stat, an open and a 52-byte read per file); the loop rows leave it out.
-            rescan = statistics.median(sample({"r": lambda: ds4_refresh(directory)}, 3, {"r": 1},
-                                              {"r": 0})[0]["r"])
+            rescan = statistics.median(sample({"r": lambda: ds4_refresh(directory)}, 3, heavy=("r",))[0]["r"])
             rows = [
                 (f"find, N={n:,}, miss vs ds4 find loop (hashlib port)", "kv_miss", "ds4_miss",
                  1 / LOOKUP_MIN_SPEEDUP if top else None,
@@ -368,6 +387,7 @@ def bench_lookup(report, tmp, rng, quick):
                 report.add(label, st[a], st[b], target, note=note)
             point = {"n": n, "ds4_rescan_ns": rescan, "hit_position": position, **st}
             curve.append(point)
+            print(f"  [lookup N={n:,}: {time.perf_counter() - t_n:.1f} s]", file=sys.stderr, flush=True)
     finally:
         store.close()
         for name in os.listdir(directory):
@@ -490,14 +510,15 @@ def run_child(variant, sample, code, args, cwd):
     """Runs one child; records a non-zero exit or a C++ terminate at exit, never hides it."""
     p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=cwd,
                        timeout=CHILD_TIMEOUT_S)
-    aborted = p.returncode != 0 or "terminate called" in p.stderr
     result = None
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("{"):
             result = json.loads(line)
             break
+    # A negative rc is a signal (SIGABRT: -6), e.g. std::terminate at exit.
+    aborted = p.returncode != 0 or "terminate called" in p.stderr or result is None
     run = ChildRun(variant, sample, p.returncode, aborted, p.stderr[-600:], result)
-    if aborted or result is None:
+    if aborted or p.stderr.strip():
         print(f"  CHILD {variant} sample {sample}: rc={p.returncode} stderr: {p.stderr[-600:]!r}",
               file=sys.stderr, flush=True)
     return run
@@ -579,15 +600,15 @@ def bench_load(report, tmp, rng, tensors, quick):
     # (child code, its arguments, samples quick/full).  The target pair gets
     # the most samples; a full run starts with one uncounted round (sample -1).
     variants = {
-        "kv_mlx": (_CHILD_KV, [store_dir, text_path, "mlx"], 3, 7),
-        "peer": (_CHILD_MLX_LM, [st_path], 3, 7),
+        "kv_mlx": (_CHILD_KV, [store_dir, text_path, "mlx"], 3, 11),
+        "peer": (_CHILD_MLX_LM, [st_path], 3, 11),
         "kv_numpy": (_CHILD_KV, [store_dir, text_path, "numpy"], 1, 5),
         "mx_load": (_CHILD_MX_LOAD, [st_path], 1, 5),
     }
     names = list(variants)
     runs = {v: [] for v in names}
     children = []
-    rounds = 3 if quick else 7
+    rounds = max(v[2 if quick else 3] for v in variants.values())
     for i in range(0 if quick else -1, rounds):
         order = names if i % 2 == 0 else names[::-1]
         for v in order:
@@ -618,13 +639,15 @@ def bench_load(report, tmp, rng, tensors, quick):
     report.add(f"load {KV_BYTES // MiB} MiB, 1st in a fresh process, into MLX, CRC on "
                "vs mlx_lm load_prompt_cache + eval", first_kv,
                stats(times("peer", "first_s"), KV_BYTES), LOAD_MAX_TIME_RATIO,
-               note=f"{len(runs['kv_mlx'])}/{len(runs['peer'])} samples, warm page cache; {abort_note}")
+               note=f"{len(runs['kv_mlx'])}/{len(runs['peer'])} samples, warm page cache; median of per-round "
+                    f"ratios {paired_ratio(times('kv_mlx', 'first_s'), times('peer', 'first_s')):.2f}; "
+                    f"{abort_note}")
     report.add(f"load {KV_BYTES // MiB} MiB, 1st in a fresh process, into NumPy, CRC on "
                "vs mlx_lm load_prompt_cache + eval", stats(times("kv_numpy", "first_s"), KV_BYTES),
-               stats(times("peer", "first_s"), KV_BYTES), None, note=f"{len(runs['kv_numpy'])} samples")
+               stats(times("peer", "first_s"), KV_BYTES), None, note=plural(len(runs["kv_numpy"]), "sample"))
     report.add(f"load {KV_BYTES // MiB} MiB, 1st in a fresh process, into MLX vs mx.load(path) "
                "of the safetensors + eval", first_kv, stats(times("mx_load", "first_s"), KV_BYTES), None,
-               note=f"{len(runs['mx_load'])} samples")
+               note=plural(len(runs["mx_load"]), "sample"))
     report.add(f"load {KV_BYTES // MiB} MiB, 2nd in the same process (warm), into MLX "
                "vs mlx_lm load_prompt_cache 2nd", stats(times("kv_mlx", "warm_s"), KV_BYTES),
                stats(times("peer", "warm_s"), KV_BYTES), None, note="MLX's allocator reuses the freed buffers")
@@ -676,7 +699,7 @@ def bench_save(report, tmp, rng, tensors, quick):
            "kv_durable": lambda: kv_save("kv_durable")}
     names = list(fns)
     samples = {v: [] for v in names}
-    n = 3 if quick else 9
+    n = 3 if quick else 21
     try:
         for i in range(-1, n):                # sample -1: warm-up, not counted
             order = names if i % 2 == 0 else names[::-1]
@@ -696,7 +719,8 @@ def bench_save(report, tmp, rng, tensors, quick):
                   f"({sizes['kv_fast'] / sizes['peer']:.4f}×)")
     report.add(f"save {KV_BYTES // MiB} MiB, durable=False vs mlx_lm save_prompt_cache",
                stats(samples["kv_fast"], KV_BYTES), peer, SAVE_MAX_TIME_RATIO,
-               note=f"{n} samples; {sizes_note}")
+               note=f"{n} samples; median of per-round ratios "
+                    f"{paired_ratio(samples['kv_fast'], samples['peer']):.2f}; {sizes_note}")
     report.add(f"save {KV_BYTES // MiB} MiB, durable=True (fsync file + dir) vs mlx_lm save_prompt_cache "
                "(no fsync)", stats(samples["kv_durable"], KV_BYTES), peer, None, note=f"{n} samples")
     return sizes
@@ -750,8 +774,13 @@ def main(argv=None):
           f"(ds4 itself uses a portable C SHA1)")
     print(f"- load/save: {LAYERS} layers × keys and values {KV_SHAPE} float16 = {KV_BYTES // MiB} MiB; "
           f"loads are child processes (`python -c`), timed after imports")
-    print(f"- child processes: {len(children)} run, {len(aborts)} aborted or exited non-zero"
-          + "".join(f"\n  - {c.variant} sample {c.sample}: rc={c.rc} stderr={c.stderr_tail!r}" for c in aborts))
+    noisy = [c for c in children if c.stderr_tail.strip() and not c.aborted]
+    print(f"- child processes: {len(children)} run, {len(aborts)} aborted, exited non-zero or printed "
+          f"no result; {len(noisy)} more wrote to stderr"
+          + "".join(f"\n  - {c.variant} sample {c.sample}: rc={c.rc} stderr={c.stderr_tail!r}"
+                    for c in aborts + noisy))
+    print("- peak RSS is VmHWM from /proc/self/status in each child: ru_maxrss there starts at this "
+          "process's own peak (Linux keeps it across fork + exec) and reads the same before and after")
     print(f"- elapsed {elapsed:.1f} s")
     print("- cells are median / min; ratio = kvstore / peer (lower is better); targets are judged on "
           "the medians\n")

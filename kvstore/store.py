@@ -245,8 +245,9 @@ class KVStore:
             return self._miss(entry)
         try:
             cur = entry_from_fd(fd, st, entry.path)
-            if cur.payload_abi not in LOADABLE_ABIS:
-                log.info("kvstore: miss reason=foreign_abi abi=%d file=%s", cur.payload_abi, _short(entry.name))
+            if not self._eligible(cur):
+                # Rewritten since the lookup (another model, context, ABI...).
+                log.info("kvstore: miss reason=not_eligible abi=%d file=%s", cur.payload_abi, _short(entry.name))
                 return self._miss(entry)
             text = os.pread(fd, cur.text_bytes, PREFIX_SIZE)
             if len(text) != cur.text_bytes:
@@ -538,7 +539,7 @@ class KVStore:
         self._check_open()
         evicted = []
         lock_fd = os.open(os.path.join(self.path, LOCK_NAME),
-                          os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                          os.O_RDONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
                           0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)

@@ -7,7 +7,6 @@ import json
 import logging
 import multiprocessing
 import os
-import re
 import resource
 import shutil
 import signal

@@ -4,6 +4,7 @@ import errno
 import hashlib
 import os
 import struct
+import threading
 import tracemalloc
 
 import pytest
@@ -410,9 +411,26 @@ def test_read_entry_directory_refused(tmp_path):
 def test_read_entry_fifo_refused_without_blocking(tmp_path):
     fifo = tmp_path / ("6" * 40 + ".kv")
     os.mkfifo(fifo)
-    # No writer: a blocking open would hang here forever.
+    # No writer: a blocking open would hang forever, so read in a thread and,
+    # if it is stuck, open the write end to release it before failing.
+    result = []
+
+    def read():
+        try:
+            result.append(kvstore.read_entry(fifo))
+        except BaseException as e:     # noqa: B036 - handed to the main thread
+            result.append(e)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(5)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+        pytest.fail("read_entry blocked opening a FIFO")
+    assert isinstance(result[0], kvstore.UnsafePath), result
     with pytest.raises(kvstore.UnsafePath) as ei:
-        kvstore.read_entry(fifo)
+        raise result[0]
     unsafe(ei, fifo, "not a regular file")
 
 

@@ -297,14 +297,20 @@ def test_index_sees_same_tick_change(tmp_path):
     leave the directory mtime unchanged (emulated with utime): the index must
     still notice it once the mtime is old enough to be trusted."""
     d = tmp_path / "kv"
+    gran = index_mod.MTIME_GRANULARITY_NS
     with make_store(d) as reader, make_store(d) as writer:
-        put(writer, b"first")
-        assert reader.find(b"first!") is not None             # lists right after the change
-        mtime = os.stat(d).st_mtime_ns
-        put(writer, b"second")
-        os.utime(d, ns=(os.stat(d).st_atime_ns, mtime))       # same coarse tick as the listing
-        time.sleep(index_mod.MTIME_GRANULARITY_NS / 1e9 * 2)
-        assert reader.find(b"second!") is not None
+        for attempt in range(5):
+            put(writer, f"first {attempt}".encode())
+            mtime = os.stat(d).st_mtime_ns
+            assert reader.find(f"first {attempt}!".encode()) is not None   # lists right after the change
+            if time.time_ns() - mtime >= gran:
+                continue                 # the machine stalled: that listing may be trusted; again
+            put(writer, f"second {attempt}".encode())
+            os.utime(d, ns=(os.stat(d).st_atime_ns, mtime))       # same coarse tick as the listing
+            time.sleep(gran / 1e9 * 2)
+            assert reader.find(f"second {attempt}!".encode()) is not None
+            return
+        pytest.skip("could not list within the mtime granularity of a change")
 
 
 def test_unchanged_directory_is_not_relisted(store, monkeypatch):

@@ -10,7 +10,6 @@ import struct
 import numpy as np
 import pytest
 
-import kvstore
 from kvstore import _reference
 from kvstore.payload import DTYPES
 from kvstore.store import KVStore
