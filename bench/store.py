@@ -8,8 +8,9 @@ one imported:
     python bench/store.py --json results.json --strict
 
 Three comparisons, each with its peer measured in the same run, interleaved
-sample by sample (A, B, B, A, ...) after a warm-up; cells are median / min and
-targets are judged on the ratio of the medians:
+sample by sample (A, B, B, A, ...), after a warm-up wherever a call costs less
+than seconds; cells are median / min and targets are judged on the ratio of
+the medians:
 
 1. Lookup (SPEC section 4): ``store.find(prompt)`` on a directory of N = 10 ..
    10,000 checkpoints against a Python port of ds4's
@@ -17,7 +18,9 @@ targets are judged on the ratio of the medians:
    every candidate, ds4's skip rules, directory listing order), and against one
    hashlib.sha1 of the whole prompt.
 2. Load (SPEC section 5) of a 0.5 GiB KV state, first load in a fresh process
-   with a warm page cache, against mlx-lm's ``load_prompt_cache``.
+   with a warm page cache, against mlx-lm's ``load_prompt_cache``: every
+   sample is a new ``python -c`` child timed after its imports, and a child
+   that exits non-zero or aborts ("terminate called ...") is reported.
 3. Save (SPEC section 6) of the same state against mlx-lm's
    ``save_prompt_cache``.
 
@@ -376,7 +379,8 @@ def bench_lookup(report, tmp, rng, quick):
             rows = [
                 (f"find, N={n:,}, miss vs ds4 find loop (hashlib port)", "kv_miss", "ds4_miss",
                  1 / LOOKUP_MIN_SPEEDUP if top else None,
-                 f"{repeats} repeats; ds4 hashes all {n:,} prefixes ({sum(lengths[:n - 1]) / 1e6:.0f} MB); "
+                 f"{repeats} repeats; ds4 hashes all {n:,} prefixes "
+                 f"({(sum(lengths[:n - 1]) + MAX_TEXT_BYTES) / 1e6:.0f} MB); "
                  f"its directory rescan, left out, adds {fmt_time(rescan)}"),
                 (f"find, N={n:,}, hit vs ds4 find loop (hashlib port)", "kv_hit", "ds4_hit", None,
                  f"the hit is entry {position + 1:,} of {n:,} in listing order"),

@@ -303,6 +303,16 @@ def pread_into(int fd, buf, uint64_t offset, path=None, crc=None):
     return None if crc is None else c
 
 
+def buffer_address(buf):
+    """The address of a buffer's first byte (to tell whether two views share memory)."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    try:
+        return <size_t>view.buf
+    finally:
+        PyBuffer_Release(&view)
+
+
 def pwrite_from(int fd, buf, uint64_t offset, path=None, crc=None):
     """Writes all of buf to fd at offset, GIL released; returns the CRC as pread_into."""
     cdef Py_buffer view

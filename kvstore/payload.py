@@ -26,9 +26,10 @@ readinto() calls land, in parallel chunks with the GIL released, in the new
 arrays' own memory (see bench/README.md for why this beats zero-fill-then-read).
 """
 
+import atexit
+import bisect
 import concurrent.futures
 import copy
-import atexit
 import io
 import json
 import math
@@ -175,12 +176,26 @@ class Plan:
         return raw + b" " * (self.manifest_len - len(raw))
 
     def write(self, fd, path):
-        """Writes the payload at its place in fd, CRC'ing every block as it goes."""
+        """Writes the payload at its place in fd, CRC'ing every block as it goes.
+
+        Every slice of every block is queued at once: a file takes one writer
+        at a time in the kernel, so while one thread copies its slice into
+        the page cache the other computes the CRC of the next, and the CRC
+        costs no wall time.
+        """
         P = self.payload_start
         m = self.manifest
-        m["tokens"]["crc32c"] = write_block(fd, self.tokens, P + m["tokens"]["offset"], path)
-        for t, (_, _, _, buf) in zip(m["tensors"], self.sources):
-            t["crc32c"] = write_block(fd, buf, P + t["offset"], path)
+        blocks = [(m["tokens"], self.tokens)] + [(t, src[3]) for t, src in zip(m["tensors"], self.sources)]
+        jobs = [(t, _submit(_native.pwrite_from, fd, _bytes_view(buf), P + t["offset"], path, 0))
+                for t, buf in blocks]
+        error = None
+        for t, job in jobs:
+            try:
+                t["crc32c"] = _join(job, 0)
+            except BaseException as e:      # join them all before failing
+                error = error or e
+        if error is not None:
+            raise error
         raw = self.manifest_bytes()
         head = PAYLOAD_HEADER.pack(MAGIC, len(raw), self.data_offset, _native.crc32c(raw), 0)
         _native.pwrite_from(fd, head + raw, P, path)
@@ -294,6 +309,18 @@ def _get_pool():
         return _pool
 
 
+def _forget_pool_after_fork():
+    # A forked child inherits the pool object but none of its threads: work
+    # submitted to it would wait forever.  The child starts its own.
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
 def _slices(n):
     parts = min(IO_THREADS, n // MIN_SLICE)
     if parts < 2:
@@ -302,20 +329,26 @@ def _slices(n):
     return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
+def _submit(fn, fd, mv, offset, path, crc0):
+    """Queues fn(fd, slice, offset, path, crc0) for every slice of mv."""
+    pool = _get_pool()
+    return [(b - a, pool.submit(fn, fd, mv[a:b], offset + a, path, crc0)) for a, b in _slices(mv.nbytes)]
+
+
+def _join(jobs, crc0):
+    """Waits for _submit's jobs; returns the CRC of the whole (None without crc0)."""
+    crc = None
+    for n, fut in jobs:
+        c = fut.result()
+        crc = c if crc is None else None if crc0 is None else _native.crc32c_combine(crc, c, n)
+    return crc
+
+
 def _parallel(fn, fd, mv, offset, path, crc0):
     """Runs fn(fd, slice, offset, path, crc0) over the slices of mv; joins the CRCs."""
-    parts = _slices(mv.nbytes)
-    if len(parts) == 1:
+    if len(_slices(mv.nbytes)) == 1:
         return fn(fd, mv, offset, path, crc0)
-    pool = _get_pool()
-    futs = [pool.submit(fn, fd, mv[a:b], offset + a, path, crc0) for a, b in parts]
-    crcs = [f.result() for f in futs]
-    if crc0 is None:
-        return None
-    crc = crcs[0]
-    for (a, b), c in zip(parts[1:], crcs[1:]):
-        crc = _native.crc32c_combine(crc, c, b - a)
-    return crc
+    return _join(_submit(fn, fd, mv, offset, path, crc0), crc0)
 
 
 def _bytes_view(buf):
@@ -333,11 +366,6 @@ def read_block(fd, buf, offset, path, verify):
     Returns the CRC32C of the bytes (None when verify is false).
     """
     return _parallel(_native.pread_into, fd, _bytes_view(buf), offset, path, 0 if verify else None)
-
-
-def write_block(fd, buf, offset, path):
-    """Writes the byte buffer buf to fd at offset, in parallel slices; returns its CRC32C."""
-    return _parallel(_native.pwrite_from, fd, _bytes_view(buf), offset, path, 0)
 
 
 def _check(crc, want, path, what):
@@ -377,25 +405,33 @@ class _VirtualSafetensors(io.RawIOBase):
     """The payload's tensors seen as one safetensors file, for mx.load.
 
     mx.load allocates each array and calls readinto() once with the array's
-    own memory; this object answers with parallel preads from the checkpoint
-    at the tensor's real offset and checks its CRC.  Reads that do not cover
-    a whole tensor in order are served too, and their tensors are CRC-checked
-    after the load from the arrays themselves.
+    own memory.  In deferred mode this object only queues the parallel preads
+    (from the tensor's real offset, CRC'd as they land) and returns at once,
+    so that MLX moves on to allocate the next array while the reads of the
+    last one run: the reads of all tensors overlap instead of waiting one
+    tensor at a time.  wait() then joins them and checks every CRC, and the
+    caller checks that each buffer MLX handed over is the final array's own
+    memory (if MLX ever copied out of it, the data would not be there yet).
+    Reads that do not cover a whole tensor in one call are served at once,
+    and their tensors are CRC-checked from the arrays after the load.
     """
 
-    def __init__(self, fd, entry, manifest, verify):
-        self.fd, self.entry, self.verify = fd, entry, verify
+    def __init__(self, fd, entry, manifest, verify, defer):
+        self.fd, self.entry, self.verify, self.defer = fd, entry, verify, defer
         header, self.spans, at = {}, [], 0
         for name, dtype, shape, off, n, crc in manifest.tensors:
             header[name] = {"dtype": DTYPES[dtype][1], "shape": list(shape), "data_offsets": [at, at + n]}
-            self.spans.append((at, n, entry.payload_offset + off, crc, name))
+            if n:
+                self.spans.append((at, n, entry.payload_offset + off, crc, name))
             at += n
+        self.starts = [s[0] for s in self.spans]
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self.head = struct.pack("<Q", len(raw)) + raw
         self.size = len(self.head) + at
         self.pos = 0
         self.partial = set()      # tensors read other than whole-in-one-call
+        self.pending = {}         # name -> (jobs, crc, buffer address)
         self.error = None
 
     def readable(self):
@@ -412,31 +448,68 @@ class _VirtualSafetensors(io.RawIOBase):
         return self.pos
 
     def readinto(self, b):
-        mv = memoryview(b).cast("B")
+        mv = _bytes_view(b)
         n, done = mv.nbytes, 0
-        while done < n and self.pos < self.size:
-            if self.pos < len(self.head):
-                k = min(n - done, len(self.head) - self.pos)
-                mv[done:done + k] = self.head[self.pos:self.pos + k]
-            else:
-                rel = self.pos - len(self.head)
-                span = next(s for s in self.spans if s[0] <= rel < s[0] + s[1])
-                start, size, file_off, crc, name = span
-                k = min(n - done, start + size - rel)
-                whole = rel == start and k == size
-                try:
-                    got = read_block(self.fd, mv[done:done + k], file_off + rel - start, self.entry.path,
-                                     self.verify and whole)
-                    if whole:
-                        _check(got, crc, self.entry.path, f"tensor {name!r}")
-                    else:
-                        self.partial.add(name)
-                except Exception as e:      # mx.load would mask it: keep it
-                    self.error = self.error or e
-                    raise
-            self.pos += k
-            done += k
+        try:
+            while done < n and self.pos < self.size:
+                if self.pos < len(self.head):
+                    k = min(n - done, len(self.head) - self.pos)
+                    mv[done:done + k] = self.head[self.pos:self.pos + k]
+                else:
+                    k = self._read_span(mv[done:], self.pos - len(self.head))
+                self.pos += k
+                done += k
+        except Exception as e:      # mx.load would mask it: keep it
+            self.error = self.error or e
+            raise
         return done
+
+    def _read_span(self, mv, rel):
+        start, size, file_off, crc, name = self.spans[bisect.bisect_right(self.starts, rel) - 1]
+        k = min(mv.nbytes, start + size - rel)
+        out = mv[:k]
+        if rel == start and k == size:
+            if self.defer:
+                jobs = _submit(_native.pread_into, self.fd, out, file_off, self.entry.path,
+                               0 if self.verify else None)
+                self.pending[name] = (jobs, crc, _native.buffer_address(out))
+            else:
+                got = read_block(self.fd, out, file_off, self.entry.path, self.verify)
+                _check(got, crc, self.entry.path, f"tensor {name!r}")
+        else:
+            read_block(self.fd, out, file_off + rel - start, self.entry.path, False)
+            self.partial.add(name)
+        return k
+
+    def wait(self):
+        """Joins the deferred reads; raises the first failure."""
+        for name, (jobs, crc, _) in self.pending.items():
+            try:
+                got = _join(jobs, 0 if self.verify else None)
+                _check(got, crc, self.entry.path, f"tensor {name!r}")
+            except Exception as e:
+                self.error = self.error or e
+        if self.error is not None:
+            raise self.error
+
+
+def _mx_load(fd, entry, manifest, verify, defer):
+    """mx.load over the virtual file; every read joined and checked on return."""
+    import mlx.core as mx
+    src = _VirtualSafetensors(fd, entry, manifest, verify, defer)
+    try:
+        loaded = mx.load(src, format="safetensors")
+        mx.eval(list(loaded.values()))
+    except Exception as e:
+        try:
+            src.wait()          # never leave reads running into freed arrays
+        except Exception:
+            pass
+        if src.error is not None:
+            raise src.error from None
+        raise CorruptCheckpoint("bad_payload", entry.path, f"mx.load failed: {type(e).__name__}") from None
+    src.wait()
+    return loaded, src
 
 
 def read_tensors_mlx(fd, entry, manifest, verify=True):
@@ -452,15 +525,11 @@ def read_tensors_mlx(fd, entry, manifest, verify=True):
     direct.tensors = [t for t in manifest.tensors if t[1] != "float64"]
     out = {}
     if direct.tensors:
-        src = _VirtualSafetensors(fd, entry, direct, verify)
-        try:
-            loaded = mx.load(src, format="safetensors")
-        except Exception as e:
-            if src.error is not None:
-                raise src.error from None
-            raise CorruptCheckpoint("bad_payload", entry.path, f"mx.load failed: {type(e).__name__}") from None
-        if src.error is not None:
-            raise src.error
+        loaded, src = _mx_load(fd, entry, direct, verify, defer=True)
+        if any(_native.buffer_address(memoryview(loaded[name])) != addr
+               for name, (_, _, addr) in src.pending.items()):
+            # MLX did not read into the arrays' own memory: no deferring.
+            loaded, src = _mx_load(fd, entry, direct, verify, defer=False)
         for name, dtype, shape, off, n, crc in direct.tensors:
             a = loaded[name]
             if name in src.partial and verify:

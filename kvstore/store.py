@@ -143,6 +143,7 @@ class KVStore:
         self.max_age_s = max_age_s
         self._closed = False
         self._writer = None
+        self._writer_pid = None
         self._lock = threading.RLock()
         self._stats = dict(hits=0, misses=0, loads=0, bytes_loaded=0, load_s=0.0, saves=0,
                            bytes_saved=0, save_s=0.0, refused=0, save_errors=0, evictions=0,
@@ -511,13 +512,15 @@ class KVStore:
             else:
                 captured[k] = np.array(a, copy=True)
         with self._lock:
-            if self._writer is None:
+            if self._writer is None or self._writer_pid != os.getpid():
+                # (A forked child inherits the writer object but not its thread.)
                 self._writer = BackgroundWriter()
+                self._writer_pid = os.getpid()
         return self._writer.submit(self.save, _as_bytes(text), tokens, captured, **kwargs)
 
     def flush(self):
         """Waits for every queued save_async to finish."""
-        if self._writer is not None:
+        if self._writer is not None and self._writer_pid == os.getpid():
             self._writer.flush()
 
     # -- eviction (section 8) ----------------------------------------------
@@ -664,7 +667,7 @@ class KVStore:
         """Waits for queued saves and closes the store."""
         if self._closed:
             return
-        if self._writer is not None:
+        if self._writer is not None and self._writer_pid == os.getpid():
             self._writer.close()
         self._closed = True
 

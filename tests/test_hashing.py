@@ -77,6 +77,13 @@ def test_select_unknown_name_raises(impl, kw):
     assert _native.implementation() == before
 
 
+def test_select_positional_is_sha1(impl):
+    with pytest.raises(ValueError, match="unknown sha1 implementation 'nope'"):
+        _native.select("nope")
+    _native.select("portable")
+    assert _native.implementation()["sha1"] == "portable"
+
+
 @pytest.mark.parametrize("which", ["sha1", "crc32c"])
 def test_select_unavailable_raises_and_keeps_selection(impl, which):
     missing = [n for n in ("x86", "arm") if n not in _native.available()[which]]

@@ -477,3 +477,29 @@ def test_no_prompt_text_in_logs(tmp_path, caplog):
             assert secret not in text, r.getMessage()
             assert secret.encode("utf-8").hex() not in text
         assert "TOP-SECRET" not in text and "hunter2" not in text
+
+
+def test_store_works_in_a_forked_child_after_parallel_io(tmp_path):
+    """A child forked after the parent used the I/O pool and the writer can save and load."""
+    import multiprocessing as mp
+
+    big = {"k": np.arange(3 << 20, dtype=np.float32)}          # 12 MiB: sliced over the pool
+    with kvstore.KVStore(tmp_path / "s", options=kvstore.Options(min_tokens=1)) as store:
+        store.save("parent text", np.arange(4), big)
+        assert store.load(store.find("parent text")) is not None
+        store.save_async("parent async", np.arange(4), big).result()
+
+        def child(q):
+            e = store.save("child text", np.arange(4), big)
+            ck = store.load(store.find("child text"))
+            fut = store.save_async("child async", np.arange(4), big)
+            q.put((e is not None, ck is not None and np.array_equal(ck.tensors["k"], big["k"]),
+                   fut.result(timeout=30) is not None))
+
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q,))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0, "child hung or failed"
+        assert q.get(timeout=5) == (True, True, True)
