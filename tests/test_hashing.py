@@ -96,10 +96,12 @@ def test_select_unavailable_raises_and_keeps_selection(impl, which):
 
 
 @pytest.mark.parametrize("env,forced", [("1", True), ("0", False), ("", False)])
-def test_kvstore_portable_env_forces_portable_at_import(env, forced):
+def test_kvstore_portable_env_forces_portable_at_import(env, forced, tmp_path):
     code = "import json, kvstore._native as n; print(json.dumps(n.implementation()))"
+    # cwd away from the source tree: `python -c` puts the cwd first on sys.path,
+    # and the repository's un-built kvstore/ must not shadow the installed one.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "KVSTORE_PORTABLE": env}).stdout
+                         cwd=tmp_path, env={**os.environ, "KVSTORE_PORTABLE": env}).stdout
     impls = json.loads(out)
     if forced:
         assert impls == {"sha1": "portable", "crc32c": "portable"}
