@@ -12,12 +12,13 @@ from kvstore.format import Entry, ExtFlag, Header, Reason, read_entry, touch
 from kvstore import policy
 from kvstore.policy import Options
 from kvstore.store import Checkpoint, KVStore
+from kvstore.prompt_cache import PromptCache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "sha1", "sha1_prefixes", "crc32c",
-    "KVStore", "Options", "Checkpoint", "policy",
+    "KVStore", "Options", "Checkpoint", "PromptCache", "policy",
     "Header", "Reason", "ExtFlag", "Entry", "read_entry", "touch",
     "KVStoreError", "CorruptCheckpoint", "CheckpointOSError", "CheckpointMissing",
     "UnsafePath", "StoreClosed",

@@ -1,0 +1,212 @@
+"""kvstore for MLX: mlx-lm prompt caches on disk and an engine for PromptCache.
+
+    import kvstore, kvstore.mlx
+    store = kvstore.KVStore("~/.cache/kvstore")
+    engine = kvstore.mlx.MLXEngine(model, tokenizer)
+    server = kvstore.PromptCache(store, engine)
+    text, report = engine.generate(server, prompt, max_tokens=64)
+
+save_prompt_cache / load_prompt_cache store and restore any mlx-lm prompt
+cache (a list of per-layer caches) under the prompt text it belongs to.
+"""
+
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from kvstore.mlx_cache import (CACHE_CLASSES, cache_to_tensors, load_prompt_cache,
+                               save_prompt_cache, tensors_to_cache)
+
+__all__ = ["MLXEngine", "save_prompt_cache", "load_prompt_cache", "cache_to_tensors",
+           "tensors_to_cache", "CACHE_CLASSES", "token_bytes_function"]
+
+# A context size for models whose config names none.
+DEFAULT_CTX_SIZE = 32768
+
+
+def _bytes_to_unicode():
+    """GPT-2's reversible byte <-> printable-character table (byte-level BPE)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def token_bytes_function(tokenizer):
+    """A function ids -> the exact bytes those tokens render to.
+
+    Uses the tokenizer's own ``token_bytes`` when it has one; otherwise the
+    vocabulary of a byte-level BPE (GPT-2 style) or a SentencePiece model
+    (``▁`` for spaces, ``<0xNN>`` byte tokens); otherwise decode().
+    """
+    own = getattr(tokenizer, "token_bytes", None)
+    if callable(own):
+        return own
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    convert = getattr(hf, "convert_ids_to_tokens", None)
+    if convert is not None:
+        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        specials = set(getattr(hf, "all_special_ids", []) or [])
+
+        def piece_bytes(i, piece):
+            if i in specials:
+                return piece.encode("utf-8")
+            if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+                return bytes([int(piece[3:5], 16)])
+            if all(ch in byte_of for ch in piece):
+                return bytes(byte_of[ch] for ch in piece)
+            return piece.replace("\u2581", " ").encode("utf-8")
+
+        def from_vocab(ids):
+            ids = [int(i) for i in ids]
+            return b"".join(piece_bytes(i, p) for i, p in zip(ids, convert(ids)))
+        return from_vocab
+
+    def from_decode(ids):
+        return tokenizer.decode([int(i) for i in ids]).encode("utf-8")
+    return from_decode
+
+
+def _model_quant_bits(model):
+    q = getattr(getattr(model, "args", None), "quantization", None)
+    if isinstance(q, dict) and q.get("bits") in (2, 3, 4, 5, 6, 8):
+        return int(q["bits"])
+    return 16
+
+
+class MLXEngine:
+    """The PromptCache Engine protocol for any mlx-lm model.
+
+    Args:
+        model: an mlx-lm model (``mlx_lm.load(path)[0]`` or built in code).
+        tokenizer: its tokenizer (an mlx-lm TokenizerWrapper, a transformers
+            tokenizer, or anything with encode/decode).
+        model_id: header model id (0..255) for this model's checkpoints.
+        quant_bits: quant bits of the weights (default: read from the model).
+        ctx_size: context size (default: the model's max positions or 32768).
+        user_marker, assistant_marker: token strings that open a user and an
+            assistant turn in the chat rendering (default: the tokenizer's
+            ``user_id``/``assistant_id`` attributes, else none).
+        max_kv_size: a rotating cache of this many tokens (None: full cache).
+    """
+
+    load_into = "mlx"
+
+    def __init__(self, model, tokenizer, model_id=0, quant_bits=None, ctx_size=None,
+                 user_marker=None, assistant_marker=None, max_kv_size=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.quant_bits = quant_bits if quant_bits is not None else _model_quant_bits(model)
+        args = getattr(model, "args", None)
+        self.ctx_size = int(ctx_size or getattr(args, "max_position_embeddings", None) or DEFAULT_CTX_SIZE)
+        self.user_id = self._marker_id(user_marker, "user_id")
+        self.assistant_id = self._marker_id(assistant_marker, "assistant_id")
+        self.max_kv_size = max_kv_size
+        self.token_bytes = token_bytes_function(tokenizer)
+        self.cache = make_prompt_cache(model, max_kv_size)
+        self.eos_ids = self._eos_ids()
+        self._no_specials = _accepts_special_flag(tokenizer)
+
+    def _marker_id(self, marker, attr):
+        if marker is None:
+            v = getattr(self.tokenizer, attr, None)
+            return int(v) if v is not None else -1
+        ids = self.tokenizer.encode(marker, add_special_tokens=False) \
+            if _accepts_special_flag(self.tokenizer) else self.tokenizer.encode(marker)
+        if len(ids) != 1:
+            raise ValueError(f"marker {marker!r} is not a single token (got {len(ids)} ids)")
+        return int(ids[0])
+
+    def _eos_ids(self):
+        ids = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        eos = getattr(self.tokenizer, "eos_token_id", None) or getattr(self.tokenizer, "eos_id", None)
+        if eos is not None:
+            ids.add(int(eos))
+        return ids
+
+    # -- the Engine protocol -------------------------------------------------
+
+    def tokenize(self, text):
+        s = text.decode("utf-8")
+        if not s:
+            return []
+        if self._no_specials:
+            return list(self.tokenizer.encode(s, add_special_tokens=False))
+        return list(self.tokenizer.encode(s))
+
+    def reset(self):
+        self.cache = make_prompt_cache(self.model, self.max_kv_size)
+
+    def prefill(self, tokens):
+        logits = self.model(mx.array(tokens, dtype=mx.uint32)[None], cache=self.cache)
+        last = logits[0, -1]
+        mx.eval(last, [c.state for c in self.cache])
+        return last
+
+    def snapshot(self):
+        return cache_to_tensors(self.cache)
+
+    def restore(self, tensors, meta):
+        self.cache = tensors_to_cache(tensors, meta)
+
+    def trim(self, n):
+        if not can_trim_prompt_cache(self.cache):
+            return False
+        return trim_prompt_cache(self.cache, n) == n
+
+    # -- the whole request ---------------------------------------------------
+
+    def generate(self, prompt_cache, prompt, max_tokens=32, temperature=0.0, progress=None, seed=None):
+        """Runs one request: lookup, load, chunked prefill with stores, sampling.
+
+        Args:
+            prompt_cache: kvstore.PromptCache over this engine.
+            prompt: the rendered prompt (str or bytes).
+            max_tokens: tokens to generate at most (stops at EOS).
+            temperature: 0 for greedy decoding.
+            progress: optional callable(done, total) during the prefill.
+
+        Returns:
+            (generated token ids, report dict: source, reused_tokens,
+            prefilled_tokens, ttft_ms, load_ms, save_ms, stored, generated).
+        """
+        if seed is not None:
+            mx.random.seed(seed)
+        req = prompt_cache.begin(prompt)
+        logits = prompt_cache.prefill(req, progress=progress)
+        out = []
+        y = self._sample(logits, temperature)
+        ttft = (time.perf_counter() - req.started) * 1e3
+        while True:
+            out.append(y)
+            if y in self.eos_ids or len(out) >= max_tokens:
+                break
+            logits = self.prefill([y])
+            prompt_cache.extend([y])
+            y = self._sample(logits, temperature)
+        report = {"source": req.source, "reused_tokens": req.reused, "prefilled_tokens": req.prefilled,
+                  "ttft_ms": ttft, "load_ms": req.load_ms, "save_ms": req.save_ms,
+                  "stored": list(req.stored), "generated": len(out)}
+        return out, report
+
+    @staticmethod
+    def _sample(logits, temperature):
+        if temperature <= 0:
+            return int(mx.argmax(logits).item())
+        return int(mx.random.categorical(logits * (1.0 / temperature)).item())
+
+
+def _accepts_special_flag(tok):
+    try:
+        tok.encode("a", add_special_tokens=False)
+        return True
+    except TypeError:
+        return False

@@ -1,0 +1,291 @@
+"""PromptCache: the serving policy of SPEC section 7, for a server's request loop.
+
+A server keeps one live session (the model state in memory) and a KVStore on
+disk.  For each request PromptCache decides where the prompt's prefix comes
+from, builds the effective prompt, drives the chunked prefill and decides
+what to store and when:
+
+    prompt text ──► memory hit?  (the live session's text is a prefix)
+                └─► disk hit?    (store.find: the longest stored byte prefix)
+                └─► cold         (nothing reusable)
+    effective prompt = reused exact tokens + tokenize(only the text suffix)
+    prefill in chunks aligned to absolute multiples of the prefill step,
+      storing `continued` waypoints at aligned frontiers and, for a cold
+      request, the `cold` anchor (last user marker before the first
+      assistant marker, else store_len)
+    before a disk load replaces a live session of >= min_tokens: store it
+      as `evict`; on close: store the live session as `shutdown`.
+
+The engine is anything that implements the small Engine protocol below; the
+MLX implementation is kvstore.mlx.MLXEngine.  Nothing here imports MLX.
+"""
+
+import dataclasses
+import logging
+import time
+from typing import Any, Protocol
+
+from kvstore import policy
+from kvstore.format import Reason
+
+log = logging.getLogger("kvstore")
+
+# ds4's prefill chunk and the boundary alignment: a checkpoint at a multiple
+# of it restores to a state bit-identical to a cold prefill with this step.
+DEFAULT_PREFILL_STEP = 2048
+
+
+class Engine(Protocol):
+    """What PromptCache needs from an inference engine."""
+    model_id: int            # header model id (0..255)
+    quant_bits: int          # quant bits of the weights (2,3,4,5,6,8,16)
+    ctx_size: int            # context size of the live session
+    user_id: int             # user-marker token id, negative when none
+    assistant_id: int        # assistant-marker token id, negative when none
+
+    def tokenize(self, text: bytes) -> list: ...
+    """Token ids of a text suffix (bytes that start at a UTF-8 boundary)."""
+
+    def token_bytes(self, tokens) -> bytes: ...
+    """The exact bytes the tokens render to (for checkpoint keys)."""
+
+    def reset(self) -> None: ...
+    """Empties the live state."""
+
+    def prefill(self, tokens) -> Any: ...
+    """Extends the live state by tokens; returns the last position's logits."""
+
+    def snapshot(self) -> tuple: ...
+    """(tensors, meta) of the live state, captured now (immutable arrays)."""
+
+    def restore(self, tensors: dict, meta: dict) -> None: ...
+    """Replaces the live state with a stored one."""
+
+
+@dataclasses.dataclass
+class Request:
+    """One request's plan and, after prefill, its report."""
+    source: str                   # "memory", "disk" or "none"
+    tokens: list                  # the effective prompt (exact token ids)
+    reused: int                   # tokens taken from memory or disk
+    text: bytes = dataclasses.field(repr=False, default=b"")
+    cold_target: int = 0          # position of the cold anchor (0: none)
+    prefilled: int = 0
+    load_ms: float = 0.0
+    save_ms: float = 0.0
+    stored: list = dataclasses.field(default_factory=list)   # (reason, tokens)
+    started: float = 0.0
+
+
+class PromptCache:
+    """The request-loop policy over one engine and one KVStore.
+
+    Args:
+        store: kvstore.KVStore (its options give min_tokens, cold_max_tokens,
+            the waypoint interval and the boundary rules).
+        engine: an Engine.
+        prefill_step: tokens per prefill chunk; chunks end at absolute
+            multiples of it so that stored boundaries replay bit-exactly.
+        async_saves: store checkpoints on the store's background writer.
+    """
+
+    def __init__(self, store, engine, prefill_step=DEFAULT_PREFILL_STEP, async_saves=False):
+        if prefill_step < 1:
+            raise ValueError(f"prefill_step={prefill_step} must be >= 1")
+        self.store = store
+        self.engine = engine
+        self.options = store.options
+        self.prefill_step = int(prefill_step)
+        self.async_saves = async_saves
+        self.live_tokens = []            # the tokens whose state is in the engine
+        self._live_text = None           # cached token_bytes(live_tokens)
+        self._last_store = 0             # token count of the last waypoint stored
+
+    # -- the live session ----------------------------------------------------
+
+    @property
+    def live_text(self):
+        if self._live_text is None:
+            self._live_text = self.engine.token_bytes(self.live_tokens)
+        return self._live_text
+
+    def _set_live(self, tokens, text=None):
+        self.live_tokens = list(tokens)
+        self._live_text = text
+
+    # -- request start -------------------------------------------------------
+
+    def begin(self, prompt):
+        """Decides memory / disk / cold for a prompt and sets the live state.
+
+        Args:
+            prompt: the rendered prompt (str or bytes).
+
+        Returns:
+            Request with the effective prompt; call prefill(request) next.
+        """
+        t0 = time.perf_counter()
+        text = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
+        live_n = len(self.live_tokens)
+        memory_ok = live_n > 0 and len(self.live_text) <= len(text) and text.startswith(self.live_text)
+        memory_len = len(self.live_text) if memory_ok else -1
+
+        entry = self.store.find(text)
+        req = None
+        if entry is not None and entry.text_bytes > memory_len:
+            req = self._disk_hit(entry, text)
+        if req is None and memory_ok:
+            suffix = text[len(self.live_text):]
+            req = Request("memory", self.live_tokens + list(self.engine.tokenize(suffix)), live_n, text)
+        if req is None:
+            req = self._cold(text)
+        req.started = t0
+        return req
+
+    def _disk_hit(self, entry, text):
+        if len(self.live_tokens) >= self.options.min_tokens:
+            # SPEC 7: the live session is about to be replaced; keep it.
+            self._store_live(Reason.EVICT, None)
+        t = time.perf_counter()
+        ckpt = self.store.load(entry, into=self._load_into())
+        if ckpt is None:
+            return None
+        self.engine.restore(ckpt.tensors, ckpt.meta)
+        tokens = [int(x) for x in ckpt.tokens]
+        self._set_live(tokens, ckpt.text_bytes)
+        self._last_store = len(tokens)
+        req = Request("disk", tokens + list(self.engine.tokenize(text[len(ckpt.text_bytes):])), len(tokens), text)
+        req.load_ms = (time.perf_counter() - t) * 1e3
+        return req
+
+    def _cold(self, text):
+        self.engine.reset()
+        self._set_live([], b"")
+        self._last_store = 0
+        tokens = list(self.engine.tokenize(text))
+        req = Request("none", tokens, 0, text)
+        if 0 < len(tokens) <= self.options.cold_max_tokens:
+            anchor = policy.chat_anchor_pos(tokens, self.engine.user_id, self.engine.assistant_id, self.options)
+            req.cold_target = anchor if anchor > 0 else policy.store_len(len(tokens), self.options)
+        return req
+
+    def _load_into(self):
+        return getattr(self.engine, "load_into", "numpy")
+
+    # -- prefill -------------------------------------------------------------
+
+    def prefill(self, req, progress=None):
+        """Prefills req.tokens beyond what is reused, storing checkpoints on the way.
+
+        Chunks end at absolute multiples of prefill_step, at the cold anchor
+        and at the end of the prompt.  Waypoints (SPEC 7) are stored when the
+        live count is an exact multiple of the continued step; a cold anchor
+        on that frontier suppresses the waypoint, and a failed cold store
+        restores it.
+
+        Args:
+            req: the Request from begin().
+            progress: optional callable(done_tokens, total_tokens).
+
+        Returns:
+            the engine's logits for the last prompt token (None if nothing was
+            prefilled and the prompt is fully reused).
+        """
+        tokens = req.tokens
+        pos = len(self.live_tokens)
+        if pos > len(tokens) or self.live_tokens != tokens[:pos]:
+            raise RuntimeError("live state does not match the request; call begin() first")
+        if pos == len(tokens) and pos > 0:
+            # Everything is cached: re-run the last token to get its logits.
+            self._rewind_one()
+            pos -= 1
+        logits = None
+        step = self.prefill_step
+        while pos < len(tokens):
+            end = min(len(tokens), (pos // step + 1) * step)
+            if pos < req.cold_target < end:
+                end = req.cold_target
+            logits = self.engine.prefill(tokens[pos:end])
+            req.prefilled += end - pos
+            pos = end
+            self._set_live(tokens[:pos])
+            if progress is not None:
+                progress(pos, len(tokens))
+            self._maybe_store(req, pos)
+        return logits
+
+    def _rewind_one(self):
+        """Drops the last live token so that it can be fed again."""
+        trim = getattr(self.engine, "trim", None)
+        if trim is not None and trim(1):
+            self._set_live(self.live_tokens[:-1])
+            return
+        # No trim: rebuild from scratch (rare: a prompt equal to the live text).
+        tokens = self.live_tokens[:-1]
+        self.engine.reset()
+        self._set_live([], b"")
+        for i in range(0, len(tokens), self.prefill_step):
+            self.engine.prefill(tokens[i:i + self.prefill_step])
+        self._set_live(tokens)
+
+    def _maybe_store(self, req, pos):
+        waypoint = policy.continued_store_target(pos, self._last_store, self.options)
+        if req.cold_target and pos == req.cold_target:
+            if self._store_live(Reason.COLD, req) is not None:
+                self._last_store = max(self._last_store, pos)
+                return                      # the anchor suppresses a waypoint here
+            # The cold store failed: the waypoint schedule stands.
+        if waypoint and waypoint == pos:
+            if self._store_live(Reason.CONTINUED, req) is not None:
+                self._last_store = pos
+
+    def _store_live(self, reason, req):
+        """Stores the live state under its exact text; returns the entry (or future)."""
+        n = len(self.live_tokens)
+        if n < self.options.min_tokens:
+            return None
+        text = self.live_text
+        if req is not None and not req.text.startswith(text):
+            log.info("kvstore: store_skipped reason=text_not_prefix tokens=%d", n)
+            return None
+        if not _utf8_boundary(text):
+            # The suffix after this text could not be tokenized on its own.
+            log.info("kvstore: store_skipped reason=mid_character tokens=%d", n)
+            return None
+        t = time.perf_counter()
+        tensors, meta = self.engine.snapshot()
+        if self.async_saves:
+            result = self.store.save_async(text, self.live_tokens, tensors, meta=meta, reason=reason,
+                                           ctx_size=self.engine.ctx_size)
+        else:
+            result = self.store.save(text, self.live_tokens, tensors, meta=meta, reason=reason,
+                                     ctx_size=self.engine.ctx_size)
+        if req is not None:
+            req.save_ms += (time.perf_counter() - t) * 1e3
+            if result is not None:
+                req.stored.append((Reason(reason).name.lower(), n))
+        return result
+
+    # -- after generation ----------------------------------------------------
+
+    def extend(self, tokens):
+        """Records tokens the engine added to the live state (generated tokens)."""
+        self._set_live(self.live_tokens + list(tokens))
+
+    def close(self):
+        """Stores the live session as `shutdown` and waits for pending saves."""
+        self._store_live(Reason.SHUTDOWN, None)
+        self.store.flush()
+
+
+def _utf8_boundary(text):
+    """True when text ends at a UTF-8 character boundary."""
+    tail = text[-4:]
+    for i in range(len(tail) - 1, -1, -1):
+        b = tail[i]
+        if b < 0x80:
+            return i == len(tail) - 1
+        if b >= 0xC0:                    # a lead byte: is its sequence complete?
+            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            return len(tail) - i == need
+    return len(tail) == 0
