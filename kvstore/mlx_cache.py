@@ -29,7 +29,6 @@ keys in the same order, so generation continues bit for bit.
 
 import dataclasses
 import logging
-import os
 from typing import Callable
 
 import mlx.core as mx
@@ -488,13 +487,5 @@ def load_prompt_cache(store, prompt):
 
 def _discard(store, entry, reason):
     """Removes (or quarantines) a file whose payload loaded but whose cache did not rebuild."""
-    try:
-        st = os.stat(entry.path, follow_symlinks=False)
-    except FileNotFoundError:
-        st = None                # already consumed (cold_max_tokens) or evicted
-    if st is not None and st.st_ino == entry.inode:
-        # KVStore's own corrupt-file path: counts it, removes or quarantines
-        # it, logs it, and never touches a newer file saved under that name.
-        store._discard_corrupt(entry.path, st, reason)
-    else:
+    if not store.discard(entry, reason):
         log.warning("kvstore: corrupt reason=%s action=gone file=%s", reason, entry.name[:12] + "…kv")

@@ -88,39 +88,45 @@ def _is_mlx(a):
 
 
 def tensor_source(name, a):
-    """Returns (dtype name, shape, flat contiguous byte buffer) for an array.
+    """Describes an array for the writer without copying it.
 
-    NumPy arrays and MLX arrays are accepted; MLX arrays are evaluated and
-    made contiguous first.  The buffer shares memory with the array when it
-    can (no copy for contiguous arrays).
+    Returns:
+        (dtype name, shape, nbytes, materialize) where materialize() returns
+        the flat contiguous little-endian byte buffer.  The buffer shares
+        memory with the array when it can; a strided view (a KV buffer sliced
+        to its filled length, say) is copied only when materialize() is
+        called, so the writer holds at most a couple of such copies at once.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"tensor name {name!r} must be a non-empty str")
     if _is_mlx(a):
         import mlx.core as mx
         mx.eval(a)
-        view = memoryview(a)
-        if not view.c_contiguous:
-            a = mx.contiguous(a)
-            mx.eval(a)
-            view = memoryview(a)
         dtype = str(a.dtype).rsplit(".", 1)[-1]
         shape = tuple(int(d) for d in a.shape)
-        buf = view
+        nbytes = int(a.nbytes)
+
+        def materialize(a=a):
+            view = memoryview(a)
+            if not view.c_contiguous:
+                a = mx.contiguous(a)
+                mx.eval(a)
+                view = memoryview(a)
+            return view
     else:
         a = np.asarray(a)
         dtype = a.dtype.name
         # The shape before any reshaping: np.ascontiguousarray makes a 0-d
         # array 1-d, and a scalar must come back with shape ().
         shape = tuple(int(d) for d in a.shape)
-        if dtype not in DTYPES:
-            raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
-        # The file is little-endian: a big-endian array is byte-swapped here.
-        a = np.ascontiguousarray(a.reshape(-1), dtype=a.dtype.newbyteorder("<"))
-        buf = a.view(np.uint8)
+        nbytes = int(a.nbytes)
+
+        def materialize(a=a):
+            # The file is little-endian: a big-endian array is byte-swapped here.
+            return np.ascontiguousarray(a.reshape(-1), dtype=a.dtype.newbyteorder("<")).view(np.uint8)
     if dtype not in DTYPES:
         raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    return dtype, shape, buf
+    return dtype, shape, nbytes, materialize
 
 
 class Plan:
@@ -143,10 +149,10 @@ class Plan:
             "tensors": [],
             "meta": meta,
         }
-        for name, dtype, shape, buf in self.sources:
+        for name, dtype, shape, nbytes, _ in self.sources:
             self.manifest["tensors"].append({
                 "name": name, "dtype": dtype, "shape": list(shape),
-                "offset": 0, "nbytes": buf.nbytes, "crc32c": _CRC_PLACEHOLDER})
+                "offset": 0, "nbytes": nbytes, "crc32c": _CRC_PLACEHOLDER})
         # Offsets need M and M needs offsets: offsets have at most 20 digits,
         # so reserve that width, lay out, then serialise for real.
         for t in [self.manifest["tokens"]] + self.manifest["tensors"]:
@@ -178,22 +184,32 @@ class Plan:
     def write(self, fd, path):
         """Writes the payload at its place in fd, CRC'ing every block as it goes.
 
-        Every slice of every block is queued at once: a file takes one writer
-        at a time in the kernel, so while one thread copies its slice into
-        the page cache the other computes the CRC of the next, and the CRC
-        costs no wall time.
+        The slices of one block are queued while the previous block's are
+        still running: a file takes one writer at a time in the kernel, so
+        while one thread copies its slice into the page cache another
+        computes the CRC of the next, and the CRC costs no wall time.  At
+        most two blocks are in flight, which bounds the memory of blocks
+        that need a contiguous copy.
         """
         P = self.payload_start
         m = self.manifest
-        blocks = [(m["tokens"], self.tokens)] + [(t, src[3]) for t, src in zip(m["tensors"], self.sources)]
-        jobs = [(t, _submit(_native.pwrite_from, fd, _bytes_view(buf), P + t["offset"], path, 0))
-                for t, buf in blocks]
-        error = None
-        for t, job in jobs:
-            try:
-                t["crc32c"] = _join(job, 0)
-            except BaseException as e:      # join them all before failing
-                error = error or e
+        blocks = [(m["tokens"], lambda: self.tokens)] + \
+            [(t, src[4]) for t, src in zip(m["tensors"], self.sources)]
+        error, prev = None, None
+        for t, materialize in blocks + [(None, None)]:
+            job = None
+            if t is not None and error is None:
+                try:
+                    job = (t, _submit(_native.pwrite_from, fd, _bytes_view(materialize()),
+                                      P + t["offset"], path, 0))
+                except BaseException as e:
+                    error = e
+            if prev is not None:
+                try:
+                    prev[0]["crc32c"] = _join(prev[1], 0)
+                except BaseException as e:   # join every queued slice before failing
+                    error = error or e
+            prev = job
         if error is not None:
             raise error
         raw = self.manifest_bytes()

@@ -298,7 +298,8 @@ class KVStore:
     def _miss(self, entry):
         with self._lock:
             self._stats["misses"] += 1
-            self._index.discard(entry.name) if not os.path.lexists(entry.path) else None
+            if not os.path.lexists(entry.path):
+                self._index.discard(entry.name)
         return None
 
     def _unlink_if_same(self, path, st):
@@ -313,6 +314,25 @@ class KVStore:
         except FileNotFoundError:
             pass
         return False
+
+    def discard(self, entry, reason):
+        """Removes (or quarantines) a checkpoint found unusable by a caller.
+
+        For engines that load a payload and then find it cannot be used (a
+        cache that does not rebuild, say).  The file is removed only if it is
+        still the one the entry describes (same inode), never a newer save.
+
+        Returns:
+            True when the file was removed or moved aside.
+        """
+        try:
+            st = os.stat(entry.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if entry.inode and st.st_ino != entry.inode:
+            return False
+        self._discard_corrupt(entry.path, st, reason)
+        return not os.path.lexists(entry.path)
 
     def _discard_corrupt(self, path, st, reason):
         name = os.path.basename(path)
@@ -506,9 +526,12 @@ class KVStore:
         captured = {}
         for k, a in tensors.items():
             if payload._is_mlx(a):
+                # A new array object over the same buffer: the caller's object
+                # may be rebound by an in-place update (cache[..., i:j] = x)
+                # before the writer gets to it; the view keeps today's data.
                 import mlx.core as mx
-                mx.eval(a)
-                captured[k] = a
+                captured[k] = a[...]
+                mx.eval(captured[k])
             else:
                 captured[k] = np.array(a, copy=True)
         with self._lock:

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import struct
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from kvstore._native import crc32c
 from kvstore.format import ExtFlag
