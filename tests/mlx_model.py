@@ -27,6 +27,7 @@ from mlx_lm.models import cache as mlc
 from mlx_lm.models import llama
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+from kvstore.mlx import _bytes_to_unicode
 
 VOCAB_SIZE = 2000
 SPECIAL_TOKENS = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
@@ -95,16 +96,7 @@ def _trained_json(vocab_size):
 @functools.lru_cache(maxsize=None)
 def _byte_decoder():
     """GPT-2's byte <-> printable-character table, inverted (char -> byte)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {c: b for b, c in _bytes_to_unicode().items()}
 
 
 class Tokenizer:

@@ -15,7 +15,7 @@ import pytest
 
 import kvstore
 from kvstore import store as store_mod
-from kvstore.store import KVStore
+from kvhelpers import make_store
 
 try:
     from kvstore import Options
@@ -27,12 +27,6 @@ OPTS = Options(min_tokens=1)
 HALF_LIFE = Options().hit_half_life_s
 R = kvstore.Reason
 TENSORS = {"k": np.arange(4096, dtype=np.float32)}      # every test file: 16 KiB of data
-
-
-def make_store(path, **kw):
-    kw.setdefault("options", OPTS)
-    kw.setdefault("durable", False)
-    return KVStore(path, **kw)
 
 
 def name_of(text):

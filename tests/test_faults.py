@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore.store import QUARANTINE_DIR, KVStore
+from kvstore.store import QUARANTINE_DIR
+from kvhelpers import make_store, flip
 
 try:
     from kvstore import Options
@@ -30,12 +31,6 @@ OPTS = Options(min_tokens=1)
 PAYLOAD_HEAD = struct.Struct("<4sIQII")
 TEXT = "a system prompt and a user turn"
 PROMPT = TEXT + ", and the rest of the request"
-
-
-def make_store(path, **kw):
-    kw.setdefault("options", OPTS)
-    kw.setdefault("durable", False)
-    return KVStore(path, **kw)
 
 
 @pytest.fixture
@@ -57,14 +52,6 @@ def listing(directory):
 
 def tmp_names(directory):
     return [n for n in os.listdir(directory) if ".tmp." in n]
-
-
-def flip(path, offset, mask=0x01):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([b ^ mask]))
 
 
 def layout(path):

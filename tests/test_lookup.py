@@ -14,7 +14,7 @@ import pytest
 
 import kvstore
 from kvstore import index as index_mod
-from kvstore.store import KVStore
+from kvhelpers import make_store
 
 try:
     from kvstore import Options
@@ -23,12 +23,6 @@ except ImportError:
 
 CTX = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 OPTS = Options(min_tokens=1)
-
-
-def make_store(path, **kw):
-    kw.setdefault("options", OPTS)
-    kw.setdefault("durable", False)
-    return KVStore(path, **kw)
 
 
 @pytest.fixture

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 import kvstore
+import kvhelpers
 from kvstore import trailers as trailer_mod
 from kvstore.store import KVStore
+from kvhelpers import make_store
 
 try:
     from kvstore import Options
@@ -26,12 +28,6 @@ except ImportError:
 
 OPTS = Options(min_tokens=1)
 SECRET = "TOP-SECRET prompt ☂ 4242"      # must never reach a log line
-
-
-def make_store(path, **kw):
-    kw.setdefault("options", OPTS)
-    kw.setdefault("durable", False)
-    return KVStore(path, **kw)
 
 
 @pytest.fixture
@@ -51,12 +47,7 @@ def checkpoint_files(directory):
 
 
 def flip(path, offset, mask=0x40):
-    """Flips bits of one byte of a file in place."""
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([b ^ mask]))
+    kvhelpers.flip(path, offset, mask)
 
 
 def trailer_of(path):
