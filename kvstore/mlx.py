@@ -164,7 +164,8 @@ class MLXEngine:
 
     # -- the whole request ---------------------------------------------------
 
-    def generate(self, prompt_cache, prompt, max_tokens=32, temperature=0.0, progress=None, seed=None):
+    def generate(self, prompt_cache, prompt, max_tokens=32, temperature=0.0, progress=None, seed=None,
+                 keep_generated=True):
         """Runs one request: lookup, load, chunked prefill with stores, sampling.
 
         Args:
@@ -173,6 +174,9 @@ class MLXEngine:
             max_tokens: tokens to generate at most (stops at EOS).
             temperature: 0 for greedy decoding.
             progress: optional callable(done, total) during the prefill.
+            keep_generated: keep the generated tokens in the live session
+                (False: trim them, for a caller whose next prompt renders the
+                reply its own way).
 
         Returns:
             (generated token ids, report dict: source, reused_tokens,
@@ -192,6 +196,8 @@ class MLXEngine:
             logits = self.prefill([y])
             prompt_cache.extend([y])
             y = self._sample(logits, temperature)
+        if not keep_generated:
+            prompt_cache.rewind(len(prompt_cache.live_tokens) - len(req.tokens))
         report = {"source": req.source, "reused_tokens": req.reused, "prefilled_tokens": req.prefilled,
                   "ttft_ms": ttft, "load_ms": req.load_ms, "save_ms": req.save_ms,
                   "stored": list(req.stored), "generated": len(out)}

@@ -272,6 +272,31 @@ class PromptCache:
         """Records tokens the engine added to the live state (generated tokens)."""
         self._set_live(self.live_tokens + list(tokens))
 
+    def rewind(self, n):
+        """Drops the last n live tokens (e.g. generated tokens the next prompt
+        renders differently); returns False when the engine cannot trim."""
+        n = min(int(n), len(self.live_tokens))
+        trim = getattr(self.engine, "trim", None)
+        if n == 0:
+            return True
+        if trim is None or not trim(n):
+            return False
+        self._set_live(self.live_tokens[:-n])
+        return True
+
+    def adopt(self, checkpoint):
+        """Makes a loaded checkpoint (an agent session, say) the live session.
+
+        The live session it replaces is stored as `evict` first when it holds
+        at least min_tokens (SPEC 7).
+        """
+        if len(self.live_tokens) >= self.options.min_tokens:
+            self._store_live(Reason.EVICT, None)
+        self.engine.restore(checkpoint.tensors, checkpoint.meta)
+        tokens = [int(x) for x in checkpoint.tokens]
+        self._set_live(tokens, checkpoint.text_bytes)
+        self._last_store = len(tokens)
+
     def close(self):
         """Stores the live session as `shutdown` and waits for pending saves."""
         self._store_live(Reason.SHUTDOWN, None)
