@@ -6,13 +6,15 @@ and prefills only the rest.  See SPEC.md for the file format.
 """
 
 from kvstore._native import crc32c, sha1, sha1_prefixes
-from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
-                            KVStoreError, StoreClosed, UnsafePath)
+from kvstore.errors import (AmbiguousSession, CheckpointMissing, CheckpointOSError,
+                            CorruptCheckpoint, KVStoreError, SessionNotFound, StoreClosed,
+                            UnsafePath)
 from kvstore.format import Entry, ExtFlag, Header, Reason, read_entry, touch
 from kvstore import policy
 from kvstore.policy import Options
 from kvstore.store import Checkpoint, KVStore
 from kvstore.prompt_cache import PromptCache
+from kvstore import sessions
 
 __version__ = "0.1.0"
 
@@ -21,5 +23,5 @@ __all__ = [
     "KVStore", "Options", "Checkpoint", "PromptCache", "policy",
     "Header", "Reason", "ExtFlag", "Entry", "read_entry", "touch",
     "KVStoreError", "CorruptCheckpoint", "CheckpointOSError", "CheckpointMissing",
-    "UnsafePath", "StoreClosed",
+    "UnsafePath", "StoreClosed", "SessionNotFound", "AmbiguousSession", "sessions",
 ]

@@ -242,6 +242,15 @@ def summary(rows, directory):
 
 # ---- entry points -------------------------------------------------------------
 
+def add_parser(subparsers):
+    """Adds `kvstore demo` to the command line (kvstore.cli)."""
+    p = subparsers.add_parser("demo", help="run the scripted agent workload (the main job)",
+                              description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(func=main)
+    return p
+
+
 def add_arguments(parser):
     parser.add_argument("--dir", help="cache directory (default: a new temporary one)")
     parser.add_argument("--model", help="a local mlx-lm model directory (default: the embedded model)")
@@ -254,6 +263,9 @@ def add_arguments(parser):
 def main(args):
     """Runs the demo; returns the exit status."""
     progress = args.progress or sys.stderr.isatty()
+    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+        print(f"kvstore: error: {args.model}: not an mlx-lm model directory (no config.json)", file=sys.stderr)
+        return 2
     if args.phase == 2:
         rows = run_phase(2, args.dir, args.model, args.workdir, progress)
         with open(args.rows, "w") as f:

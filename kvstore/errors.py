@@ -18,10 +18,12 @@ class CorruptCheckpoint(KVStoreError, ValueError):
     Attributes:
         path: the file, or None for an in-memory buffer.
         reason: a short key=value-friendly reason such as ``bad_magic``.
+        detail: what exactly is wrong, without the path ("" when none).
     """
 
     def __init__(self, reason, path=None, detail=""):
         self.reason = reason
+        self.detail = detail
         self.path = None if path is None else os.fspath(path)
         where = f"{self.path}: " if self.path is not None else ""
         super().__init__(f"{where}corrupt checkpoint ({reason}){': ' + detail if detail else ''}")
@@ -41,6 +43,22 @@ class UnsafePath(CheckpointOSError):
 
 class StoreClosed(KVStoreError, RuntimeError):
     """An operation on a KVStore after close()."""
+
+
+class SessionNotFound(KVStoreError, LookupError):
+    """No agent session has this hash prefix (or it cannot be loaded here)."""
+
+
+class AmbiguousSession(KVStoreError, LookupError):
+    """More than one agent session starts with this hash prefix.
+
+    Attributes:
+        matches: the full hashes that share the prefix.
+    """
+
+    def __init__(self, message, matches=()):
+        self.matches = tuple(matches)
+        super().__init__(message)
 
 
 def os_error(err, path, what):

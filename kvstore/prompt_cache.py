@@ -128,6 +128,11 @@ class PromptCache:
         text = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
         live_n = len(self.live_tokens)
         memory_ok = live_n > 0 and len(self.live_text) <= len(text) and text.startswith(self.live_text)
+        if memory_ok and not _utf8_boundary(self.live_text):
+            # Generation stopped inside a character (byte tokens): the suffix
+            # would start mid-character and cannot be tokenized on its own.
+            memory_ok = self._rewind_to_whole_character()
+            live_n = len(self.live_tokens)
         memory_len = len(self.live_text) if memory_ok else -1
 
         entry = self.store.find(text)
@@ -141,6 +146,17 @@ class PromptCache:
             req = self._cold(text)
         req.started = t0
         return req
+
+    def _rewind_to_whole_character(self):
+        """Drops the live tokens after the last whole UTF-8 character; False if it cannot.
+
+        A character has at most 4 bytes, so at most 4 tokens hold part of it.
+        """
+        n, text = len(self.live_tokens), self.live_text
+        for k in range(1, min(4, n - 1) + 1):
+            if _utf8_boundary(text[:len(text) - len(self.engine.token_bytes(self.live_tokens[n - k:]))]):
+                return self.rewind(k)
+        return False
 
     def _disk_hit(self, entry, text):
         if len(self.live_tokens) >= self.options.min_tokens:

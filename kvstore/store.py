@@ -19,6 +19,7 @@ moved aside) and the lookup is a miss.
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import re
@@ -193,9 +194,11 @@ class KVStore:
 
     # -- lookup (section 4) ------------------------------------------------
 
-    def _eligible(self, e):
+    def _eligible(self, e, min_tokens=None):
+        if min_tokens is None:
+            min_tokens = self.options.min_tokens
         return (e.model_id == self.model_id and e.payload_abi in LOADABLE_ABIS
-                and e.tokens >= self.options.min_tokens
+                and e.tokens >= min_tokens
                 and (self.ctx_size is None or e.ctx_size <= self.ctx_size)
                 and (not self.reject_different_quant or e.quant_bits == self.quant_bits))
 
@@ -220,13 +223,19 @@ class KVStore:
 
     # -- load (section 5) --------------------------------------------------
 
-    def load(self, entry, into="numpy"):
+    def load(self, entry, into="numpy", *, min_tokens=None, consume=True):
         """Loads a checkpoint found by find() (or listed by entries()).
 
         Args:
             entry: an Entry.
             into: "numpy" or "mlx" (arrays of that library; bfloat16 tensors
                 come back as uint16 bit patterns in NumPy, which has no bfloat16).
+            min_tokens: the shortest checkpoint this load accepts (default
+                options.min_tokens).  Agent sessions, addressed by name rather
+                than found by lookup, load at any length.
+            consume: delete a checkpoint of more than options.cold_max_tokens
+                after loading it (SPEC 5.6).  Agent sessions are kept: a
+                session is switched back to, not taken over.
 
         Returns:
             Checkpoint, or None when the file vanished, is corrupt (it is then
@@ -246,7 +255,7 @@ class KVStore:
             return self._miss(entry)
         try:
             cur = entry_from_fd(fd, st, entry.path)
-            if not self._eligible(cur):
+            if not self._eligible(cur, min_tokens):
                 # Rewritten since the lookup (another model, context, ABI...).
                 log.info("kvstore: miss reason=not_eligible abi=%d file=%s", cur.payload_abi, _short(entry.name))
                 return self._miss(entry)
@@ -279,7 +288,7 @@ class KVStore:
             hits = _native.touch(entry.path, int(time.time()))
         except KVStoreError:
             hits = cur.hits      # deleted or replaced meanwhile: the load stands
-        if cur.tokens > self.options.cold_max_tokens:
+        if consume and cur.tokens > self.options.cold_max_tokens:
             # The live session now owns this state and writes fresh waypoints.
             self._unlink_if_same(entry.path, st)
             self._stats["consumed"] += 1
@@ -362,7 +371,7 @@ class KVStore:
         return None
 
     def save(self, text, tokens, tensors, meta=None, reason=Reason.COLD, ctx_size=None,
-             trailers=None):
+             trailers=None, *, min_tokens=None):
         """Stores a checkpoint for the prompt text.
 
         Args:
@@ -373,6 +382,8 @@ class KVStore:
             reason: kvstore.Reason.
             ctx_size: context size the state was made with (default: the store's).
             trailers: dict ext-bit -> value for the trailer hooks (SPEC section 10).
+            min_tokens: refuse fewer tokens than this (default
+                options.min_tokens); agent sessions are saved at any length.
 
         Returns:
             the new (or kept) Entry, or None when refused (too few tokens, over
@@ -386,8 +397,10 @@ class KVStore:
         if len(text) >= 2**32:
             raise ValueError(f"text of {len(text)} bytes is longer than 2**32-1")
         n = int(tokens.size)
-        if n == 0 or n < self.options.min_tokens:
-            return self._refuse("min_tokens", tokens=n, min_tokens=self.options.min_tokens)
+        if min_tokens is None:
+            min_tokens = self.options.min_tokens
+        if n == 0 or n < min_tokens:
+            return self._refuse("min_tokens", tokens=n, min_tokens=min_tokens)
         ctx = self.ctx_size if ctx_size is None else int(ctx_size)
         plan = payload.Plan(len(text), tokens, tensors, meta)
         values = {_bit(k): v for k, v in (trailers or {}).items()}
@@ -401,7 +414,7 @@ class KVStore:
         path = os.path.join(self.path, name)
         t0 = time.perf_counter()
         try:
-            kept = self._keep_existing(path, text, ctx, values)
+            kept = self._keep_existing(path, text, ctx, values, Reason(reason))
             if kept is not None:
                 return kept
             header = Header(quant_bits=self.quant_bits, tokens=n, ctx_size=ctx or 0,
@@ -431,8 +444,14 @@ class KVStore:
                 and (ctx is None or e.ctx_size <= ctx)
                 and (not self.reject_different_quant or e.quant_bits == self.quant_bits))
 
-    def _keep_existing(self, path, text, ctx, values):
-        """SPEC 6.2: a compatible file with the same name is kept; only its trailer changes."""
+    def _keep_existing(self, path, text, ctx, values, reason):
+        """SPEC 6.2: a compatible file with the same name is kept; only its trailer changes.
+
+        One header byte may change too: a file saved again as an agent session
+        becomes one (reason byte 5), so that a named session whose text a
+        server had already stored still shows in the session list.  A session
+        is never demoted by a later automatic save.
+        """
         try:
             fd, st = open_checkpoint(path, _RDWR_FLAGS)
         except CheckpointMissing:
@@ -448,6 +467,11 @@ class KVStore:
                 return None
             if values:
                 e = self._rewrite_trailer(fd, e, values)
+            if reason == Reason.AGENT_SESSION and e.reason != Reason.AGENT_SESSION:
+                os.pwrite(fd, bytes([int(Reason.AGENT_SESSION)]), 5)
+                if self.durable:
+                    os.fsync(fd)
+                e = entry_from_fd(fd, os.fstat(fd), e.path)
             with self._lock:
                 self._index.add(e)
             log.info("kvstore: save_kept file=%s", _short(e.name))
@@ -671,18 +695,8 @@ class KVStore:
         targets = [entry] if entry is not None else self.entries()
         n = 0
         for e in targets:
-            try:
-                fd, st = open_checkpoint(e.path, _RDWR_FLAGS)
-            except KVStoreError:
-                continue
-            try:
-                zero = bytes(min(_WIPE_BLOCK, st.st_size))
-                for off in range(0, st.st_size, _WIPE_BLOCK):
-                    os.pwrite(fd, zero[:min(_WIPE_BLOCK, st.st_size - off)], off)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if self._unlink_if_same(e.path, st):
+            st = _overwrite(e.path)
+            if st is not None and self._unlink_if_same(e.path, st):
                 n += 1
         return n
 
@@ -699,6 +713,45 @@ class KVStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _overwrite(path):
+    """Zeroes a file in place and syncs it; returns its stat, or None if it cannot be opened."""
+    try:
+        fd, st = open_checkpoint(path, _RDWR_FLAGS)
+    except KVStoreError:
+        return None
+    try:
+        zero = bytes(min(_WIPE_BLOCK, st.st_size))
+        for off in range(0, st.st_size, _WIPE_BLOCK):
+            os.pwrite(fd, zero[:min(_WIPE_BLOCK, st.st_size - off)], off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return st
+
+
+def wipe_file(path):
+    """Overwrites then unlinks one file that KVStore.wipe does not see.
+
+    For files that hold prompt text without being valid checkpoints: a bad
+    envelope, a file moved to .quarantine.  Symlinks are refused, and the
+    name is unlinked only if it is still the file that was overwritten.
+
+    Returns:
+        True when the file was wiped.
+    """
+    st = _overwrite(path)
+    if st is None:
+        return False
+    try:
+        now = os.stat(path, follow_symlinks=False)
+        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _token_array(tokens):
@@ -719,3 +772,126 @@ def _bit(key):
     if not 0 <= key <= 7:
         raise ValueError(f"trailer key {key} is not an extension bit index 0..7")
     return key
+
+
+# -- offline checks (the `kvstore verify` and `inspect` commands) -----------
+
+# verify_file streams every block through one buffer of this size, so checking
+# a file of any size costs a few MiB of memory, far inside the 64 MiB that
+# SPEC 5.1 allows a load on top of its arrays.
+VERIFY_CHUNK = 4 << 20
+
+
+def _reason_line(e):
+    return f"{e.reason}: {e.detail}" if getattr(e, "detail", "") else e.reason
+
+
+def verify_file(path, progress=None):
+    """Checks one checkpoint file as load() would, without keeping any array.
+
+    Checked: the envelope (SPEC section 2), the stored text against the file
+    name, the payload header and manifest, and the CRC32C of the token block
+    and of every tensor (section 3).  Blocks stream through one reused buffer
+    of VERIFY_CHUNK bytes, so memory stays bounded whatever the file size.
+    A file whose payload ABI this build cannot load is a valid envelope: its
+    payload is not checked.  The trailer is not checked either: a section
+    whose CRC fails is dropped on load and the checkpoint stays usable.
+
+    Args:
+        path: the .kv file.
+        progress: optional callable(nbytes), called as bytes are read.
+
+    Returns:
+        None when the file is sound, else a one-line reason such as
+        ``"crc: tensor 'k.0' CRC mismatch"`` (never prompt text).
+
+    Raises:
+        CheckpointMissing: the file does not exist (or vanished meanwhile).
+    """
+    def advance(n):
+        if progress is not None and n:
+            progress(n)
+
+    try:
+        fd, st = open_checkpoint(path)
+    except CheckpointMissing:
+        raise
+    except UnsafePath:
+        return "unsafe_path: not a regular file (kvstore never follows symlinks)"
+    except CheckpointOSError as e:
+        return f"unreadable: {os.strerror(e.errno) if e.errno else e}"
+    buf = None
+    try:
+        e = entry_from_fd(fd, st, path)
+        advance(PREFIX_SIZE)
+        if not e.loadable:
+            return None
+        buf = bytearray(min(VERIFY_CHUNK, max(e.text_bytes, e.payload_bytes, 1)))
+        mv = memoryview(buf)
+        h = hashlib.sha1()
+        for off in range(0, e.text_bytes, len(buf)):
+            k = min(len(buf), e.text_bytes - off)
+            _native.pread_into(fd, mv[:k], PREFIX_SIZE + off, e.path)
+            h.update(mv[:k])
+            advance(k)
+        if e.sha and h.hexdigest() != e.sha:
+            return "text_hash: stored text does not hash to the file name"
+        manifest = payload.read_manifest(fd, e)
+        blocks = [(manifest.tokens[0], 4 * e.tokens, manifest.tokens[2], "tokens")]
+        blocks += [(off, n, crc, f"tensor {name!r}") for name, _, _, off, n, crc in manifest.tensors]
+        for off, n, want, what in blocks:
+            crc = 0
+            for at in range(0, n, len(buf)):
+                k = min(len(buf), n - at)
+                crc = _native.pread_into(fd, mv[:k], e.payload_offset + off + at, e.path, crc)
+                advance(k)
+            if crc != want:
+                return f"crc: {what} CRC mismatch"
+        return None
+    except CorruptCheckpoint as err:
+        return _reason_line(err)
+    except CheckpointMissing:
+        raise
+    except (CheckpointOSError, OSError) as err:
+        return f"unreadable: {os.strerror(err.errno) if err.errno else err}"
+    finally:
+        os.close(fd)
+
+
+def trailer_sections(fd, entry):
+    """The framing of a checkpoint's trailer, read header by header.
+
+    Only the 16-byte section headers are read, never the bodies, so a large
+    trailer costs nothing to walk.  Parsing stops where parse_trailer stops:
+    at a truncated section header or body.
+
+    Args:
+        fd: the open checkpoint.
+        entry: its Entry (from read_entry or entry_from_fd).
+
+    Yields:
+        (bit, body offset in the file, body length, CRC32C the header records);
+        a bit above 7 is yielded as read (parse_trailer drops such sections).
+    """
+    hdr = trailer_mod.SECTION_HEADER.size
+    at, end = entry.trailer_offset, entry.file_size
+    while end - at >= hdr:
+        raw = os.pread(fd, hdr, at)
+        if len(raw) < hdr:
+            return
+        bit, length, crc = trailer_mod.SECTION_HEADER.unpack(raw)
+        if length > end - at - hdr:
+            return
+        yield bit, at + hdr, length, crc
+        at += hdr + length
+
+
+def section_crc(fd, offset, length, path=None, chunk=VERIFY_CHUNK):
+    """CRC32C of length bytes of fd at offset, read through one bounded buffer."""
+    buf = bytearray(min(chunk, max(length, 1)))
+    mv = memoryview(buf)
+    crc = 0
+    for at in range(0, length, len(buf)):
+        k = min(len(buf), length - at)
+        crc = _native.pread_into(fd, mv[:k], offset + at, path, crc)
+    return crc

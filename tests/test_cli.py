@@ -1,0 +1,450 @@
+"""The `kvstore` command line, run as a real process on real cache directories.
+
+Every directory holds ordinary checkpoints, an agent session with a title, a
+ds4 checkpoint (payload ABI 2: listed, never loaded) and a checkpoint with one
+payload byte flipped.  Every prompt text carries SECRET, and no command but
+`inspect --text` may print it.
+"""
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore import cli, policy, sessions
+from kvstore import store as store_mod
+from kvstore.errors import CheckpointMissing
+from kvstore.format import Reason, read_entry
+
+from conftest import write_checkpoint
+from kvhelpers import flip, make_store
+
+SECRET = "SECRET-PROMPT-7f3a"
+DS4_TEXT = f"<|begin|>{SECRET} ds4 system".encode()
+
+
+def tensors(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"layers.0.k": rng.standard_normal((2, n, 8)).astype(np.float16),
+            "layers.0.v": rng.standard_normal((2, n, 8)).astype(np.float32)}
+
+
+def build_cache(d):
+    """A cache directory with one of everything; returns {role: Entry or path}."""
+    s = make_store(d)
+    out = {}
+    out["cold"] = s.save(f"{SECRET} cold anchor", np.arange(64), tensors(64, 1), meta={"engine": "test"})
+    out["continued"] = s.save(f"{SECRET} continued waypoint text", np.arange(96), tensors(96, 2),
+                              reason=Reason.CONTINUED)
+    out["session"] = sessions.save(s, f"{SECRET} session", np.arange(24), tensors(24, 3),
+                                   title="fix the io path")
+    out["hot"] = s.save(f"{SECRET} hot", np.arange(32), tensors(32, 4), reason=Reason.CONTINUED)
+    for _ in range(5):
+        kvstore.touch(out["hot"].path)
+    out["ds4"] = write_checkpoint(d, DS4_TEXT, b"\x02" * 3000, quant_bits=2, payload_abi=2,
+                                  tokens=900, reason=Reason.COLD)
+    bad = s.save(f"{SECRET} to be corrupted", np.arange(40), tensors(40, 5))
+    flip(bad.path, bad.trailer_offset - 1)          # the last byte of the last tensor
+    out["corrupt"] = bad
+    s.close()
+    return out
+
+
+@pytest.fixture
+def cache(tmp_path):
+    d = tmp_path / "cache"
+    roles = build_cache(str(d))
+    return str(d), roles
+
+
+@pytest.fixture
+def cwd(tmp_path):
+    # Outside the repository: there the source tree would shadow the installed package.
+    p = tmp_path / "cwd"
+    p.mkdir()
+    return str(p)
+
+
+def run(cwd, *args):
+    """Runs `python -m kvstore ARGS`; checks the rules every command keeps."""
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_DEBUG"}
+    p = subprocess.run([sys.executable, "-m", "kvstore", *map(str, args)], cwd=cwd,
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert "Traceback" not in p.stderr, p.stderr
+    if "--text" not in args:
+        assert SECRET not in p.stdout and SECRET not in p.stderr
+    return p
+
+
+def assert_usage_error(p, *words):
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvstore: error: "), p.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def names(d):
+    return sorted(n for n in os.listdir(d) if n.endswith(".kv"))
+
+
+def sha_of(x):
+    return (x.sha if hasattr(x, "sha") else os.path.basename(x)[:-3])
+
+
+# ---- ls ------------------------------------------------------------------------
+
+def test_ls_json_has_every_field_ordered_by_eviction_score(cache, cwd):
+    d, roles = cache
+    p = run(cwd, "ls", d, "--json")
+    assert p.returncode == 0 and p.stderr == ""
+    rows = json.loads(p.stdout)
+    assert {r["sha"] for r in rows} == {sha_of(v) for v in roles.values()}
+    now = int(time.time())
+    entries = [read_entry(os.path.join(d, n)) for n in names(d)]
+    want = sorted(entries, key=lambda e: (-policy.eviction_score(e, now), -(e.last_used or e.created_at)))
+    assert [r["sha"] for r in rows] == [e.sha for e in want]
+    scores = [r["score"] for r in rows]
+    assert scores == sorted(scores, reverse=True)
+    by = {r["sha"]: r for r in rows}
+    ds4 = by[sha_of(roles["ds4"])]
+    assert ds4["payload_abi"] == 2 and ds4["loadable"] is False and ds4["quant_bits"] == 2
+    assert ds4["tokens"] == 900 and ds4["ctx_size"] == 32768
+    assert by[roles["session"].sha]["title"] == "fix the io path"
+    assert by[roles["session"].sha]["reason"] == "agent-session"
+    hot = by[roles["hot"].sha]
+    assert hot["hits"] == 5 and hot["reason"] == "continued" and hot["last_used"] > 0
+    for r in rows:
+        assert set(r) >= {"sha", "prefix", "reason", "tokens", "hits", "ctx_size", "quant_bits", "model_id",
+                          "payload_abi", "loadable", "file_size", "created_at", "last_used", "age_s",
+                          "idle_s", "title", "score"}
+        assert r["prefix"] == r["sha"][:12]
+        assert r["file_size"] == os.path.getsize(os.path.join(d, r["sha"] + ".kv"))
+        if r["sha"] != roles["session"].sha:
+            assert r["title"] is None
+
+
+def test_ls_table_rows_totals_and_foreign_marker(cache, cwd):
+    d, roles = cache
+    p = run(cwd, "ls", d, "--budget-mb", "1")
+    assert p.returncode == 0
+    lines = p.stdout.splitlines()
+    assert lines[0].split() == ["SHA", "REASON", "TOKENS", "HITS", "CTX", "QUANT", "MODEL", "ABI", "SIZE",
+                                "AGE", "USED", "TITLE"]
+    order = [json_row["prefix"] for json_row in json.loads(run(cwd, "ls", d, "--json").stdout)]
+    assert [ln.split()[0] for ln in lines[1:7]] == order
+    rows = {ln.split()[0]: ln for ln in lines[1:7]}
+    assert "foreign" in rows[sha_of(roles["ds4"])[:12]]
+    assert "foreign" not in rows[roles["cold"].sha[:12]]
+    assert rows[roles["session"].sha[:12]].rstrip().endswith("fix the io path")
+    assert "never" in rows[roles["cold"].sha[:12]]
+    total = sum(os.path.getsize(os.path.join(d, n)) for n in names(d))
+    assert f"6 checkpoints, {cli._size(total)} of 1.0 MiB budget ({100 * total / 2**20:.1f}%)" in p.stdout
+    assert "1 with a foreign payload ABI" in p.stdout
+
+
+def test_ls_skips_bad_envelopes_and_sanitises_titles(tmp_path, cwd):
+    d = str(tmp_path / "c")
+    s = make_store(d)
+    e = sessions.save(s, f"{SECRET} x", np.arange(4), tensors(4), title="red\x1b[31m\nnext")
+    bad = os.path.join(d, "ab" * 20 + ".kv")
+    with open(bad, "wb") as f:
+        f.write(b"NOTKV" + bytes(100))
+    with open(os.path.join(d, "notes.txt"), "w") as f:
+        f.write("ignored")
+    p = run(cwd, "ls", d)
+    assert p.returncode == 0
+    assert "1 checkpoint," in p.stdout and "1 file with a bad envelope" in p.stdout
+    assert "\x1b" not in p.stdout and "red?[31m?next" in p.stdout
+    assert json.loads(run(cwd, "ls", d, "--json").stdout)[0]["sha"] == e.sha
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = run(cwd, "ls", empty)
+    assert p.returncode == 0 and "no checkpoints" in p.stdout and "0 checkpoints" in p.stdout
+
+
+# ---- inspect --------------------------------------------------------------------
+
+def test_inspect_shows_header_manifest_trailer_but_no_text(cache, cwd):
+    d, roles = cache
+    e = roles["session"]
+    p = run(cwd, "inspect", e.sha[:8], "--dir", d)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    for want in (f"sha          {e.sha}", "reason       agent-session (6)", "ext flags    0x08 (session-title)",
+                 "tokens       24", "payload abi  16 (loadable)", f"text         {e.text_bytes} bytes",
+                 "tokens: count=24", "tensors (2):", "layers.0.k", "float16", "(2, 24, 8)", "768",
+                 "layers.0.v", "float32", "1536", "bit 3 (session-title)  length 15  crc ok",
+                 "title: fix the io path"):
+        assert want in out, want
+    assert "text:" not in out
+    p = run(cwd, "inspect", roles["cold"].path)          # by path, from anywhere
+    assert p.returncode == 0 and "meta keys: engine" in p.stdout and "trailer sections (0):" in p.stdout
+
+
+def test_inspect_text_prints_the_prompt_only_when_asked(cache, cwd):
+    d, roles = cache
+    e = roles["cold"]
+    p = run(cwd, "inspect", e.path, "--text")
+    assert p.returncode == 0
+    assert p.stdout.endswith(f"text:\n{SECRET} cold anchor\n")
+    p = run(cwd, "inspect", sha_of(roles["ds4"])[:6], "--dir", d, "--text")
+    assert p.returncode == 0
+    assert "2 (foreign" in p.stdout and "manifest" not in p.stdout
+    assert DS4_TEXT.decode() in p.stdout
+
+
+def test_inspect_prefix_in_current_directory_and_errors(cache, tmp_path, cwd):
+    d, roles = cache
+    p = run(d, "inspect", roles["hot"].sha[:10])          # --dir defaults to .
+    assert p.returncode == 0 and roles["hot"].sha in p.stdout
+    assert_usage_error(run(cwd, "inspect", "ffff0000", "--dir", d), "no checkpoint", "ffff0000")
+    assert_usage_error(run(cwd, "inspect", "abc", "--dir", d), "4 to 40 hex digits")
+    assert_usage_error(run(cwd, "inspect", "zzzzzz", "--dir", d), "hash prefix")
+    assert_usage_error(run(cwd, "inspect", os.path.join(d, "00" * 20 + ".kv")), "no such file")
+    assert_usage_error(run(cwd, "inspect", "abcd", "--dir", str(tmp_path / "nope")), "no such directory")
+    a, b = colliding_texts(4)
+    s = make_store(d)
+    ea = s.save(a, np.arange(3), tensors(3))
+    s.save(b, np.arange(3), tensors(3))
+    assert_usage_error(run(cwd, "inspect", ea.sha[:4], "--dir", d), "ambiguous", ea.sha[:4])
+
+
+def test_inspect_corrupt_envelope_exits_1(tmp_path, cwd):
+    path = write_checkpoint(tmp_path, f"{SECRET} t".encode(), b"\x00" * 10, payload_bytes=10**6)
+    p = run(cwd, "inspect", path)
+    assert p.returncode == 1
+    assert p.stderr.startswith("kvstore: error: ") and "truncated" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def colliding_texts(digits):
+    """Two prompt texts whose file names share the first `digits` hex digits."""
+    seen = {}
+    i = 0
+    while True:
+        t = f"{SECRET} collide {i}".encode()
+        h = hashlib.sha1(t).hexdigest()[:digits]
+        if h in seen:
+            return seen[h], t
+        seen[h] = t
+        i += 1
+
+
+# ---- verify ---------------------------------------------------------------------
+
+def test_verify_reports_each_bad_file_and_exits_1(cache, cwd):
+    d, roles = cache
+    truncated = os.path.join(d, "cd" * 20 + ".kv")
+    with open(roles["cold"].path, "rb") as f:
+        data = f.read()
+    with open(truncated, "wb") as f:
+        f.write(data[:200])
+    p = run(cwd, "verify", d)
+    assert p.returncode == 1
+    lines = p.stdout.strip().splitlines()
+    bad = {ln.split(":")[0]: ln for ln in lines[:-1]}
+    assert set(bad) == {roles["corrupt"].name, os.path.basename(truncated)}
+    assert "crc: tensor 'layers.0.v' CRC mismatch" in bad[roles["corrupt"].name]
+    assert "truncated" in bad[os.path.basename(truncated)]
+    assert lines[-1] == f"verified 7 files in {d}: 4 ok, 1 foreign payload ABI (envelope only), 2 corrupt"
+    assert p.stderr == ""                                 # no bar: stderr is not a terminal
+    assert len(names(d)) == 7                             # verify alone moves nothing
+
+
+def test_verify_clean_directory_exits_0_with_foreign_abi(cache, cwd):
+    d, roles = cache
+    os.unlink(roles["corrupt"].path)
+    p = run(cwd, "verify", d, "--progress")
+    assert p.returncode == 0, p.stdout
+    assert p.stdout.strip() == f"verified 5 files in {d}: 4 ok, 1 foreign payload ABI (envelope only), 0 corrupt"
+    assert "verify [" in p.stderr and "100%" in p.stderr and "files 5" in p.stderr
+
+
+def test_verify_quarantine_moves_bad_files_aside(cache, cwd):
+    d, roles = cache
+    p = run(cwd, "verify", d, "--quarantine")
+    assert p.returncode == 1
+    assert f"{roles['corrupt'].name}: crc" in p.stdout and "moved to .quarantine/" in p.stdout
+    q = os.path.join(d, ".quarantine")
+    assert os.listdir(q) == [roles["corrupt"].name]
+    assert stat.S_IMODE(os.stat(q).st_mode) == 0o700
+    assert roles["corrupt"].name not in names(d) and len(names(d)) == 5
+    p = run(cwd, "verify", d)
+    assert p.returncode == 0 and "0 corrupt" in p.stdout
+
+
+def test_verify_file_streams_through_a_small_buffer(cache, monkeypatch):
+    d, roles = cache
+    monkeypatch.setattr(store_mod, "VERIFY_CHUNK", 100)   # every block spans many chunks
+    seen = []
+    assert store_mod.verify_file(roles["cold"].path, seen.append) is None
+    assert max(seen) <= 100 and sum(seen) >= roles["cold"].payload_bytes - 4096
+    assert store_mod.verify_file(roles["corrupt"].path) == "crc: tensor 'layers.0.v' CRC mismatch"
+    assert store_mod.verify_file(roles["ds4"]) is None    # foreign payload: envelope only
+    flip(roles["hot"].path, roles["hot"].payload_offset + 30)   # inside the manifest
+    assert store_mod.verify_file(roles["hot"].path).startswith("crc: manifest")
+    flip(roles["cold"].path, 60)                          # the stored text
+    assert store_mod.verify_file(roles["cold"].path).startswith("text_hash")
+    with pytest.raises(CheckpointMissing):
+        store_mod.verify_file(os.path.join(d, "00" * 20 + ".kv"))
+
+
+# ---- evict ----------------------------------------------------------------------
+
+def test_evict_dry_run_deletes_nothing_then_the_real_run_fits(cache, cwd):
+    d, roles = cache
+    before = names(d)
+    total = sum(os.path.getsize(os.path.join(d, n)) for n in before)
+    budget_mb = total / 2 / 2**20
+    p = run(cwd, "evict", d, "--budget-mb", repr(budget_mb), "--dry-run")
+    assert p.returncode == 0
+    assert names(d) == before
+    would = [ln.split()[2] for ln in p.stdout.splitlines() if ln.startswith("would evict ") and "  " in ln]
+    assert would and "would leave" in p.stdout
+    # The lowest scores go first.
+    now = int(time.time())
+    ranked = [e.sha[:12] for e in sorted((read_entry(os.path.join(d, n)) for n in before),
+                                         key=lambda e: policy.eviction_score(e, now))]
+    assert would == ranked[:len(would)]
+    p = run(cwd, "evict", d, "--budget-mb", repr(budget_mb))
+    assert p.returncode == 0
+    gone = [ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("evicted ") and "  " in ln]
+    assert gone == would
+    left = names(d)
+    assert sum(os.path.getsize(os.path.join(d, n)) for n in left) <= budget_mb * 2**20
+    assert {n[:12] for n in before} - {n[:12] for n in left} == set(would)
+
+
+def test_evict_errors(cache, cwd):
+    d, _ = cache
+    assert_usage_error(run(cwd, "evict", d), "--budget-mb")
+    assert_usage_error(run(cwd, "evict", d, "--budget-mb", "lots"), "invalid size 'lots'")
+    assert_usage_error(run(cwd, "evict", d, "--budget-mb", "-1"), "invalid size")
+    assert_usage_error(run(cwd, "evict", d, "--budget-mb", "nan"), "invalid size")
+    assert_usage_error(run(cwd, "evict", d, "--budget-mb", "0"), "must be > 0", "wipe")
+    assert len(names(d)) == 6
+
+
+# ---- stats ----------------------------------------------------------------------
+
+def test_stats_text_and_json(cache, cwd):
+    d, roles = cache
+    p = run(cwd, "stats", d, "--json")
+    assert p.returncode == 0
+    st = json.loads(p.stdout)
+    sizes = [os.path.getsize(os.path.join(d, n)) for n in names(d)]
+    assert st["entries"] == 6 and st["bytes"] == sum(sizes)
+    assert st["budget_bytes"] == 4096 * 2**20 and st["budget_use"] == pytest.approx(sum(sizes) / 2**32)
+    assert st["by_reason"] == {"agent-session": 1, "cold": 3, "continued": 2}
+    assert st["hits"] == 5 and st["not_loadable"] == 1
+    assert st["oldest"] == 1_700_000_000                  # the ds4 file's created_at
+    assert st["newest"] >= roles["corrupt"].created_at
+    p = run(cwd, "stats", d, "--budget-mb", "2")
+    assert p.returncode == 0
+    for want in ("entries    6 (1 with a foreign payload ABI)", "of 2.0 MiB budget",
+                 "by reason  agent-session 1, cold 3, continued 2", "hits       5", "oldest     2023-"):
+        assert want in p.stdout, want
+
+
+# ---- wipe -----------------------------------------------------------------------
+
+def test_wipe_needs_yes_then_wipes_one_or_all(cache, cwd):
+    d, roles = cache
+    before = names(d)
+    assert_usage_error(run(cwd, "wipe", d), "--yes", "all 6 checkpoint files")
+    assert_usage_error(run(cwd, "wipe", d, roles["hot"].sha[:6]), "--yes", roles["hot"].sha[:12])
+    assert names(d) == before
+    assert_usage_error(run(cwd, "wipe", d, "0000ffff", "--yes"), "no checkpoint")
+    p = run(cwd, "wipe", d, roles["hot"].sha[:6], "--yes")
+    assert p.returncode == 0 and "wiped 1 checkpoint file in" in p.stdout
+    assert names(d) == sorted(set(before) - {roles["hot"].name})
+    # A full wipe also takes what holds prompt text without being a valid
+    # checkpoint: a bad envelope, and the quarantine.
+    assert run(cwd, "verify", d, "--quarantine").returncode == 1
+    bad = os.path.join(d, "ab" * 20 + ".kv")
+    with open(bad, "wb") as f:
+        f.write(b"KVC" + SECRET.encode() * 4)
+    p = run(cwd, "wipe", d, "--yes")
+    assert p.returncode == 0 and "wiped 5 checkpoint files" in p.stdout and "and 1 in .quarantine" in p.stdout
+    assert names(d) == [] and os.listdir(os.path.join(d, ".quarantine")) == []
+
+
+# ---- sessions -------------------------------------------------------------------
+
+def test_session_list_shows_sessions_only_newest_first(cache, cwd):
+    d, roles = cache
+    s = make_store(d)
+    newer = sessions.save(s, f"{SECRET} newer session", np.arange(8), tensors(8), title="second")
+    with open(newer.path, "r+b") as f:                    # created a minute later than the first
+        f.seek(24)
+        f.write((roles["session"].created_at + 60).to_bytes(8, "little"))
+    p = run(cwd, "session", "list", d)
+    assert p.returncode == 0
+    lines = p.stdout.splitlines()
+    assert lines[0].split() == ["SHA", "TITLE", "TOKENS", "HITS", "USED", "AGE"]
+    assert [ln.split()[0] for ln in lines[1:]] == [newer.sha[:12], roles["session"].sha[:12]]
+    assert "second" in lines[1] and "fix the io path" in lines[2]
+    rows = json.loads(run(cwd, "session", "list", d, "--json").stdout)
+    assert [r["sha"] for r in rows] == [newer.sha, roles["session"].sha]
+    assert rows[1]["title"] == "fix the io path" and rows[1]["tokens"] == 24
+    empty = os.path.join(cwd, "empty")
+    os.mkdir(empty)
+    assert "no agent sessions" in run(cwd, "session", "list", empty).stdout
+
+
+# ---- errors and the in-process entry point ---------------------------------------
+
+def test_usage_errors_are_one_line_exit_2(cache, tmp_path, cwd):
+    d, _ = cache
+    f = os.path.join(cwd, "file")
+    open(f, "w").close()
+    assert_usage_error(run(cwd), "COMMAND")
+    assert_usage_error(run(cwd, "frobnicate"), "frobnicate")
+    assert_usage_error(run(cwd, "ls", str(tmp_path / "missing")), "no such directory")
+    assert_usage_error(run(cwd, "ls", f), "not a directory")
+    assert_usage_error(run(cwd, "stats", str(tmp_path / "missing")), "no such directory")
+    assert_usage_error(run(cwd, "verify", str(tmp_path / "missing")), "no such directory")
+    assert_usage_error(run(cwd, "ls", d, "--budget-mb", "1e999"), "invalid size")
+    assert_usage_error(run(cwd, "session"), "SUBCOMMAND")
+    assert_usage_error(run(cwd, "session", "list"), "DIR")
+    assert not os.path.exists(tmp_path / "missing")       # nothing creates a directory
+    p = run(cwd, "--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"kvstore {kvstore.__version__}"
+
+
+def test_main_in_process_and_read_only_listing(cache, capsys):
+    d, _ = cache
+    before = sorted(os.listdir(d))
+    assert cli.main(["ls", d]) == 0
+    assert cli.main(["stats", d]) == 0
+    assert cli.main(["session", "list", d]) == 0
+    assert cli.main(["evict", d, "--budget-mb", "0.001", "--dry-run"]) == 0
+    assert sorted(os.listdir(d)) == before                # not even a lock file
+    assert cli.main(["ls", d + "-missing"]) == 2
+    out = capsys.readouterr()
+    assert SECRET not in out.out + out.err
+    assert out.err.strip().splitlines() == [f"kvstore: error: {d}-missing: no such directory"]
+
+
+def test_demo_hook_is_optional(monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvstore.demo", None)       # import fails
+    monkeypatch.delattr(kvstore, "demo", raising=False)
+    sub = cli.build_parser()._subparsers._group_actions[0]
+    assert "demo" not in sub.choices
+
+    def add_parser(subparsers):
+        subparsers.add_parser("demo").set_defaults(func=lambda args: 0)
+    monkeypatch.setitem(sys.modules, "kvstore.demo", types.SimpleNamespace(add_parser=add_parser))
+    monkeypatch.setattr(kvstore, "demo", sys.modules["kvstore.demo"], raising=False)
+    sub = cli.build_parser()._subparsers._group_actions[0]
+    assert "demo" in sub.choices
+    assert cli.main(["demo"]) == 0

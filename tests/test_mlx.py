@@ -1,0 +1,496 @@
+"""End to end with a real MLX model: MLXEngine + PromptCache + KVStore.
+
+The model is a random-weight mlx-lm llama (tests/mlx_model.py) and the
+tokenizer a byte-level BPE with chat markers trained offline on Python's own
+docstrings, so merges are long and multi-byte characters split into byte
+tokens, as with real BPE vocabularies.  The model is tiny (2 layers, one KV
+head) because MLX's CPU wheel uses a reference BLAS: a cold prefill of the
+6,844-token prompt below still takes a few seconds.
+
+What is checked:
+
+1. a state restored from disk at an aligned boundary and prefilled with the
+   same step gives logits bit-identical to a cold prefill, and the same greedy
+   tokens;
+2. a stored text whose boundary falls inside a token of the whole prompt: the
+   effective prompt is the stored tokens + the tokens of the text suffix, and
+   prefilling it equals a cold prefill of that token list; multi-byte
+   characters around the boundaries are never cut;
+3. the store policy of SPEC section 7 over a scripted chat of two users;
+4. a model directory loaded with mlx_lm.load works end to end.
+
+Where logits or greedy tokens are compared, both sides are prefilled with the
+same chunk boundaries: MLX does not promise bit-identical results for other
+chunkings (on some back ends a different matmul shape reorders the sums).
+"""
+
+import inspect
+import logging
+from collections import Counter
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+import kvstore  # noqa: E402
+from kvstore import policy  # noqa: E402
+from kvstore.mlx import MLXEngine, save_prompt_cache  # noqa: E402
+from kvstore.prompt_cache import PromptCache  # noqa: E402
+
+import mlx_model  # noqa: E402
+
+# One model for the whole file.  Prefill cost on this CPU is dominated by the
+# attention, which grows with heads x head_dim: 2 query heads sharing one KV
+# head (grouped-query attention, as in most served models) of 16 dims.
+MODEL = dict(seed=0, layers=2, hidden=64, heads=2, kv_heads=1, head_dim=16)
+
+# Test 1 uses ds4's prefill step and alignment; the others a 64-token grid so
+# that chats of a few hundred tokens cross several boundaries.
+BIG_STEP = 2048
+STEP = 64
+SMALL = kvstore.Options(min_tokens=64, cold_max_tokens=30000, continued_interval_tokens=256,
+                        boundary_trim_tokens=8, boundary_align_tokens=64)
+GEN_TOKENS = 8
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return mlx_model.make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return mlx_model.make_model(**MODEL)
+
+
+@pytest.fixture(scope="module")
+def prose():
+    """English text without chat markers: docstrings of standard modules (ASCII only)."""
+    import argparse
+    import collections
+    import email.message
+    import http.client
+    import json
+    import logging as logging_mod
+    import pathlib
+    import subprocess
+    import threading
+    import unittest
+    parts = []
+    for mod in (argparse, collections, email.message, http.client, json, logging_mod, pathlib,
+                subprocess, threading, unittest):
+        parts.append(inspect.getdoc(mod) or "")
+        for _, obj in sorted(vars(mod).items()):
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == mod.__name__:
+                parts.append(inspect.getdoc(obj) or "")
+    text = "\n\n".join(p for p in parts if p)
+    return text.encode("ascii", "ignore").decode("ascii").replace("<|", "< |")
+
+
+def text_of_tokens(tok, text, n):
+    """The shortest prefix of text (whole characters) that tokenizes to exactly n tokens."""
+    lo, hi = 0, len(text)
+    assert len(tok.encode(text)) >= n, "not enough text"
+    while lo < hi:                       # first length with >= n tokens
+        mid = (lo + hi) // 2
+        if len(tok.encode(text[:mid])) >= n:
+            hi = mid
+        else:
+            lo = mid + 1
+    for c in range(lo, min(lo + 64, len(text))):
+        if len(tok.encode(text[:c])) == n:
+            return text[:c]
+    raise AssertionError(f"no prefix of exactly {n} tokens")
+
+
+def chunk_ends(start, stop, step, extra=()):
+    """Where a prefill of tokens [start, stop) ends its chunks: absolute multiples of
+    step, the extra cut points (a cold anchor) inside the range, and stop."""
+    ends = {e for e in range((start // step + 1) * step, stop, step)}
+    ends |= {e for e in extra if start < e < stop}
+    return sorted(ends | {stop})
+
+
+def prefill_at(engine, tokens, ends):
+    """Cold prefill of tokens in a fresh state, one chunk per end; the last logits."""
+    engine.reset()
+    start, logits = 0, None
+    for end in ends:
+        logits = engine.prefill(tokens[start:end])
+        start = end
+    assert start == len(tokens)
+    return logits
+
+
+def same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item()
+
+
+class RecordingEngine(MLXEngine):
+    """An MLXEngine that keeps the logits of every prefill call, decode steps included."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.logits = []
+
+    def prefill(self, tokens):
+        out = super().prefill(tokens)
+        self.logits.append(out)
+        return out
+
+
+def same_steps(a, b):
+    """Two lists of logits, equal bit for bit."""
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def stored(store):
+    return sorted((e.reason.name.lower(), e.tokens) for e in store.entries())
+
+
+def whole_chars(data):
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def open_store(path, options):
+    return kvstore.KVStore(path, options=options, durable=False)
+
+
+# ---------------------------------------------------------------- 1. restore equals recompute
+
+def test_disk_hit_at_an_aligned_boundary_equals_a_cold_prefill(tok, model, prose, tmp_path):
+    n = 3 * BIG_STEP + 700
+    opts = kvstore.Options(min_tokens=512)
+    # A prompt whose token 6144 starts a new word, so that tokenizing the text
+    # after the checkpoint alone gives the same ids as the whole prompt (test 2
+    # covers the other case).
+    for skip in range(0, 40 * 200, 200):
+        prompt = text_of_tokens(tok, prose[skip:], n)
+        tokens = tok.encode(prompt)
+        cut = policy.store_len(n, opts)
+        head = tok.token_bytes(tokens[:cut])
+        if tokens[:cut] + tok.encode(prompt.encode()[len(head):].decode()) == tokens:
+            break
+    else:
+        pytest.fail("no prompt with a clean token boundary at 6144")
+    assert len(tokens) == n
+    assert tok.user_id not in tokens and tok.assistant_id not in tokens   # no chat anchor
+    assert cut == 3 * BIG_STEP
+
+    # Cold: prefill everything, store the cold checkpoint at store_len.
+    cold = RecordingEngine(model, tok)
+    with open_store(tmp_path / "kv", opts) as store:
+        pc = PromptCache(store, cold, prefill_step=BIG_STEP)
+        cold_out, rep = cold.generate(pc, prompt, max_tokens=32)
+        assert rep["source"] == "none" and rep["reused_tokens"] == 0 and rep["prefilled_tokens"] == n
+        assert rep["stored"] == [("cold", cut)] and rep["ttft_ms"] > 0
+        assert stored(store) == [("cold", cut)]
+        assert store.find(prompt).text_bytes == len(head)
+
+    # A new process: new KVStore on the same directory, fresh engine.
+    hit = RecordingEngine(model, tok)
+    with open_store(tmp_path / "kv", opts) as store:
+        pc = PromptCache(store, hit, prefill_step=BIG_STEP)
+        hit_out, rep = hit.generate(pc, prompt, max_tokens=32)
+        assert rep["source"] == "disk" and rep["reused_tokens"] == cut
+        assert rep["prefilled_tokens"] == n - cut and rep["ttft_ms"] > 0
+        assert rep["stored"] == []
+
+    # A third, fresh engine: a plain cold prefill with the same step.
+    ref = prefill_at(MLXEngine(model, tok), tokens, chunk_ends(0, n, BIG_STEP))
+    prompt_chunks = len(chunk_ends(0, n, BIG_STEP))
+    assert len(cold.logits) == prompt_chunks + len(cold_out) - 1
+    assert same(hit.logits[0], ref) and same(cold.logits[prompt_chunks - 1], ref)
+    assert len(cold_out) >= 1 and hit_out == cold_out
+    # Every decode step too, not only the greedy ids (a random-weight model's
+    # greedy output soon repeats one token).
+    assert same_steps(hit.logits[1:], cold.logits[prompt_chunks:])
+
+
+# ---------------------------------------------------------------- 2. tokenization drift
+
+def drift_cut(tok, text, min_tokens):
+    """A cut inside a word where tokenizing (prefix, suffix) differs from the whole."""
+    whole = tok.encode(text)
+    for c in range(len(text) - 40, 0, -1):
+        if not (text[c - 1].isalpha() and text[c].isalpha()):
+            continue
+        head = tok.encode(text[:c])
+        if len(head) < min_tokens:
+            break
+        if head + tok.encode(text[c:]) != whole:
+            return c
+    raise AssertionError("no cut with tokenization drift")
+
+
+@pytest.mark.parametrize("saved_by", ["prompt_cache", "save_prompt_cache"])
+def test_stored_boundary_inside_a_merged_token(tok, model, prose, tmp_path, saved_by):
+    # P tokenizes differently whole than as (prefix, suffix): the boundary is
+    # inside a merged token of P.
+    p = text_of_tokens(tok, prose[5000:], 420)
+    c = drift_cut(tok, p, 300)
+    prefix, suffix = p[:c], p[c:]
+    prefix_tokens = tok.encode(prefix)
+    with open_store(tmp_path / "kv", SMALL) as store:
+        if saved_by == "prompt_cache":
+            # A session that prefilled exactly the prefix and stopped (the store
+            # on close: its text is the prefix, its tokens prefix_tokens).
+            pc = PromptCache(store, MLXEngine(model, tok), prefill_step=STEP)
+            req = pc.begin(prefix)
+            pc.prefill(req)
+            cuts = [req.cold_target]           # the cold anchor also ended a chunk
+            assert req.cold_target == policy.store_len(len(prefix_tokens), SMALL)
+            pc.close()
+            assert ("shutdown", len(prefix_tokens)) in stored(store)
+        else:
+            # An mlx-lm prompt cache filled outside PromptCache, saved with the API.
+            cache = mlx_model.make_cache(model)
+            mlx_model.prefill(model, cache, prefix_tokens, step=STEP)
+            cuts = []
+            assert save_prompt_cache(store, prefix, prefix_tokens, cache) is not None
+
+    engine = MLXEngine(model, tok)
+    with open_store(tmp_path / "kv", SMALL) as store:
+        pc = PromptCache(store, engine, prefill_step=STEP)
+        req = pc.begin(p)
+        assert req.source == "disk" and req.reused == len(prefix_tokens)
+        effective = prefix_tokens + tok.encode(suffix)
+        assert req.tokens == effective
+        assert effective != tok.encode(p)                     # the drift is real
+        assert tok.token_bytes(effective) == p.encode()
+        logits = pc.prefill(req)
+    ends = chunk_ends(0, len(prefix_tokens), STEP, cuts) + \
+        chunk_ends(len(prefix_tokens), len(effective), STEP)
+    assert same(logits, prefill_at(MLXEngine(model, tok), effective, ends))
+
+
+MULTI_BYTE = ["café", "prix: 12 €", "naïve", "😀", "Grüße", "中文", "déjà vu", "🚀🚀", "½", "ñ"]
+
+
+def multi_byte_text(prose, start, words):
+    """Prose with a multi-byte word after every `words` words (deterministic)."""
+    out = []
+    for i, w in enumerate(prose[start:].split(" ")[:words * 200]):
+        out.append(w)
+        if i % words == words - 1:
+            out.append(MULTI_BYTE[(i // words) % len(MULTI_BYTE)])
+    return " ".join(out)
+
+
+def test_multi_byte_characters_are_never_cut(tok, model, prose, tmp_path, caplog):
+    # Waypoints every 64 tokens; multi-byte characters split into byte tokens,
+    # so some of those frontiers fall inside a character.
+    opts = kvstore.Options(min_tokens=64, continued_interval_tokens=64, boundary_trim_tokens=8,
+                           boundary_align_tokens=64)
+    q = text_of_tokens(tok, multi_byte_text(prose, 9000, 3), 600)
+    tokens = tok.encode(q)
+    n = len(tokens)
+    cold_target = policy.store_len(n, opts)
+    candidates = sorted({k for k in range(64, n + 1, 64)} | {cold_target})
+    whole = [k for k in candidates if whole_chars(tok.token_bytes(tokens[:k]))]
+    cut = [k for k in candidates if k not in whole]
+    assert whole and cut, "the prompt must put some boundaries inside characters"
+
+    caplog.set_level(logging.INFO, logger="kvstore")
+    with open_store(tmp_path / "kv", opts) as store:
+        pc = PromptCache(store, MLXEngine(model, tok), prefill_step=STEP)
+        pc.prefill(pc.begin(q))
+        assert sorted(e.tokens for e in store.entries()) == whole
+        for e in store.entries():
+            ckpt = store.load(e, into="numpy")
+            assert whole_chars(ckpt.text_bytes)
+            assert list(ckpt.tokens) == tokens[:e.tokens]
+    # One skipped attempt per waypoint frontier inside a character, and one for
+    # the cold cut there (a failed cold store leaves the waypoint to be tried).
+    attempts = [k for k in range(64, n + 1, 64) if k in cut] + [cold_target] * (cold_target in cut)
+    assert caplog.text.count("store_skipped reason=mid_character") == len(attempts)
+
+    # A longer prompt that puts multi-byte characters right after the stored
+    # text: a disk hit at the longest checkpoint, suffix tokenized on its own.
+    q2 = q + "€😀 " + multi_byte_text(prose, 20000, 2)[:300]
+    engine = MLXEngine(model, tok)
+    with open_store(tmp_path / "kv", opts) as store:
+        pc = PromptCache(store, engine, prefill_step=STEP)
+        req = pc.begin(q2)
+        k = max(whole)
+        assert req.source == "disk" and req.reused == k
+        head = tok.token_bytes(tokens[:k])
+        assert req.tokens == tokens[:k] + tok.encode(q2.encode()[len(head):].decode())
+        assert tok.token_bytes(req.tokens) == q2.encode()
+        logits = pc.prefill(req)
+        ends2 = chunk_ends(0, k, STEP, [cold_target]) + chunk_ends(k, len(req.tokens), STEP)
+        assert same(logits, prefill_at(MLXEngine(model, tok), req.tokens, ends2))
+
+        # The engine generates the first byte of a 4-byte character: the live
+        # text now ends inside it.  The next prompt holds the whole character;
+        # the live session is still reused, up to the last whole character.
+        t0 = tok.encode("😀")[0]
+        engine.prefill([t0])
+        pc.extend([t0])
+        n2 = len(req.tokens)
+        q3 = q2 + "😀 and then some more words."
+        req3 = pc.begin(q3)
+        assert req3.source == "memory" and req3.reused == n2
+        assert req3.tokens == req.tokens + tok.encode("😀 and then some more words.")
+        logits3 = pc.prefill(req3)
+    ends3 = ends2 + chunk_ends(n2, len(req3.tokens), STEP)
+    assert same(logits3, prefill_at(MLXEngine(model, tok), req3.tokens, ends3))
+
+
+# ---------------------------------------------------------------- 3. the policy on a chat
+
+SYSTEM_PROMPT_TOKENS = 330
+
+
+def turn_prompt(tok, system, turns):
+    """The chat rendering: system, then alternating user / assistant turns, then the
+    assistant marker (the generation prompt)."""
+    msgs = [{"role": "system", "content": system}]
+    msgs += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    return tok.render_chat(msgs)
+
+
+def test_chat_policy_two_users(tok, model, prose, tmp_path):
+    system = text_of_tokens(tok, prose[30000:], SYSTEM_PROMPT_TOKENS)
+    words = prose[40000:].split(" ")
+    q = [" ".join(words[i * 90:(i + 1) * 90]) for i in range(6)]     # user questions, ~100+ tokens
+    answer = ["Noted; here is the plan.", "Done, see above.", "Yes.", "Here it is."]
+    a_turns = [[q[0]], [q[0], answer[0], q[1]], [q[0], answer[0], q[1], answer[1], q[2]]]
+    b_turns = [[q[3]], [q[3], answer[2], q[4]], [q[3], answer[2], q[4], answer[3], q[5]]]
+    a = [turn_prompt(tok, system, t) for t in a_turns]
+    b = [turn_prompt(tok, system, t) for t in b_turns]
+    script = [("A1", a[0]), ("A2", a[1]), ("B1", b[0]), ("A3", a[2]), ("B2", b[1]), ("B3", b[2])]
+
+    engine = RecordingEngine(model, tok, user_marker="<|user|>", assistant_marker="<|assistant|>")
+    assert (engine.user_id, engine.assistant_id) == (tok.user_id, tok.assistant_id)
+    store = open_store(tmp_path / "kv", SMALL)
+    pc = PromptCache(store, engine, prefill_step=STEP)
+
+    def expected_stores(start, end, last, cold_target):
+        """SPEC 7 from kvstore.policy alone: what a prefill of [start, end) stores."""
+        out = []
+        for pos in chunk_ends(start, end, STEP, [cold_target] if cold_target else []):
+            if cold_target and pos == cold_target:
+                out.append(("cold", pos))          # an anchor on a frontier suppresses the waypoint
+                last = max(last, pos)
+            elif policy.continued_store_target(pos, last, SMALL) == pos:
+                out.append(("continued", pos))
+                last = pos
+        return out, last
+
+    def effective_prompt(reused, prompt):
+        """The reused exact tokens + the tokens of only the text after them."""
+        return reused + tok.encode(prompt.encode()[len(tok.token_bytes(reused)):].decode())
+
+    # The replies are the script's, not the model's: the caller renders them
+    # its own way, so generated tokens leave the live session (keep_generated).
+    reports, steps, evicted = {}, {}, []
+    live, last, anchor = [], 0, None
+    session = {}            # user -> the exact tokens of their last request
+    for name, prompt in script:
+        ids = tok.encode(prompt)
+        user = name[0]
+        before = Counter(stored(store))
+        calls = len(engine.logits)
+        out, rep = engine.generate(pc, prompt, max_tokens=GEN_TOKENS, keep_generated=False)
+        reports[name] = rep
+        steps[name] = engine.logits[calls:][-len(out):]   # last prompt chunk, then each decode step
+        assert rep["ttft_ms"] > 0 and rep["generated"] == len(out) >= 1
+
+        evict = []
+        if name == "A1":                       # cold; anchor: last user marker before the first assistant
+            anchor = policy.chat_anchor_pos(ids, tok.user_id, tok.assistant_id, SMALL)
+            assert anchor == ids.index(tok.user_id) >= SMALL.min_tokens
+            assert rep["source"] == "none" and rep["reused_tokens"] == 0
+            effective = ids
+            exp, last = expected_stores(0, len(ids), 0, anchor)
+        elif name == "B1":                     # disk hit at A's anchor: the shared system prompt
+            assert ids[:anchor] == tok.encode(a[0])[:anchor]
+            assert rep["source"] == "disk" and rep["reused_tokens"] == anchor
+            evict = [("evict", len(live))]     # A's live session, replaced by the load
+            effective = effective_prompt(ids[:anchor], prompt)
+            exp, last = expected_stores(anchor, len(effective), anchor, 0)
+        elif name in ("A3", "B2"):             # disk hit at the user's own evict checkpoint
+            own = session[user]
+            assert rep["source"] == "disk" and rep["reused_tokens"] == len(own)
+            evict = [("evict", len(live))]     # the other user's live session
+            effective = effective_prompt(own, prompt)
+            exp, last = expected_stores(len(own), len(effective), len(own), 0)
+        else:                                  # A2, B3: a follow-up while the live session is theirs
+            assert rep["source"] == "memory" and rep["reused_tokens"] == len(live)
+            effective = effective_prompt(live, prompt)
+            exp, last = expected_stores(len(live), len(effective), last, 0)
+        assert effective == ids                # every boundary here is at a marker or a turn end
+        assert rep["prefilled_tokens"] == len(effective) - rep["reused_tokens"]
+        assert rep["stored"] == exp, name
+        assert Counter(stored(store)) - before == Counter(exp + evict), name     # new files
+        assert pc.live_tokens == effective
+        evicted += evict
+        live = session[user] = effective
+
+    pc.close()                                 # shutdown: the live session (B's)
+    expected_all = [s for r in reports.values() for s in r["stored"]] + evicted + [("shutdown", len(live))]
+    assert stored(store) == sorted(expected_all)
+    assert [reports[n]["source"] for n, _ in script] == ["none", "memory", "disk", "disk", "disk", "memory"]
+    assert len(evicted) == 3 and ("continued", 512) in reports["B1"]["stored"]
+    store.close()
+
+    # Logits and greedy tokens equal a run without a store where the prefill
+    # chunks are the same: the cold request, and the disk hit at the anchor
+    # (the anchor is a chunk end of the cold request that stored it).
+    for name, prompt in script[:1] + script[2:3]:
+        with kvstore.KVStore(tmp_path / f"none-{name}", options=SMALL, budget_mb=1e-6) as nothing:
+            ref = RecordingEngine(model, tok)
+            ref_out, ref_rep = ref.generate(PromptCache(nothing, ref, prefill_step=STEP), prompt,
+                                            max_tokens=GEN_TOKENS)
+            assert ref_rep["source"] == "none" and nothing.entries() == []
+        assert same_steps(ref.logits[-len(ref_out):], steps[name]), name
+
+
+# ---------------------------------------------------------------- 4. a model directory
+
+def test_model_directory_end_to_end(tok, tmp_path):
+    import mlx_lm
+    built, built_tok = mlx_model.write_model_dir(tmp_path / "model", **MODEL)
+    loaded, wrapper = mlx_lm.load(str(tmp_path / "model"))
+    engine_kw = dict(user_marker="<|user|>", assistant_marker="<|assistant|>")
+    engine = MLXEngine(loaded, wrapper, **engine_kw)
+    assert (engine.user_id, engine.assistant_id) == (built_tok.user_id, built_tok.assistant_id)
+
+    system = "You are a careful assistant for a hardware store. " * 12
+    first = built_tok.render_chat([{"role": "system", "content": system},
+                                   {"role": "user", "content": "Which screws hold a shelf?"}])
+    second = built_tok.render_chat([{"role": "system", "content": system},
+                                    {"role": "user", "content": "How long is a 6 mm drill bit?"}])
+    ids = built_tok.encode(first)
+    assert engine.tokenize(first.encode()) == ids
+    assert engine.token_bytes(ids) == first.encode()
+    anchor = policy.chat_anchor_pos(ids, built_tok.user_id, built_tok.assistant_id, SMALL)
+    assert anchor > 0
+
+    with open_store(tmp_path / "kv", SMALL) as store:
+        pc = PromptCache(store, engine, prefill_step=STEP)
+        out1, rep1 = engine.generate(pc, first, max_tokens=GEN_TOKENS)
+        assert rep1["source"] == "none" and ("cold", anchor) in rep1["stored"]
+
+    engine2 = RecordingEngine(loaded, wrapper, **engine_kw)
+    with open_store(tmp_path / "kv", SMALL) as store:
+        pc = PromptCache(store, engine2, prefill_step=STEP)
+        out2, rep2 = engine2.generate(pc, second, max_tokens=GEN_TOKENS)
+        assert rep2["source"] == "disk" and rep2["reused_tokens"] == anchor
+        assert rep2["prefilled_tokens"] == len(built_tok.encode(second)) - anchor
+
+    # The loaded model is the one built in code: a no-store run of the built
+    # model with the test tokenizer gives the same logits at every step.
+    with kvstore.KVStore(tmp_path / "none", options=SMALL, budget_mb=1e-6) as nothing:
+        ref = RecordingEngine(built, built_tok)
+        ref_out, _ = ref.generate(PromptCache(nothing, ref, prefill_step=STEP), second, max_tokens=GEN_TOKENS)
+    assert ref_out == out2
+    assert same_steps(ref.logits[-len(ref_out):], engine2.logits[-len(out2):])
