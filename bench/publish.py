@@ -31,9 +31,10 @@ HEADLINE = [
     ("store", "find, N=10,000, miss vs one hashlib"),
     ("store", "load 512 MiB, 1st in a fresh process, into MLX, CRC on vs mlx_lm"),
     ("store", "save 512 MiB, durable=False vs mlx_lm"),
-    ("ttft", "vs cold"),
-    ("ttft", "vs mlx-lm"),
-    ("ttft", "file size"),
+    ("ttft", "TTFT 4,096 + 128 tokens: kvstore disk hit vs cold prefill"),
+    ("ttft", "TTFT 4,096 + 128 tokens: kvstore disk hit vs mlx-lm"),
+    ("ttft", "file 4,096 + 128: kvstore .kv vs mlx-lm .safetensors with the prompt text"),
+    ("ttft", "TTFT 8,192 + 128 tokens: kvstore disk hit vs cold prefill"),
 ]
 
 LOAD_NOTE = """\

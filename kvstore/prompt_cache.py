@@ -167,7 +167,7 @@ class PromptCache:
         if ckpt is None:
             return None
         self.engine.restore(ckpt.tensors, ckpt.meta)
-        tokens = [int(x) for x in ckpt.tokens]
+        tokens = ckpt.tokens.tolist()
         self._set_live(tokens, ckpt.text_bytes)
         self._last_store = len(tokens)
         req = Request("disk", tokens + list(self.engine.tokenize(text[len(ckpt.text_bytes):])), len(tokens), text)
@@ -309,7 +309,7 @@ class PromptCache:
         if len(self.live_tokens) >= self.options.min_tokens:
             self._store_live(Reason.EVICT, None)
         self.engine.restore(checkpoint.tensors, checkpoint.meta)
-        tokens = [int(x) for x in checkpoint.tokens]
+        tokens = checkpoint.tokens.tolist()
         self._set_live(tokens, checkpoint.text_bytes)
         self._last_store = len(tokens)
 

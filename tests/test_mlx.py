@@ -346,7 +346,12 @@ def test_multi_byte_characters_are_never_cut(tok, model, prose, tmp_path, caplog
 
 # ---------------------------------------------------------------- 3. the policy on a chat
 
+# Sizes that make the script cross the policy's frontiers (waypoints every
+# 256 tokens): the anchor (about 335) lies past the first waypoint; A's turns
+# (about 430, 540, 650 tokens) cross 512 on a memory hit; B's (about 540, 750,
+# 960) cross 512 after the hit at the anchor and 768 on a memory hit.
 SYSTEM_PROMPT_TOKENS = 330
+QUESTION_TOKENS = (90, 200)             # user A's, user B's
 
 
 def turn_prompt(tok, system, turns):
@@ -359,8 +364,7 @@ def turn_prompt(tok, system, turns):
 
 def test_chat_policy_two_users(tok, model, prose, tmp_path):
     system = text_of_tokens(tok, prose[30000:], SYSTEM_PROMPT_TOKENS)
-    words = prose[40000:].split(" ")
-    q = [" ".join(words[i * 90:(i + 1) * 90]) for i in range(6)]     # user questions, ~100+ tokens
+    q = [text_of_tokens(tok, prose[40000 + 2000 * i:], QUESTION_TOKENS[i // 3]) for i in range(6)]
     answer = ["Noted; here is the plan.", "Done, see above.", "Yes.", "Here it is."]
     a_turns = [[q[0]], [q[0], answer[0], q[1]], [q[0], answer[0], q[1], answer[1], q[2]]]
     b_turns = [[q[3]], [q[3], answer[2], q[4]], [q[3], answer[2], q[4], answer[3], q[5]]]
@@ -391,7 +395,7 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
 
     # The replies are the script's, not the model's: the caller renders them
     # its own way, so generated tokens leave the live session (keep_generated).
-    reports, steps, evicted = {}, {}, []
+    reports, outs, steps, evicted = {}, {}, {}, []
     live, last, anchor = [], 0, None
     session = {}            # user -> the exact tokens of their last request
     for name, prompt in script:
@@ -400,7 +404,7 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
         before = Counter(stored(store))
         calls = len(engine.logits)
         out, rep = engine.generate(pc, prompt, max_tokens=GEN_TOKENS, keep_generated=False)
-        reports[name] = rep
+        reports[name], outs[name] = rep, out
         steps[name] = engine.logits[calls:][-len(out):]   # last prompt chunk, then each decode step
         assert rep["ttft_ms"] > 0 and rep["generated"] == len(out) >= 1
 
@@ -439,7 +443,8 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
     expected_all = [s for r in reports.values() for s in r["stored"]] + evicted + [("shutdown", len(live))]
     assert stored(store) == sorted(expected_all)
     assert [reports[n]["source"] for n, _ in script] == ["none", "memory", "disk", "disk", "disk", "memory"]
-    assert len(evicted) == 3 and ("continued", 512) in reports["B1"]["stored"]
+    assert len(evicted) == 3
+    assert [r for name in ("A2", "B1", "B3") for r, _ in reports[name]["stored"]] == ["continued"] * 3
     store.close()
 
     # Logits and greedy tokens equal a run without a store where the prefill
@@ -451,6 +456,7 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
             ref_out, ref_rep = ref.generate(PromptCache(nothing, ref, prefill_step=STEP), prompt,
                                             max_tokens=GEN_TOKENS)
             assert ref_rep["source"] == "none" and nothing.entries() == []
+        assert ref_out == outs[name], name
         assert same_steps(ref.logits[-len(ref_out):], steps[name]), name
 
 

@@ -1,0 +1,446 @@
+"""Time to first token: cold prefill, a kvstore disk hit and an mlx-lm prompt-cache hit, side by side.
+
+Run as a script path (not ``python -m``), so the installed ``kvstore`` is the
+one imported:
+
+    python bench/ttft.py              # full run: 4,096- and 8,192-token checkpoints, under 6 minutes
+    python bench/ttft.py --quick      # a smaller model, 4,096 tokens, under a minute
+    python bench/ttft.py --json results.json --strict
+
+The workload is a long prompt (prose, no chat markers) whose first N tokens
+(N a multiple of the 2,048-token alignment) were served before, followed by a
+new turn of SUFFIX_TOKENS tokens.  The model is a random-weight mlx-lm llama
+(kvstore.demo_model) with a byte-level BPE tokenizer trained on the spot:
+nothing is downloaded.  Each sample is one request, timed from the prompt
+text to the first sampled token:
+
+(a) cold: a fresh engine, no store: tokenize, prefill in 2,048-token chunks,
+    sample;
+(b) kvstore hit: a fresh KVStore on the directory holding the checkpoint a
+    cold request stored (at store_len = N) and a fresh MLXEngine +
+    PromptCache: find, load, restore, tokenize the text suffix, prefill it,
+    sample (``MLXEngine.generate(max_tokens=1)``);
+(c) mlx-lm hit: ``mlx_lm.models.cache.load_prompt_cache`` of the same state
+    saved with mlx-lm's ``save_prompt_cache`` (safetensors, the prompt text and
+    token ids in its metadata so that the file, like a kvstore file, says which
+    prompt it belongs to), check the prefix, tokenize the same suffix, prefill
+    it with the same engine code, sample.
+
+Samples are interleaved: each round is one cold sample, then the two hits
+HIT_SAMPLES_PER_ROUND times each in A B B A order, the first alternating
+between rounds; cells are median / min.  All three
+must produce the same first token (the restored states are bit-identical to
+a cold prefill with the same chunks): the run fails otherwise.  A load-only
+row (kvstore find + load + restore + eval against load_prompt_cache + eval)
+and the file sizes complete the table.
+
+The machine this was written for is a shared, noisy 2-core VM with MLX's
+CPU wheel (a slow reference BLAS): compare ratios, not absolute numbers.
+"""
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import kvstore  # noqa: E402
+from foundation import machine_info  # noqa: E402
+
+# The request: a checkpoint at N tokens (multiples of ds4's 2,048-token
+# alignment and prefill step) and a new turn after it.  store_len(N + 128)
+# is N with the default policy (trim 32, align 2048), so a cold request
+# stores exactly the checkpoint the hits reuse.
+PREFILL_STEP = 2048
+SUFFIX_TOKENS = 128
+FULL_SIZES = (4096, 8192)
+QUICK_SIZES = (4096,)
+
+# Models, sized for MLX's reference BLAS on 2 cores.  Full: the cold prefill
+# of 4,096 + 128 tokens takes about 7 s (the target is at least 5 s), 8,192 +
+# 128 about 25 s.  Quick: about 2 s.  Attention dominates at these lengths
+# and grows with query heads x head_dim; one KV head keeps the cache small.
+FULL_MODEL = dict(seed=0, layers=3, hidden=128, heads=2, kv_heads=2, head_dim=32, intermediate=512)
+QUICK_MODEL = dict(seed=0, layers=2, hidden=64, heads=2, kv_heads=1, head_dim=16)
+
+# Rounds: each round samples cold once and each hit HIT_SAMPLES_PER_ROUND times.
+FULL_ROUNDS = 5
+QUICK_ROUNDS = 5
+HIT_SAMPLES_PER_ROUND = 4
+LOAD_SAMPLES = 21
+
+# Targets.
+MIN_SPEEDUP = 10.0               # cold TTFT / kvstore-hit TTFT
+MAX_HIT_TIME_RATIO = 1.0         # kvstore hit / mlx-lm hit (medians)
+MAX_SIZE_RATIO = 1.0             # kvstore file / mlx-lm file holding the same prompt
+
+MiB = 1024 * 1024
+
+
+# ---------------------------------------------------------------- reporting
+
+def fmt_time(ns):
+    if ns >= 1e9:
+        return f"{ns / 1e9:.2f} s"
+    if ns >= 1e6:
+        return f"{ns / 1e6:.1f} ms"
+    return f"{ns / 1e3:.0f} µs"
+
+
+def fmt_ratio(r):
+    if r == 0 or r >= 0.1:
+        return f"{r:.3f}" if 0.9 <= r <= 1.1 else f"{r:.2f}"
+    return f"{r:.2g} (1/{1 / r:.0f})"
+
+
+def fmt_cell(s):
+    if "bytes" in s:
+        return f"{s['bytes'] / MiB:.3f} MiB ({s['bytes']:,} B)"
+    return f"{fmt_time(s['median_ns'])} / {fmt_time(s['min_ns'])}"
+
+
+def stats(ns_list):
+    return {"median_ns": statistics.median(ns_list), "min_ns": min(ns_list), "n": len(ns_list),
+            "samples_ns": list(ns_list)}
+
+
+class Report:
+    """Rows of the results table (the columns of bench/store.py); ratio = kvstore / peer."""
+
+    def __init__(self):
+        self.rows = []
+
+    def add(self, comparison, kv, peer, target=None, note=""):
+        """target: the highest passing ratio (kvstore / peer on the medians), or None for context."""
+        key, low = ("bytes", "bytes") if "bytes" in kv else ("median_ns", "min_ns")
+        ratio = kv[key] / peer[key]
+        ratio_min = kv[low] / peer[low]
+        kind = "size" if key == "bytes" else "time"
+        ok = ratio <= target if target is not None else None
+        row = {"comparison": comparison, "kvstore": kv, "peer": peer, "kind": kind, "ratio": ratio,
+               "ratio_min": ratio_min,
+               "target": f"{kind} ratio ≤ {fmt_ratio(target)}" if target is not None else "context",
+               "result": "" if ok is None else ("PASS" if ok else "MISS"), "note": note}
+        self.rows.append(row)
+        print(f"  {comparison}: ratio {fmt_ratio(ratio)} {row['result']}", file=sys.stderr, flush=True)
+
+    def markdown(self):
+        lines = ["| comparison | kvstore median / min | peer median / min | ratio (median; min) "
+                 "| target | result | notes |",
+                 "|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            lines.append(f"| {r['comparison']} | {fmt_cell(r['kvstore'])} | {fmt_cell(r['peer'])} "
+                         f"| {fmt_ratio(r['ratio'])}; {fmt_ratio(r['ratio_min'])} | {r['target']} "
+                         f"| {r['result'] or '—'} | {r['note']} |")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the workload
+
+def prose():
+    """English text without chat markers: docstrings of standard modules, ASCII only."""
+    import argparse as m1
+    import collections as m2
+    import email.message as m3
+    import http.client as m4
+    import json as m5
+    import logging as m6
+    import pathlib as m7
+    import subprocess as m8
+    import threading as m9
+    import unittest as m10
+    import asyncio as m11
+    import tarfile as m12
+    import zipfile as m13
+    parts = []
+    for mod in (m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13):
+        parts.append(inspect.getdoc(mod) or "")
+        for _, obj in sorted(vars(mod).items()):
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == mod.__name__:
+                parts.append(inspect.getdoc(obj) or "")
+    text = "\n\n".join(p for p in parts if p)
+    return text.encode("ascii", "ignore").decode("ascii").replace("<|", "< |")
+
+
+def text_of_tokens(tok, text, n):
+    """The shortest prefix of text that tokenizes to exactly n tokens."""
+    lo, hi = 0, len(text)
+    if len(tok.encode(text)) < n:
+        raise SystemExit(f"the benchmark text holds fewer than {n} tokens")
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tok.encode(text[:mid])) >= n:
+            hi = mid
+        else:
+            lo = mid + 1
+    for c in range(lo, min(lo + 64, len(text))):
+        if len(tok.encode(text[:c])) == n:
+            return text[:c]
+    return None
+
+
+def make_prompt(tok, text, n_ckpt):
+    """A prompt of n_ckpt + SUFFIX_TOKENS tokens whose token n_ckpt starts a word.
+
+    At such a boundary the tokens of the text after the checkpoint are the
+    prompt's own, so the cold request and the two hits prefill the same ids.
+    """
+    for skip in range(0, 200 * 50, 200):
+        prompt = text_of_tokens(tok, text[skip:], n_ckpt + SUFFIX_TOKENS)
+        if prompt is None:
+            continue
+        ids = tok.encode(prompt)
+        head = tok.token_bytes(ids[:n_ckpt])
+        if ids[:n_ckpt] + tok.encode(prompt.encode()[len(head):].decode()) == ids:
+            return prompt, ids, head
+    raise SystemExit(f"no prompt with a clean token boundary at {n_ckpt}")
+
+
+# ---------------------------------------------------------------- the three requests
+
+def first_token(logits):
+    import mlx.core as mx
+    return int(mx.argmax(logits).item())
+
+
+def request_cold(model, tok, prompt):
+    """(a) fresh engine, no store."""
+    from kvstore.mlx import MLXEngine
+    engine = MLXEngine(model, tok)
+    t0 = time.perf_counter_ns()
+    ids = engine.tokenize(prompt.encode())
+    logits = None
+    for i in range(0, len(ids), PREFILL_STEP):
+        logits = engine.prefill(ids[i:i + PREFILL_STEP])
+    y = first_token(logits)
+    return time.perf_counter_ns() - t0, y
+
+
+def request_kvstore(model, tok, prompt, store_dir, n_ckpt):
+    """(b) fresh KVStore + fresh engine + PromptCache on the directory; a disk hit."""
+    from kvstore.mlx import MLXEngine
+    from kvstore.prompt_cache import PromptCache
+    with kvstore.KVStore(store_dir) as store:
+        engine = MLXEngine(model, tok)
+        pc = PromptCache(store, engine, prefill_step=PREFILL_STEP)
+        t0 = time.perf_counter_ns()
+        out, rep = engine.generate(pc, prompt, max_tokens=1)
+        dt = time.perf_counter_ns() - t0
+    if rep["source"] != "disk" or rep["reused_tokens"] != n_ckpt or rep["stored"]:
+        raise SystemExit(f"kvstore request was not the expected hit: {rep}")
+    return dt, out[0]
+
+
+def request_mlx_lm(model, tok, prompt, path, n_ckpt):
+    """(c) mlx-lm's load_prompt_cache of the same state + the same suffix prefill."""
+    from mlx_lm.models.cache import load_prompt_cache
+    from kvstore.mlx import MLXEngine
+    engine = MLXEngine(model, tok)
+    data = prompt.encode()
+    t0 = time.perf_counter_ns()
+    cache, meta = load_prompt_cache(path, return_metadata=True)
+    text = meta["text"].encode()
+    if not data.startswith(text) or len(json.loads(meta["tokens"])) != cache[0].offset:
+        raise SystemExit("mlx-lm cache does not match the prompt")
+    engine.cache = cache
+    ids = engine.tokenize(data[len(text):])
+    pos, logits = cache[0].offset, None
+    while ids:                                     # chunks end at multiples of the step, as in (b)
+        k = (pos // PREFILL_STEP + 1) * PREFILL_STEP - pos
+        logits = engine.prefill(ids[:k])
+        pos, ids = pos + len(ids[:k]), ids[k:]
+    y = first_token(logits)
+    dt = time.perf_counter_ns() - t0
+    if cache[0].offset != n_ckpt + SUFFIX_TOKENS:
+        raise SystemExit("mlx-lm cache did not reach the prompt length")
+    return dt, y
+
+
+def load_kvstore(store_dir, prompt):
+    import mlx.core as mx
+    from kvstore.mlx_cache import tensors_to_cache
+    with kvstore.KVStore(store_dir) as store:
+        t0 = time.perf_counter_ns()
+        ck = store.load(store.find(prompt), into="mlx")
+        cache = tensors_to_cache(ck.tensors, ck.meta)
+        mx.eval([a for c in cache for a in (c.keys, c.values)])
+        return time.perf_counter_ns() - t0
+
+
+def load_mlx_lm(path):
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache
+    t0 = time.perf_counter_ns()
+    cache = load_prompt_cache(path)
+    mx.eval([a for c in cache for a in (c.keys, c.values)])
+    return time.perf_counter_ns() - t0
+
+
+# ---------------------------------------------------------------- one checkpoint size
+
+def bench_size(report, model, tok, text, n_ckpt, rounds, tmp):
+    from mlx_lm.models import cache as mlc
+    from kvstore.mlx import MLXEngine
+    from kvstore.prompt_cache import PromptCache
+
+    prompt, ids, head = make_prompt(tok, text, n_ckpt)
+    n = len(ids)
+    store_dir = os.path.join(tmp, f"kv-{n_ckpt}")
+    assert kvstore.policy.store_len(n, kvstore.Options()) == n_ckpt
+
+    # The checkpoint: one cold request through PromptCache with the default
+    # policy (it stores the cold checkpoint at store_len = n_ckpt).  It is
+    # also the cold path's warm-up.
+    t0 = time.perf_counter()
+    with kvstore.KVStore(store_dir) as store:
+        engine = MLXEngine(model, tok)
+        out, rep = engine.generate(PromptCache(store, engine, prefill_step=PREFILL_STEP), prompt, max_tokens=1)
+        entries = store.entries()
+    setup_cold_s = time.perf_counter() - t0
+    if rep["stored"] != [("cold", n_ckpt)] or len(entries) != 1:
+        raise SystemExit(f"cold request stored {rep['stored']}, expected [('cold', {n_ckpt})]")
+    kv_file = entries[0]
+
+    # The same state for mlx-lm: prefill the checkpoint tokens with the same
+    # chunks and save it (mlx-lm grows buffers in 256-token steps; n_ckpt is a
+    # multiple, so the file holds no padding).
+    engine = MLXEngine(model, tok)
+    for i in range(0, n_ckpt, PREFILL_STEP):
+        engine.prefill(ids[i:min(i + PREFILL_STEP, n_ckpt)])
+    peer_path = os.path.join(tmp, f"mlx-lm-{n_ckpt}.safetensors")
+    bare_path = os.path.join(tmp, f"mlx-lm-{n_ckpt}-bare.safetensors")
+    mlc.save_prompt_cache(peer_path, engine.cache,
+                          metadata={"text": head.decode(), "tokens": json.dumps(ids[:n_ckpt])})
+    mlc.save_prompt_cache(bare_path, engine.cache)
+    tensor_bytes = sum(c.keys.nbytes + c.values.nbytes for c in engine.cache)
+    del engine
+
+    fns = {
+        "cold": lambda: request_cold(model, tok, prompt),
+        "kvstore": lambda: request_kvstore(model, tok, prompt, store_dir, n_ckpt),
+        "mlx-lm": lambda: request_mlx_lm(model, tok, prompt, peer_path, n_ckpt),
+    }
+    firsts = {out[0]}
+    for name in ("kvstore", "mlx-lm"):                     # warm-up
+        firsts.add(fns[name]()[1])
+    samples = {name: [] for name in fns}
+    # Each round: cold, then the hits as A B B A A B ..., A being kvstore in
+    # even rounds and mlx-lm in odd ones, so neither hit always runs first
+    # after the multi-second cold prefill.
+    for r in range(rounds):
+        a, b = ("kvstore", "mlx-lm") if r % 2 == 0 else ("mlx-lm", "kvstore")
+        hits = [(a, b) if i % 2 == 0 else (b, a) for i in range(HIT_SAMPLES_PER_ROUND)]
+        for name in ["cold"] + [n for pair in hits for n in pair]:
+            dt, y = fns[name]()
+            samples[name].append(dt)
+            firsts.add(y)
+        print(f"  [N={n_ckpt} round {r + 1}/{rounds}]", file=sys.stderr, flush=True)
+    if len(firsts) != 1:
+        raise SystemExit(f"the three paths sampled different first tokens: {sorted(firsts)}")
+
+    loads = {"kvstore": [], "mlx-lm": []}
+    for i in range(LOAD_SAMPLES):
+        for name in (["kvstore", "mlx-lm"] if i % 2 == 0 else ["mlx-lm", "kvstore"]):
+            loads[name].append(load_kvstore(store_dir, prompt) if name == "kvstore" else load_mlx_lm(peer_path))
+
+    cold, kv, peer = (stats(samples[k]) for k in ("cold", "kvstore", "mlx-lm"))
+    speedup = cold["median_ns"] / kv["median_ns"]
+    label = f"{n_ckpt:,} + {SUFFIX_TOKENS}"
+    report.add(f"TTFT {label} tokens: kvstore disk hit vs cold prefill", kv, cold, target=1 / MIN_SPEEDUP,
+               note=f"speedup {speedup:.1f}× (median; {cold['min_ns'] / kv['min_ns']:.1f}× min); "
+                    f"cold = fresh engine, no store, {PREFILL_STEP}-token chunks")
+    paired = statistics.median(a / b for a, b in zip(samples["kvstore"], samples["mlx-lm"]))
+    report.add(f"TTFT {label} tokens: kvstore disk hit vs mlx-lm load_prompt_cache hit", kv, peer,
+               target=MAX_HIT_TIME_RATIO,
+               note=f"paired ratio {fmt_ratio(paired)}; both prefill the same {SUFFIX_TOKENS}-token suffix; "
+                    f"kvstore includes find + load + restore, a fresh KVStore and engine per sample")
+    report.add(f"load {label}: kvstore find + load + restore + eval vs load_prompt_cache + eval",
+               stats(loads["kvstore"]), stats(loads["mlx-lm"]),
+               note=f"{tensor_bytes / MiB:.2f} MiB of KV tensors; warm page cache, in process")
+    kv_size = {"bytes": kv_file.file_size}
+    report.add(f"file {label}: kvstore .kv vs mlx-lm .safetensors with the prompt text + token ids",
+               kv_size, {"bytes": os.path.getsize(peer_path)}, target=MAX_SIZE_RATIO,
+               note=f"kvstore: {kv_file.text_bytes:,} B text + {n_ckpt:,} uint32 ids + tensors; "
+                    "mlx-lm: text and ids as JSON metadata strings")
+    report.add(f"file {label}: kvstore .kv vs mlx-lm .safetensors, tensors only", kv_size,
+               {"bytes": os.path.getsize(bare_path)},
+               note="context: the bare mlx-lm file cannot tell which prompt it belongs to")
+    return {"n_ckpt": n_ckpt, "prompt_tokens": n, "setup_cold_s": setup_cold_s, "tensor_bytes": tensor_bytes,
+            "kvstore_file_bytes": kv_file.file_size, "mlx_lm_file_bytes": os.path.getsize(peer_path),
+            "mlx_lm_bare_file_bytes": os.path.getsize(bare_path), "first_token": firsts.pop()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a smaller model, 4,096 tokens; under a minute")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    args = ap.parse_args(argv)
+
+    import mlx.core as mx
+    import mlx_lm
+    from kvstore import demo_model
+
+    t_start = time.perf_counter()
+    info = machine_info()
+    info["mlx"] = mx.__version__
+    info["mlx_lm"] = mlx_lm.__version__
+    spec = QUICK_MODEL if args.quick else FULL_MODEL
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    rounds = QUICK_ROUNDS if args.quick else FULL_ROUNDS
+    report = Report()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-ttft-") as tmp:
+        tok = demo_model.make_tokenizer(os.path.join(tmp, "tok"))
+        model = demo_model.make_model(**spec)
+        text = prose()
+        for n_ckpt in sizes:
+            t0 = time.perf_counter()
+            runs.append(bench_size(report, model, tok, text, n_ckpt, rounds, tmp))
+            print(f"  [N={n_ckpt}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
+    elapsed = time.perf_counter() - t_start
+
+    cfg = demo_model.model_config(**{k: v for k, v in spec.items() if k != "seed"})
+    kv_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    impl = ", ".join(f"{k}={v}" for k, v in info["implementation"].items())
+    print(f"# kvstore time-to-first-token benchmark ({'quick' if args.quick else 'full'} run)\n")
+    print(f"- date: {info['date']}")
+    print(f"- CPU: {info['cpu']} ({', '.join(info['cpu_flags']) or 'no SHA/CRC flags'}); "
+          f"cores: {info['cores']} (usable {info['usable_cores']})")
+    print(f"- platform: {info['platform']}; Python {info['python']}; MLX {info['mlx']} "
+          f"(device {mx.default_device()}); mlx-lm {info['mlx_lm']}")
+    print(f"- kvstore {info['kvstore']} from {info['kvstore_path']}; implementation: {impl}")
+    print(f"- model: random-weight mlx-lm llama, float32, {cfg['num_hidden_layers']} layers, hidden "
+          f"{cfg['hidden_size']}, MLP {cfg['intermediate_size']}, {cfg['num_attention_heads']} query heads / "
+          f"{cfg['num_key_value_heads']} KV head × {cfg['head_dim']}, vocabulary {cfg['vocab_size']:,} "
+          f"(byte-level BPE trained offline); KV cache {kv_per_token:,} B per token")
+    print(f"- request: prompt = N-token prefix served before + {SUFFIX_TOKENS}-token new turn; prefill step "
+          f"{PREFILL_STEP}; default store policy (the cold request stores its checkpoint at N)")
+    print(f"- rounds: {rounds}, each 1 cold sample then {HIT_SAMPLES_PER_ROUND} of each hit (A B B A, "
+          f"the first alternating by round); load row: {LOAD_SAMPLES} samples each; TTFT = prompt text to first sampled "
+          "token (greedy); a fresh engine (and KVStore) per sample, created before the clock starts")
+    print("- all three paths sampled the same first token in every sample: "
+          + ", ".join(f"N={r['n_ckpt']}: token {r['first_token']}" for r in runs))
+    print(f"- cold prefill of the whole prompt when the checkpoint was stored: "
+          + ", ".join(f"N={r['n_ckpt']}: {r['setup_cold_s']:.1f} s" for r in runs))
+    print(f"- elapsed {elapsed:.1f} s")
+    print("- cells are median / min; ratio = kvstore / peer (lower is better); targets are judged on "
+          "the medians\n")
+    print(report.markdown())
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "quick": args.quick, "elapsed_s": elapsed, "model": cfg,
+                       "runs": runs, "rows": report.rows}, f, indent=2)
+    if args.strict and any(r["result"] == "MISS" for r in report.rows):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
