@@ -184,34 +184,27 @@ class Plan:
     def write(self, fd, path):
         """Writes the payload at its place in fd, CRC'ing every block as it goes.
 
-        The slices of one block are queued while the previous block's are
-        still running: a file takes one writer at a time in the kernel, so
-        while one thread copies its slice into the page cache another
-        computes the CRC of the next, and the CRC costs no wall time.  At
-        most two blocks are in flight, which bounds the memory of blocks
-        that need a contiguous copy.
+        A file takes one writer at a time in the kernel, so this thread does
+        all the writing, in order, while the pool computes the CRC32C of each
+        block's slices (GIL released): the CRC costs no wall time.  Blocks
+        that need a contiguous copy are materialised one at a time, just
+        before they are written.
         """
         P = self.payload_start
         m = self.manifest
         blocks = [(m["tokens"], lambda: self.tokens)] + \
             [(t, src[4]) for t, src in zip(m["tensors"], self.sources)]
-        error, prev = None, None
-        for t, materialize in blocks + [(None, None)]:
-            job = None
-            if t is not None and error is None:
-                try:
-                    job = (t, _submit(_native.pwrite_from, fd, _bytes_view(materialize()),
-                                      P + t["offset"], path, 0))
-                except BaseException as e:
-                    error = e
-            if prev is not None:
-                try:
-                    prev[0]["crc32c"] = _join(prev[1], 0)
-                except BaseException as e:   # join every queued slice before failing
-                    error = error or e
-            prev = job
-        if error is not None:
-            raise error
+        pool = _get_pool()
+        for t, materialize in blocks:
+            mv = _bytes_view(materialize())
+            parts = _slices(mv.nbytes)
+            crcs = [pool.submit(_native.crc32c, mv[a:b]) for a, b in parts]
+            _native.pwrite_from(fd, mv, P + t["offset"], path)
+            crc = None
+            for (a, b), fut in zip(parts, crcs):
+                c = fut.result()
+                crc = c if crc is None else _native.crc32c_combine(crc, c, b - a)
+            t["crc32c"] = crc
         raw = self.manifest_bytes()
         head = PAYLOAD_HEADER.pack(MAGIC, len(raw), self.data_offset, _native.crc32c(raw), 0)
         _native.pwrite_from(fd, head + raw, P, path)
