@@ -12,11 +12,11 @@ Layout, offsets relative to the payload start P = 52 + text length:
                                block starts at a file offset that is a
                                multiple of 64
 
-Writing is one pass over the arrays: each block is CRC'd while it is written
-(the CRC runs on the chunk just handed to the kernel, still in cache), and the
-manifest, written first with fixed-width placeholder CRCs, is rewritten in
-place with the real values at the end (JSON allows the trailing spaces that
-keep its length).
+Writing is one pass over the arrays: one thread writes the blocks in order
+while the I/O pool computes each block's CRC32C alongside, and the manifest,
+written first with fixed-width placeholder CRCs, is rewritten in place with
+the real values at the end (JSON allows the trailing spaces that keep its
+length).
 
 Reading streams every block straight into its destination array and checks
 its CRC as it lands; nothing reads the payload into an intermediate buffer.
