@@ -478,7 +478,9 @@ class _VirtualSafetensors(io.RawIOBase):
         k = min(mv.nbytes, start + size - rel)
         out = mv[:k]
         if rel == start and k == size:
-            if self.defer:
+            # Deferring pays for large tensors; a small one is read at once
+            # (a pool round trip costs more than its read).
+            if self.defer and k >= 2 * MIN_SLICE:
                 jobs = _submit(_native.pread_into, self.fd, out, file_off, self.entry.path,
                                0 if self.verify else None)
                 self.pending[name] = (jobs, crc, _native.buffer_address(out))
