@@ -107,10 +107,38 @@ def fmt_cell(s):
     return cell
 
 
-class Report:
+class Table:
+    """The results table every harness prints, one row per comparison.
+
+    A harness subclasses it with its own add() (how the ratio and the target
+    are judged) and, where its cells differ, its own fmt_cell / fmt_ratio.
+    """
+    fmt_cell = staticmethod(fmt_cell)
+    fmt_ratio = staticmethod(lambda r: f"{r:.2f}")
+
     def __init__(self):
         self.rows = []
 
+    def _row(self, comparison, kv, peer, kind, ratio, ratio_min, target_text, ok, note):
+        row = {"comparison": comparison, "kvstore": kv, "peer": peer, "kind": kind,
+               "ratio": ratio, "ratio_min": ratio_min, "target": target_text,
+               "result": "" if ok is None else ("PASS" if ok else "MISS"), "note": note}
+        self.rows.append(row)
+        print(f"  {comparison}: ratio {self.fmt_ratio(ratio)} {row['result']}", file=sys.stderr, flush=True)
+        return row
+
+    def markdown(self):
+        lines = ["| comparison | kvstore median / min | peer median / min | ratio (median; min) "
+                 "| target | result | notes |",
+                 "|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            lines.append(f"| {r['comparison']} | {self.fmt_cell(r['kvstore'])} | {self.fmt_cell(r['peer'])} "
+                         f"| {self.fmt_ratio(r['ratio'])}; {self.fmt_ratio(r['ratio_min'])} | {r['target']} "
+                         f"| {r['result'] or '—'} | {r['note']} |")
+        return "\n".join(lines)
+
+
+class Report(Table):
     def add(self, comparison, kv, peer, kind, target=None, note="", passed=None, passed_target=""):
         """kind: "throughput" (ratio = peer time / kvstore time, higher is better)
         or "time" (ratio = kvstore time / peer time, lower is better).
@@ -130,21 +158,7 @@ class Report:
         if passed is not None:
             ok = passed
             target_text = passed_target
-        row = {"comparison": comparison, "kvstore": kv, "peer": peer, "kind": kind,
-               "ratio": ratio, "ratio_min": ratio_min, "target": target_text,
-               "result": "" if ok is None else ("PASS" if ok else "MISS"), "note": note}
-        self.rows.append(row)
-        print(f"  {comparison}: ratio {ratio:.2f} {row['result']}", file=sys.stderr, flush=True)
-
-    def markdown(self):
-        lines = ["| comparison | kvstore median / min | peer median / min | ratio (median; min) "
-                 "| target | result | notes |",
-                 "|---|---|---|---|---|---|---|"]
-        for r in self.rows:
-            lines.append(f"| {r['comparison']} | {fmt_cell(r['kvstore'])} | {fmt_cell(r['peer'])} "
-                         f"| {r['ratio']:.2f}; {r['ratio_min']:.2f} | {r['target']} "
-                         f"| {r['result'] or '—'} | {r['note']} |")
-        return "\n".join(lines)
+        self._row(comparison, kv, peer, kind, ratio, ratio_min, target_text, ok, note)
 
 
 # ---------------------------------------------------------------- machine

@@ -48,7 +48,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvstore  # noqa: E402
-from foundation import PROMPT_BYTES, SAMPLE_NS, SEED, compare, fmt_time, machine_info  # noqa: E402
+from foundation import PROMPT_BYTES, SAMPLE_NS, SEED, Table, compare, fmt_time, machine_info  # noqa: E402
 from foundation import stats as _stats  # noqa: E402
 
 # ---- lookup ------------------------------------------------------------------
@@ -131,11 +131,11 @@ def mib_stats(values_mib):
     return {"median_mib": statistics.median(values_mib), "min_mib": min(values_mib), "n": len(values_mib)}
 
 
-class Report:
+class Report(Table):
     """Rows of the one results table (the columns of bench/foundation.py)."""
 
-    def __init__(self):
-        self.rows = []
+    fmt_cell = staticmethod(fmt_cell)
+    fmt_ratio = staticmethod(fmt_ratio)
 
     def add(self, comparison, kv, peer, target=None, note="", passed=None, passed_target=""):
         """Adds a row; ratio = kvstore / peer on the medians (lower is better).
@@ -153,21 +153,7 @@ class Report:
         ok = ratio <= target if target is not None else None
         if passed is not None:
             ok, target_text = passed, passed_target
-        row = {"comparison": comparison, "kvstore": kv, "peer": peer, "kind": unit,
-               "ratio": ratio, "ratio_min": ratio_min, "target": target_text,
-               "result": "" if ok is None else ("PASS" if ok else "MISS"), "note": note}
-        self.rows.append(row)
-        print(f"  {comparison}: ratio {fmt_ratio(ratio)} {row['result']}", file=sys.stderr, flush=True)
-
-    def markdown(self):
-        lines = ["| comparison | kvstore median / min | peer median / min | ratio (median; min) "
-                 "| target | result | notes |",
-                 "|---|---|---|---|---|---|---|"]
-        for r in self.rows:
-            lines.append(f"| {r['comparison']} | {fmt_cell(r['kvstore'])} | {fmt_cell(r['peer'])} "
-                         f"| {fmt_ratio(r['ratio'])}; {fmt_ratio(r['ratio_min'])} | {r['target']} "
-                         f"| {r['result'] or '—'} | {r['note']} |")
-        return "\n".join(lines)
+        self._row(comparison, kv, peer, unit, ratio, ratio_min, target_text, ok, note)
 
 
 # ---------------------------------------------------------------- ds4's lookup, ported

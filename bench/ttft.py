@@ -50,7 +50,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvstore  # noqa: E402
-from foundation import machine_info  # noqa: E402
+from foundation import Table, machine_info  # noqa: E402
 
 # The request: a checkpoint at N tokens (multiples of ds4's 2,048-token
 # alignment and prefill step) and a new turn after it.  store_len(N + 128)
@@ -109,11 +109,11 @@ def stats(ns_list):
             "samples_ns": list(ns_list)}
 
 
-class Report:
+class Report(Table):
     """Rows of the results table (the columns of bench/store.py); ratio = kvstore / peer."""
 
-    def __init__(self):
-        self.rows = []
+    fmt_cell = staticmethod(fmt_cell)
+    fmt_ratio = staticmethod(fmt_ratio)
 
     def add(self, comparison, kv, peer, target=None, note=""):
         """target: the highest passing ratio (kvstore / peer on the medians), or None for context."""
@@ -122,22 +122,8 @@ class Report:
         ratio_min = kv[low] / peer[low]
         kind = "size" if key == "bytes" else "time"
         ok = ratio <= target if target is not None else None
-        row = {"comparison": comparison, "kvstore": kv, "peer": peer, "kind": kind, "ratio": ratio,
-               "ratio_min": ratio_min,
-               "target": f"{kind} ratio ≤ {fmt_ratio(target)}" if target is not None else "context",
-               "result": "" if ok is None else ("PASS" if ok else "MISS"), "note": note}
-        self.rows.append(row)
-        print(f"  {comparison}: ratio {fmt_ratio(ratio)} {row['result']}", file=sys.stderr, flush=True)
-
-    def markdown(self):
-        lines = ["| comparison | kvstore median / min | peer median / min | ratio (median; min) "
-                 "| target | result | notes |",
-                 "|---|---|---|---|---|---|---|"]
-        for r in self.rows:
-            lines.append(f"| {r['comparison']} | {fmt_cell(r['kvstore'])} | {fmt_cell(r['peer'])} "
-                         f"| {fmt_ratio(r['ratio'])}; {fmt_ratio(r['ratio_min'])} | {r['target']} "
-                         f"| {r['result'] or '—'} | {r['note']} |")
-        return "\n".join(lines)
+        target_text = f"{kind} ratio ≤ {fmt_ratio(target)}" if target is not None else "context"
+        self._row(comparison, kv, peer, kind, ratio, ratio_min, target_text, ok, note)
 
 
 # ---------------------------------------------------------------- the workload
@@ -426,7 +412,7 @@ def main(argv=None):
           "token (greedy); a fresh engine (and KVStore) per sample, created before the clock starts")
     print("- all three paths sampled the same first token in every sample: "
           + ", ".join(f"N={r['n_ckpt']}: token {r['first_token']}" for r in runs))
-    print(f"- cold prefill of the whole prompt when the checkpoint was stored: "
+    print("- cold prefill of the whole prompt when the checkpoint was stored: "
           + ", ".join(f"N={r['n_ckpt']}: {r['setup_cold_s']:.1f} s" for r in runs))
     print(f"- elapsed {elapsed:.1f} s")
     print("- cells are median / min; ratio = kvstore / peer (lower is better); targets are judged on "
