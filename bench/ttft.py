@@ -39,7 +39,6 @@ CPU wheel (a slow reference BLAS): compare ratios, not absolute numbers.
 """
 
 import argparse
-import inspect
 import json
 import os
 import statistics
@@ -128,46 +127,17 @@ class Report(Table):
 
 # ---------------------------------------------------------------- the workload
 
-def prose():
-    """English text without chat markers: docstrings of standard modules, ASCII only."""
-    import argparse as m1
-    import collections as m2
-    import email.message as m3
-    import http.client as m4
-    import json as m5
-    import logging as m6
-    import pathlib as m7
-    import subprocess as m8
-    import threading as m9
-    import unittest as m10
-    import asyncio as m11
-    import tarfile as m12
-    import zipfile as m13
-    parts = []
-    for mod in (m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13):
-        parts.append(inspect.getdoc(mod) or "")
-        for _, obj in sorted(vars(mod).items()):
-            if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == mod.__name__:
-                parts.append(inspect.getdoc(obj) or "")
-    text = "\n\n".join(p for p in parts if p)
-    return text.encode("ascii", "ignore").decode("ascii").replace("<|", "< |")
+# The benchmark prompts: docstrings of standard modules (prose without chat markers).
+PROSE_MODULES = ("argparse", "collections", "email.message", "http.client", "json", "logging",
+                 "pathlib", "subprocess", "threading", "unittest", "asyncio", "tarfile", "zipfile")
 
 
 def text_of_tokens(tok, text, n):
-    """The shortest prefix of text that tokenizes to exactly n tokens."""
-    lo, hi = 0, len(text)
+    """demo_model.text_of_tokens, stopping the run when the text is too short."""
+    from kvstore import demo_model
     if len(tok.encode(text)) < n:
         raise SystemExit(f"the benchmark text holds fewer than {n} tokens")
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(tok.encode(text[:mid])) >= n:
-            hi = mid
-        else:
-            lo = mid + 1
-    for c in range(lo, min(lo + 64, len(text))):
-        if len(tok.encode(text[:c])) == n:
-            return text[:c]
-    return None
+    return demo_model.text_of_tokens(tok, text, n)
 
 
 def make_prompt(tok, text, n_ckpt):
@@ -384,7 +354,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-ttft-") as tmp:
         tok = demo_model.make_tokenizer(os.path.join(tmp, "tok"))
         model = demo_model.make_model(**spec)
-        text = prose()
+        text = demo_model.prose(PROSE_MODULES)
         for n_ckpt in sizes:
             t0 = time.perf_counter()
             runs.append(bench_size(report, model, tok, text, n_ckpt, rounds, tmp))

@@ -65,11 +65,13 @@ A long prompt that comes back later can be loaded instead of prefilled again, wh
 """
 
 
-def _corpus():
+def module_docstrings(names):
+    """The docstrings of the named modules and of the classes and functions
+    each defines, in order (modules that do not import are skipped)."""
     import importlib
     import inspect
-    parts = [_CHAT_TEXT]
-    for name in _CORPUS_MODULES:
+    parts = []
+    for name in names:
         try:
             mod = importlib.import_module(name)
         except ImportError:
@@ -79,6 +81,34 @@ def _corpus():
             if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", None) == name:
                 parts.append(inspect.getdoc(obj) or "")
     return [p for p in parts if p]
+
+
+def prose(names):
+    """English text without chat markers for test prompts: module docstrings, ASCII only."""
+    text = "\n\n".join(module_docstrings(names))
+    return text.encode("ascii", "ignore").decode("ascii").replace("<|", "< |")
+
+
+def text_of_tokens(tok, text, n):
+    """The shortest prefix of text (whole characters) that tokenizes to exactly
+    n tokens, or None when there is none (or text holds fewer than n)."""
+    if len(tok.encode(text)) < n:
+        return None
+    lo, hi = 0, len(text)
+    while lo < hi:                       # the first length with >= n tokens
+        mid = (lo + hi) // 2
+        if len(tok.encode(text[:mid])) >= n:
+            hi = mid
+        else:
+            lo = mid + 1
+    for c in range(lo, min(lo + 64, len(text))):
+        if len(tok.encode(text[:c])) == n:
+            return text[:c]
+    return None
+
+
+def _corpus():
+    return [_CHAT_TEXT] + module_docstrings(_CORPUS_MODULES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,4 +301,5 @@ def write_model_dir(path, seed=0, tokenizer=None, **kw):
 
 
 __all__ = ["VOCAB_SIZE", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "Tokenizer", "make_tokenizer", "model_config",
+           "module_docstrings", "prose", "text_of_tokens",
            "make_model", "make_cache", "rotating_cache", "prefill", "write_model_dir"]

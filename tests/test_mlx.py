@@ -24,7 +24,6 @@ same chunk boundaries: MLX does not promise bit-identical results for other
 chunkings (on some back ends a different matmul shape reorders the sums).
 """
 
-import inspect
 import logging
 from collections import Counter
 
@@ -66,44 +65,21 @@ def model():
     return mlx_model.make_model(**MODEL)
 
 
+PROSE_MODULES = ("argparse", "collections", "email.message", "http.client", "json", "logging",
+                 "pathlib", "subprocess", "threading", "unittest")
+
+
 @pytest.fixture(scope="module")
 def prose():
     """English text without chat markers: docstrings of standard modules (ASCII only)."""
-    import argparse
-    import collections
-    import email.message
-    import http.client
-    import json
-    import logging as logging_mod
-    import pathlib
-    import subprocess
-    import threading
-    import unittest
-    parts = []
-    for mod in (argparse, collections, email.message, http.client, json, logging_mod, pathlib,
-                subprocess, threading, unittest):
-        parts.append(inspect.getdoc(mod) or "")
-        for _, obj in sorted(vars(mod).items()):
-            if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == mod.__name__:
-                parts.append(inspect.getdoc(obj) or "")
-    text = "\n\n".join(p for p in parts if p)
-    return text.encode("ascii", "ignore").decode("ascii").replace("<|", "< |")
+    return mlx_model.prose(PROSE_MODULES)
 
 
 def text_of_tokens(tok, text, n):
     """The shortest prefix of text (whole characters) that tokenizes to exactly n tokens."""
-    lo, hi = 0, len(text)
-    assert len(tok.encode(text)) >= n, "not enough text"
-    while lo < hi:                       # first length with >= n tokens
-        mid = (lo + hi) // 2
-        if len(tok.encode(text[:mid])) >= n:
-            hi = mid
-        else:
-            lo = mid + 1
-    for c in range(lo, min(lo + 64, len(text))):
-        if len(tok.encode(text[:c])) == n:
-            return text[:c]
-    raise AssertionError(f"no prefix of exactly {n} tokens")
+    p = mlx_model.text_of_tokens(tok, text, n)
+    assert p is not None, f"no prefix of exactly {n} tokens (or not enough text)"
+    return p
 
 
 def chunk_ends(start, stop, step, extra=()):
