@@ -1,5 +1,7 @@
 """Small helpers shared by the store tests (imported as a plain module)."""
 
+import hashlib
+
 from kvstore import KVStore
 from kvstore.policy import Options
 
@@ -21,3 +23,16 @@ def flip(path, offset, mask=0x01):
         b = f.read(1)[0]
         f.seek(offset)
         f.write(bytes([b ^ mask]))
+
+
+def colliding_texts(digits, base="session"):
+    """Two texts whose SHA1 hex digests (file names) share the first `digits` digits."""
+    seen = {}
+    i = 0
+    while True:
+        t = f"{base} {i}".encode()
+        h = hashlib.sha1(t).hexdigest()[:digits]
+        if h in seen:
+            return seen[h], t
+        seen[h] = t
+        i += 1

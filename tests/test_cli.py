@@ -6,7 +6,6 @@ payload byte flipped.  Every prompt text carries SECRET, and no command but
 `inspect --text` may print it.
 """
 
-import hashlib
 import json
 import os
 import stat
@@ -25,6 +24,7 @@ from kvstore.errors import CheckpointMissing
 from kvstore.format import Reason, read_entry
 
 from conftest import write_checkpoint
+from kvhelpers import colliding_texts as _colliding_texts
 from kvhelpers import flip, make_store
 
 SECRET = "SECRET-PROMPT-7f3a"
@@ -228,15 +228,7 @@ def test_inspect_corrupt_envelope_exits_1(tmp_path, cwd):
 
 def colliding_texts(digits):
     """Two prompt texts whose file names share the first `digits` hex digits."""
-    seen = {}
-    i = 0
-    while True:
-        t = f"{SECRET} collide {i}".encode()
-        h = hashlib.sha1(t).hexdigest()[:digits]
-        if h in seen:
-            return seen[h], t
-        seen[h] = t
-        i += 1
+    return _colliding_texts(digits, base=f"{SECRET} collide")
 
 
 # ---- verify ---------------------------------------------------------------------

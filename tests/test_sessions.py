@@ -1,6 +1,5 @@
 """Agent sessions (SPEC section 9): save with a title, list, switch by hash prefix."""
 
-import hashlib
 import os
 
 import numpy as np
@@ -12,7 +11,7 @@ from kvstore.errors import AmbiguousSession, KVStoreError, SessionNotFound
 from kvstore.format import ExtFlag, Reason, read_entry
 from kvstore.policy import Options
 
-from kvhelpers import flip, make_store
+from kvhelpers import colliding_texts, flip, make_store
 
 
 def tensors(n, seed=0):
@@ -25,19 +24,6 @@ def set_created(path, t):
     with open(path, "r+b") as f:
         f.seek(24)
         f.write(int(t).to_bytes(8, "little"))
-
-
-def colliding_texts(digits, base="session"):
-    """Two texts whose SHA1 hex digests share the first `digits` digits."""
-    seen = {}
-    i = 0
-    while True:
-        t = f"{base} {i}".encode()
-        h = hashlib.sha1(t).hexdigest()[:digits]
-        if h in seen:
-            return seen[h], t
-        seen[h] = t
-        i += 1
 
 
 @pytest.fixture
