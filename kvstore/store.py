@@ -34,7 +34,7 @@ from kvstore import _native, payload, policy
 from kvstore import trailers as trailer_mod
 from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
                             KVStoreError, StoreClosed, UnsafePath)
-from kvstore.format import (LOADABLE_ABIS, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Entry, ExtFlag, Header,
+from kvstore.format import (LOADABLE_ABIS, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Entry, Header,
                             Reason, entry_from_fd, open_checkpoint, read_entry)
 from kvstore.index import DirectoryIndex
 from kvstore.policy import Options
@@ -152,8 +152,7 @@ class KVStore:
         self._open_dir()
         self._index = DirectoryIndex(self.path, self._eligible)
         self._remove_stale_tmp()
-        self._index.refresh(force=True)
-        self.evict()
+        self.evict()            # lists the directory (the first index refresh) and applies the budget
 
     # -- set-up ------------------------------------------------------------
 
@@ -403,7 +402,7 @@ class KVStore:
             return self._refuse("min_tokens", tokens=n, min_tokens=min_tokens)
         ctx = self.ctx_size if ctx_size is None else int(ctx_size)
         plan = payload.Plan(len(text), tokens, tensors, meta)
-        values = {_bit(k): v for k, v in (trailers or {}).items()}
+        values = {trailer_mod.bit_index(k): v for k, v in (trailers or {}).items()}
         trailer_raw, ext = trailer_mod.encode_trailer(values) if values else (b"", 0)
         if self.budget_bytes and not policy.file_size_fits(len(text), plan.payload_bytes, len(trailer_raw),
                                                            self.budget_bytes):
@@ -488,8 +487,8 @@ class KVStore:
         old_raw = os.pread(fd, e.file_size - e.trailer_offset, e.trailer_offset)
         old_values, sections, _ = trailer_mod.parse_trailer(old_raw, e.path, log)
         merged = {**old_values, **values}
-        keep = [s for s in sections if s.bit not in merged and s.bit not in trailer_mod.hooks()]
-        raw, ext = trailer_mod.encode_trailer(merged, keep)
+        # encode_trailer writes back only the sections it cannot read itself.
+        raw, ext = trailer_mod.encode_trailer(merged, sections)
         if raw == old_raw:
             return e
         _native.pwrite_from(fd, raw, e.trailer_offset, e.path)
@@ -760,18 +759,6 @@ def _token_array(tokens):
     if tokens.ndim != 1 or tokens.size >= 2**32:
         raise ValueError(f"tokens must be a 1-D sequence of < 2**32 ids, got shape {tokens.shape}")
     return tokens
-
-
-def _bit(key):
-    """Trailer keys: an ExtFlag member or a bit index."""
-    if isinstance(key, ExtFlag):
-        if int(key).bit_count() != 1:
-            raise ValueError(f"trailer key {key!r} must be a single extension flag")
-        return int(key).bit_length() - 1
-    key = int(key)
-    if not 0 <= key <= 7:
-        raise ValueError(f"trailer key {key} is not an extension bit index 0..7")
-    return key
 
 
 # -- offline checks (the `kvstore verify` and `inspect` commands) -----------

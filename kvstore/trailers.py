@@ -177,7 +177,7 @@ class Section:
     body: bytes
 
 
-def _bit_of(key):
+def bit_index(key):
     """Maps a values key (a bit index, or a single-bit ExtFlag) to its bit index."""
     if isinstance(key, ExtFlag):
         v = int(key)
@@ -194,7 +194,7 @@ def _plan(values, keep):
     bodies = {}
     given = set()
     for key, value in values.items():
-        bit = _bit_of(key)
+        bit = bit_index(key)
         if bit in given:
             raise ValueError(f"trailer values give ext bit {bit} twice (as {key!r} and another key)")
         given.add(bit)
