@@ -232,9 +232,7 @@ class PromptCache:
 
     def _rewind_one(self):
         """Drops the last live token so that it can be fed again."""
-        trim = getattr(self.engine, "trim", None)
-        if trim is not None and trim(1):
-            self._set_live(self.live_tokens[:-1])
+        if self.rewind(1):
             return
         # No trim: rebuild from scratch (rare: a prompt equal to the live text).
         tokens = self.live_tokens[:-1]
