@@ -723,6 +723,11 @@ def build_parser():
     s.set_defaults(func=cmd_session_list)
 
     _add_demo(sub)
+    # `kvstore serve` takes mlx_lm.server's options as well as its own, so
+    # main() hands its arguments to kvstore.serve untouched; this entry only
+    # lists it in --help.
+    sub.add_parser("serve", add_help=False,
+                   help="mlx-lm's OpenAI-compatible server with this disk tier (kvstore serve --help)")
     return p
 
 
@@ -732,6 +737,11 @@ def _error(message):
 
 def main(argv=None):
     """Runs the `kvstore` command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        # mlx-lm's server sets up logging (its --log-level) itself.
+        from kvstore import serve
+        return serve.main(argv[1:])
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     old_level, old_propagate = log.level, log.propagate

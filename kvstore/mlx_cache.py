@@ -445,14 +445,24 @@ def save_prompt_cache(store, text, tokens, cache, reason=Reason.COLD, **kw):
         TypeError: an unsupported cache class.
         ValueError: a cache offset differs from the token count.
     """
+    tensors, meta = checked_tensors(cache, len(tokens))
+    return store.save(text, tokens, tensors, meta=meta, reason=reason, **kw)
+
+
+def checked_tensors(cache, n):
+    """cache_to_tensors(cache), checking that every layer holds exactly n tokens.
+
+    Raises:
+        TypeError: an unsupported cache class.
+        ValueError: a cache offset differs from n.
+    """
     tensors, meta = cache_to_tensors(cache)
-    n = len(tokens)
     for li, lm in enumerate(meta["layers"]):
         for off in _offsets(lm):
             if off != n:
                 raise ValueError(f"layer {li} ({lm['class']}) holds {off} tokens, "
                                  f"but {n} token ids were given")
-    return store.save(text, tokens, tensors, meta=meta, reason=reason, **kw)
+    return tensors, meta
 
 
 def load_prompt_cache(store, prompt):
@@ -474,6 +484,18 @@ def load_prompt_cache(store, prompt):
     ckpt = store.load(entry, into="mlx")
     if ckpt is None:
         return None
+    cache = cache_from_checkpoint(store, ckpt)
+    if cache is None:
+        return None
+    return cache, ckpt.tokens, ckpt.text_bytes
+
+
+def cache_from_checkpoint(store, ckpt):
+    """The mlx-lm cache of a checkpoint loaded with into="mlx"; None when it does not rebuild.
+
+    A checkpoint whose payload loaded but whose meta and tensors disagree is
+    corrupt: it is removed (or quarantined) from store.
+    """
     try:
         cache = tensors_to_cache(ckpt.tensors, ckpt.meta)
         for li, lm in enumerate(ckpt.meta["layers"]):
@@ -482,7 +504,7 @@ def load_prompt_cache(store, prompt):
     except CorruptCheckpoint as e:
         _discard(store, ckpt.entry, e.reason)
         return None
-    return cache, ckpt.tokens, ckpt.text_bytes
+    return cache
 
 
 def _discard(store, entry, reason):

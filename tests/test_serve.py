@@ -1,0 +1,324 @@
+"""kvstore serve: real server processes on 127.0.0.1 against stock mlx_lm.server.
+
+Each server is a child process started from a directory outside the
+repository (the source tree would shadow the installed package), with a
+random-weight model directory written here (config, weights, an offline
+tokenizer and a chat template).
+"""
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from kvstore import KVStore, Reason, read_entry
+from kvstore.demo_model import prose, write_model_dir
+from kvstore.serve import split_at_waypoints
+from kvstore.store import verify_file
+
+STARTUP_S = 90
+SYSTEM_PROMPT = prose(["json", "csv", "logging"])[:4000]      # about 1600 tokens
+USER_TURNS = ["Tell me about the json module.", "And csv?", "Which one logs?", "Summarise all three."]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve-model")
+    write_model_dir(path, seed=3)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve-work")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server child process and its log."""
+
+    def __init__(self, cmd, cwd, log_path):
+        self.port = _free_port()
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(self.port)],
+                                     cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.text()}")
+            try:
+                urllib.request.urlopen(self.url("/health"), timeout=2).read()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise AssertionError(f"server not up after {STARTUP_S} s:\n{self.text()}")
+                time.sleep(0.2)
+
+    def url(self, path):
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def post(self, body, raw=None):
+        """(status, parsed JSON or None) of a POST to /v1/chat/completions."""
+        data = raw if raw is not None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url("/v1/chat/completions"), data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            body = e.read()
+            with contextlib.suppress(ValueError):
+                return e.code, json.loads(body)
+            return e.code, None
+
+    def chat(self, messages, max_tokens=8):
+        status, r = self.post({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                               "logprobs": True, "top_logprobs": 3})
+        assert status == 200, r
+        return r
+
+    def text(self):
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+
+    def request_lines(self):
+        return [line.split("kvstore: ", 1)[1] for line in self.text().splitlines()
+                if "kvstore: request " in line]
+
+    def stop(self, sig=signal.SIGTERM):
+        self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(60)
+        finally:
+            self.log.close()
+        return rc
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def kvstore_server(model_dir, cache_dir, workdir, name, *extra):
+    cmd = [sys.executable, "-m", "kvstore", "serve", "--model", model_dir,
+           "--cache-dir", str(cache_dir), *extra]
+    return Server(cmd, workdir, os.path.join(workdir, name + ".log"))
+
+
+def stock_server(model_dir, workdir, name):
+    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir]
+    return Server(cmd, workdir, os.path.join(workdir, name + ".log"))
+
+
+def _answer(r):
+    """What a greedy answer is made of: the text and every token's logprobs."""
+    choice = r["choices"][0]
+    return choice["message"]["content"], json.dumps(choice.get("logprobs"), sort_keys=True)
+
+
+def _conversation(server, turns, messages=None):
+    """Plays user turns on server; returns (messages, answers, usages)."""
+    messages = list(messages or [{"role": "system", "content": SYSTEM_PROMPT}])
+    answers, usages = [], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        r = server.chat(messages)
+        answers.append(_answer(r))
+        usages.append(r["usage"])
+        messages.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+    return messages, answers, usages
+
+
+@pytest.fixture(scope="module")
+def stock(model_dir, workdir):
+    """A stock mlx_lm.server that answered the four-turn conversation."""
+    server = stock_server(model_dir, workdir, "stock")
+    try:
+        _, answers, usages = _conversation(server, USER_TURNS)
+        yield server, answers, usages
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def restarted(model_dir, workdir, stock):
+    """Three turns on kvstore serve, SIGTERM, a new server, the fourth turn."""
+    cache = os.path.join(workdir, "cache-restart")
+    first = kvstore_server(model_dir, cache, workdir, "first")
+    try:
+        messages, answers, _ = _conversation(first, USER_TURNS[:3])
+    finally:
+        rc = first.stop()
+    second = kvstore_server(model_dir, cache, workdir, "second")
+    try:
+        _, last, usages = _conversation(second, USER_TURNS[3:], messages)
+    finally:
+        second.stop()
+    return dict(cache=cache, first=first, second=second, rc=rc,
+                answers=answers + last, usage4=usages[0])
+
+
+def test_restart_serves_the_fourth_turn_from_disk_with_stock_output(restarted, stock):
+    _, stock_answers, stock_usages = stock
+    assert restarted["rc"] == 0, restarted["first"].text()
+    first_log = restarted["first"].text()
+    assert "kvstore: saved reason=cold" in first_log          # the system-prompt anchor
+    assert "kvstore: saved reason=shutdown" in first_log      # the RAM entries on SIGTERM
+
+    usage = restarted["usage4"]
+    lines = restarted["second"].request_lines()
+    assert len(lines) == 1 and lines[0].startswith("request source=disk"), lines
+    reused = int(lines[0].split("reused=")[1].split()[0])
+    assert usage["prompt_tokens_details"]["cached_tokens"] == reused > 0
+    # The shutdown checkpoint covers every turn before the fourth question.
+    assert reused > stock_usages[2]["prompt_tokens"]
+    assert usage["prompt_tokens"] == stock_usages[3]["prompt_tokens"]
+    assert restarted["answers"] == stock_answers
+
+
+def test_checkpoints_are_private_and_valid(restarted):
+    cache = restarted["cache"]
+    assert os.stat(cache).st_mode & 0o777 == 0o700
+    files = glob.glob(os.path.join(cache, "*.kv"))
+    assert files
+    for path in files:
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert verify_file(path) is None
+
+
+def test_request_log_lines_hold_no_prompt_text(restarted):
+    for server in (restarted["first"], restarted["second"]):
+        text = server.text()
+        for fragment in (SYSTEM_PROMPT[100:140], "Summarise all three", "json module"):
+            assert fragment not in text
+
+
+def test_corrupt_checkpoint_is_a_miss_and_is_removed(restarted, model_dir, workdir, stock):
+    cache = os.path.join(workdir, "cache-corrupt")
+    shutil.copytree(restarted["cache"], cache)
+    os.chmod(cache, 0o700)
+    # Damage the payload of the system-prompt anchor, the one checkpoint
+    # that prefixes a new conversation: the request must still succeed.
+    anchors = [p for p in glob.glob(os.path.join(cache, "*.kv")) if read_entry(p).reason == Reason.COLD]
+    assert len(anchors) == 1
+    size = os.path.getsize(anchors[0])
+    with open(anchors[0], "r+b") as f:
+        f.seek(size - 100)
+        b = f.read(1)
+        f.seek(size - 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    server = kvstore_server(model_dir, cache, workdir, "corrupt")
+    try:
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+        _, answers, usages = _conversation(server, USER_TURNS[:1], messages)
+    finally:
+        server.stop()
+    assert answers[0] == stock[1][0]
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert "kvstore: corrupt" in server.text()
+    assert server.request_lines()[0].startswith("request source=none ")
+    # Removed, and then stored again, sound, by the same request.
+    assert not os.path.exists(anchors[0]) or verify_file(anchors[0]) is None
+    assert "kvstore: saved reason=cold" in server.text()
+
+
+def test_two_servers_share_one_directory(model_dir, workdir):
+    cache = os.path.join(workdir, "cache-shared")
+    a = kvstore_server(model_dir, cache, workdir, "share-a")
+    try:
+        b = kvstore_server(model_dir, cache, workdir, "share-b")
+    except BaseException:
+        a.kill()
+        raise
+    try:
+        _conversation(a, ["First user, first question."])
+        deadline = time.monotonic() + 30
+        while not glob.glob(os.path.join(cache, "*.kv")) and time.monotonic() < deadline:
+            time.sleep(0.1)      # the anchor is written by a's background writer
+        anchor = read_entry(glob.glob(os.path.join(cache, "*.kv"))[0])
+        _, _, usages = _conversation(b, ["Another user with another question."])
+        assert usages[0]["prompt_tokens_details"]["cached_tokens"] == anchor.tokens
+        assert b.request_lines()[0].startswith(f"request source=disk reused={anchor.tokens} ")
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_long_prompts_store_waypoints_and_ram_drops_store_evict(model_dir, workdir):
+    cache = os.path.join(workdir, "cache-waypoints")
+    server = kvstore_server(model_dir, cache, workdir, "waypoints", "--prompt-cache-size", "1",
+                            "--waypoint-tokens", "2000")       # every 2048 tokens
+    long_system = (prose(["argparse", "asyncio", "collections", "email", "logging"]) * 4)[:20000]
+    try:
+        _, _, usages = _conversation(server, USER_TURNS[:1], [{"role": "system", "content": long_system}])
+        assert usages[0]["prompt_tokens"] > 2 * 2048
+        # Another conversation: mlx-lm's LRU (one entry) drops the first one.
+        _conversation(server, USER_TURNS[1:2])
+    finally:
+        assert server.stop() == 0
+    text = server.text()
+    assert "kvstore: saved reason=continued tokens=2048 " in text
+    assert "kvstore: saved reason=continued tokens=4096 " in text
+    assert "kvstore: saved reason=evict " in text
+    with KVStore(cache) as store:
+        reasons = {Reason(e.reason).name for e in store.entries()}
+    assert {"COLD", "CONTINUED", "EVICT", "SHUTDOWN"} <= reasons
+
+
+BAD_REQUESTS = {
+    "invalid_json": (None, b"{not json"),
+    "not_an_object": (None, b"[1, 2]"),
+    "empty_messages": ({"messages": [], "max_tokens": 4}, None),
+    "no_messages": ({"max_tokens": 4}, None),
+    "negative_max_tokens": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, None),
+    "string_max_tokens": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, None),
+}
+
+
+def test_bad_requests_answer_like_stock(model_dir, workdir, stock):
+    cache = os.path.join(workdir, "cache-bad")
+    server = kvstore_server(model_dir, cache, workdir, "bad")
+    try:
+        for case, (body, raw) in BAD_REQUESTS.items():
+            got, want = server.post(body, raw), stock[0].post(body, raw)
+            assert got[0] == want[0] and got[0] >= 400, (case, got, want)
+        # The server and its cache stay usable after them.
+        _, answers, _ = _conversation(server, USER_TURNS[:1])
+        assert answers[0] == stock[1][0]
+    finally:
+        assert server.stop() == 0
+    with KVStore(cache) as store:
+        assert store.entries()
+        for e in store.entries():
+            assert verify_file(e.path) is None
+
+
+def test_split_at_waypoints_cuts_at_absolute_multiples():
+    segs, types = split_at_waypoints([list(range(5)), list(range(5, 23))], ["system", "user"], 4)
+    assert [len(s) for s in segs] == [4, 1, 3, 4, 4, 4, 3]
+    assert types == ["user", "system", "user", "user", "user", "user", "user"]
+    assert sum(segs, []) == list(range(23))
+    ends = [sum(len(s) for s in segs[:i + 1]) for i in range(len(segs))]
+    assert ends == [4, 5, 8, 12, 16, 20, 23]
