@@ -181,10 +181,13 @@ class TieredPromptCache(LRUPromptCache):
     def _load(self, tokens, reused):
         """(cache, n) from the longest stored prefix of tokens[:-1] beyond reused; else None."""
         try:
-            entry = self.store.find(self._key_bytes(tokens[:-1]))
+            return self._load_longest(tokens, reused)
         except Exception as e:            # noqa: BLE001 - the disk tier must never fail a request
             log.warning("kvstore: disk_lookup_failed error=%s", type(e).__name__)
             return None
+
+    def _load_longest(self, tokens, reused):
+        entry = self.store.find(self._key_bytes(tokens[:-1]))
         if entry is None or entry.tokens <= reused:
             return None
         ckpt = self.store.load(entry, into="mlx")
