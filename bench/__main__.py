@@ -1,13 +1,21 @@
-"""Runs every benchmark harness and publishes the tables.
+"""Runs every benchmark against its peers and publishes the tables and plots.
 
-    python bench/publish.py [--quick] [--only foundation,store,ttft]
+    python -m bench                      # the full run (under 20 minutes), writes the results
+    python -m bench --quick              # the quick variants (under 3 minutes)
+    python -m bench --quick --no-write   # CI smoke: runs everything, writes into a temp dir
+    python -m bench --only store,e2e     # some harnesses; the others' last results are kept
 
-Each harness (bench/foundation.py, bench/store.py, bench/ttft.py) runs in its
-own process and prints a markdown report; this script collects the reports
-into bench/README.md, keeps the JSON results in bench/results/, and copies the
-headline rows (the ratios the project promises) into the top-level README
-between its `<!-- bench:start -->` and `<!-- bench:end -->` markers, so that
-no number in the README is typed by hand.
+Each harness (bench/foundation.py: hashing and header touch; bench/store.py:
+lookup scaling and payload save/load; bench/ttft.py: time to first token;
+bench/e2e.py: the demo's agent workload) runs in its own process, from a
+temporary directory so that the repository's kvstore/ does not shadow the
+installed package, and prints a markdown report.  This script collects the
+reports into bench/README.md (the machine and the versions on top, one table
+per section), keeps the JSON results in bench/results/, draws bench/*.png
+from them (bench/plots.py; matplotlib, the `bench` extra) and copies the
+headline rows into the top-level README between its `<!-- bench:start -->`
+and `<!-- bench:end -->` markers, so that no number in the README is typed
+by hand.  Nothing here imports kvstore.
 """
 
 import argparse
@@ -16,10 +24,15 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-HARNESSES = ["foundation", "store", "ttft"]
+sys.path.insert(0, HERE)
+
+import plots  # noqa: E402
+
+HARNESSES = ["foundation", "store", "ttft", "e2e"]
 
 # The rows quoted in the README: (harness, substring of the comparison).
 HEADLINE = [
@@ -28,6 +41,7 @@ HEADLINE = [
     ("foundation", "crc32c 64 MiB vs zlib.crc32"),
     ("foundation", "touch, 2 processes on one file vs ds4 way (os.open"),
     ("store", "find, N=10,000, miss vs ds4"),
+    ("store", "find, N=10,000, hit vs ds4"),
     ("store", "find, N=10,000, miss vs one hashlib"),
     ("store", "load 512 MiB, 1st in a fresh process, into MLX, CRC on vs mlx_lm"),
     ("store", "save 512 MiB, durable=False vs mlx_lm"),
@@ -35,6 +49,9 @@ HEADLINE = [
     ("ttft", "TTFT 4,096 + 128 tokens: kvstore disk hit vs mlx-lm"),
     ("ttft", "file 4,096 + 128: kvstore .kv vs mlx-lm .safetensors with the prompt text"),
     ("ttft", "TTFT 8,192 + 128 tokens: kvstore disk hit vs cold prefill"),
+    ("e2e", "hit rate: kvstore vs mlx-lm"),
+    ("e2e", "median TTFT per request: kvstore vs no prompt cache"),
+    ("e2e", "mean TTFT per request (a round's total wait): kvstore vs mlx-lm"),
 ]
 
 LOAD_NOTE = """\
@@ -70,40 +87,65 @@ slice is computed by one thread while another writes the previous slice
 
 
 def run(name, quick, results):
+    """Runs one harness; returns (its markdown report, seconds)."""
     cmd = [sys.executable, os.path.join(HERE, f"{name}.py"), "--json", os.path.join(results, f"{name}.json")]
     if quick:
         cmd.append("--quick")
-    print(f"publish: running {' '.join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd)}",
-          file=sys.stderr, flush=True)
+    print(f"bench: running {name}{' --quick' if quick else ''}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     # Run outside the source tree: the repository's kvstore/ must not shadow
-    # the installed package.
+    # the installed package.  The harness's progress lines go to our stderr.
     with tempfile.TemporaryDirectory() as cwd:
-        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+        out = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, text=True)
+    seconds = time.perf_counter() - t0
     if out.returncode != 0:
-        sys.stderr.write(out.stderr[-3000:])
-        raise SystemExit(f"publish: {name} failed (exit {out.returncode})")
-    return out.stdout
+        raise SystemExit(f"bench: {name} failed (exit {out.returncode})")
+    print(f"bench: {name} done in {seconds:.0f} s", file=sys.stderr, flush=True)
+    return out.stdout, seconds
+
+
+def load_results(results, name):
+    path = os.path.join(results, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def headline_rows(results):
-    rows = []
+    lines = ["| comparison | kvstore | peer | ratio (median) | target | result |", "|---|---|---|---|---|---|"]
     for name, needle in HEADLINE:
-        path = os.path.join(results, f"{name}.json")
-        if not os.path.exists(path):
-            continue
-        with open(path) as f:
-            data = json.load(f)
+        data = load_results(results, name) or {}
         for r in data.get("rows", []):
             if needle in r.get("comparison", ""):
-                rows.append(r)
+                ratio = r.get("ratio_text") or (f"{r['ratio']:.3g}" if isinstance(r["ratio"], (int, float))
+                                                else r["ratio"])
+                lines.append(f"| {r['comparison']} | {r.get('kvstore_cell', '')} | {r.get('peer_cell', '')} "
+                             f"| {ratio} | {r.get('target', '')} | {r.get('result') or '—'} |")
                 break
-    lines = ["| comparison | ratio (median) | target | result |", "|---|---|---|---|"]
-    for r in rows:
-        ratio = r.get("ratio")
-        lines.append(f"| {r['comparison']} | {ratio:.3g} | {r.get('target', '')} | {r.get('result') or '—'} |"
-                     if isinstance(ratio, (int, float)) else
-                     f"| {r['comparison']} | {ratio} | {r.get('target', '')} | {r.get('result') or '—'} |")
     return "\n".join(lines)
+
+
+def machine_table(results, seconds, quick):
+    """The machine and versions (from the harnesses' JSON) and the run's times."""
+    runs = [d for d in (load_results(results, n) for n in HARNESSES) if d]
+    m = runs[0]["machine"] if runs else {}
+    impl = ", ".join(f"{k}={v}" for k, v in m.get("implementation", {}).items())
+    times = ", ".join(f"{n} {d['elapsed_s']:.0f} s{' (quick)' if d.get('quick') else ''}"
+                      for n, d in zip(HARNESSES, (load_results(results, n) for n in HARNESSES)) if d)
+    rows = [
+        ("CPU", f"{m.get('cpu', '?')} ({', '.join(m.get('cpu_flags', []))}); {m.get('cores', '?')} cores "
+                f"({m.get('usable_cores', '?')} usable)"),
+        ("platform", m.get("platform", "?")),
+        ("Python", m.get("python", "?")),
+        ("MLX", m.get("mlx", "?")),
+        ("mlx-lm", m.get("mlx_lm", "?")),
+        ("kvstore", f"{m.get('kvstore', '?')} ({impl})"),
+        ("date", m.get("date", "?")),
+        ("run", f"{'`python -m bench --quick`' if quick else '`python -m bench`'}: total wall time "
+                f"{seconds:.0f} s; harnesses (their own clocks): {times}"),
+    ]
+    return "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
 
 
 def write_readme_table(table):
@@ -112,45 +154,66 @@ def write_readme_table(table):
         text = f.read()
     start, end = "<!-- bench:start -->", "<!-- bench:end -->"
     if start not in text or end not in text:
-        raise SystemExit("publish: README.md has no bench markers")
+        raise SystemExit("bench: README.md has no bench markers")
     a = text.index(start) + len(start)
     b = text.index(end)
     with open(path, "w") as f:
         f.write(text[:a] + "\n" + table + "\n" + text[b:])
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the quick variants (CI smoke)")
-    ap.add_argument("--only", help="comma-separated harnesses (default: all)")
-    ap.add_argument("--no-write", action="store_true", help="run, but leave the READMEs alone")
-    args = ap.parse_args(argv)
-    names = args.only.split(",") if args.only else HARNESSES
-    results = os.path.join(HERE, "results")
-    os.makedirs(results, exist_ok=True)
-    sections = {name: run(name, args.quick, results) for name in names}
-    if args.no_write:
-        for text in sections.values():
-            print(text)
-        return 0
+def publish(out, results, seconds, quick, pictures):
     parts = ["# kvstore benchmarks\n",
-             "Generated by `python bench/publish.py` from the harnesses' own output; each "
-             "section was measured side by side with its peer in one run. The machine is a "
-             "shared 2-core VM, so compare the ratios, not the absolute times.\n"]
+             "Generated by `python -m bench` from the harnesses' own output (bench/foundation.py, "
+             "store.py, ttft.py, e2e.py). Each comparison was measured side by side with its peer in "
+             "one run, after a warm-up, with repeats; cells are median / min. The machine is a "
+             "shared 2-core VM, so compare the ratios, not the absolute times.\n",
+             machine_table(results, seconds, quick) + "\n"]
+    parts += [f"![{title}]({os.path.basename(path)})\n" for title, path in pictures]
     for name in HARNESSES:
         path = os.path.join(results, f"{name}.md")
-        if name in sections:
-            with open(path, "w") as f:
-                f.write(sections[name])
         if os.path.exists(path):
             with open(path) as f:
                 body = f.read().strip()
             parts.append(body.replace("\n# ", "\n## ").replace("# ", "## ", 1) + "\n")
     parts.append(LOAD_NOTE)
-    with open(os.path.join(HERE, "README.md"), "w") as f:
+    with open(os.path.join(out, "README.md"), "w") as f:
         f.write("\n".join(parts))
-    write_readme_table(headline_rows(results))
-    print("publish: wrote bench/README.md and the README table", file=sys.stderr)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the quick variants (CI smoke), under 3 minutes")
+    ap.add_argument("--only", help=f"comma-separated harnesses (default: all of {','.join(HARNESSES)})")
+    ap.add_argument("--no-write", action="store_true",
+                    help="write the results, README and plots into a temporary directory and print "
+                         "the README; leave the repository alone")
+    args = ap.parse_args(argv)
+    names = args.only.split(",") if args.only else HARNESSES
+    unknown = sorted(set(names) - set(HARNESSES))
+    if unknown:
+        ap.error(f"unknown harness {', '.join(unknown)}; choose from {', '.join(HARNESSES)}")
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-out-") as scratch:
+        out = scratch if args.no_write else HERE
+        results = os.path.join(out, "results")
+        os.makedirs(results, exist_ok=True)
+        for name in names:
+            text, _ = run(name, args.quick, results)
+            with open(os.path.join(results, f"{name}.md"), "w") as f:
+                f.write(text)
+        pictures = plots.draw(results, out)
+        seconds = time.perf_counter() - t0
+        publish(out, results, seconds, args.quick, pictures)
+        if args.no_write:
+            with open(os.path.join(out, "README.md")) as f:
+                print(f.read())
+        else:
+            write_readme_table(headline_rows(results))
+            print("bench: wrote bench/README.md, bench/results/, "
+                  + "".join(f"bench/{os.path.basename(p)}, " for _, p in pictures)
+                  + "and the README table", file=sys.stderr)
+    print(f"bench: total wall time {seconds:.1f} s", file=sys.stderr)
     return 0
 
 

@@ -41,3 +41,13 @@ def checkpoint(tmp_path):
     path = str(tmp_path / ("0" * 40 + ".kv"))
     make_checkpoint(path)
     return path
+
+
+@pytest.fixture(scope="session", params=[10, 100, 1000, 10000], ids=lambda n: f"N{n}")
+def lookup(request, tmp_path_factory):
+    """A store directory of N checkpoints (bench/store.py's LookupDir: sparse entries)."""
+    from store import LookupDir
+    d = LookupDir(str(tmp_path_factory.mktemp("lookup") / "store"), random.Random(SEED + 3))
+    d.grow(request.param)
+    yield d
+    d.close()

@@ -17,6 +17,7 @@ not absolute numbers.
 import argparse
 import datetime
 import hashlib
+import importlib.metadata
 import json
 import multiprocessing
 import os
@@ -118,24 +119,41 @@ class Table:
 
     def __init__(self):
         self.rows = []
+        self.current = ""
+
+    def section(self, title):
+        """Starts a section: the rows added next go under its own heading and table."""
+        self.current = title
 
     def _row(self, comparison, kv, peer, kind, ratio, ratio_min, target_text, ok, note):
         row = {"comparison": comparison, "kvstore": kv, "peer": peer, "kind": kind,
                "ratio": ratio, "ratio_min": ratio_min, "target": target_text,
-               "result": "" if ok is None else ("PASS" if ok else "MISS"), "note": note}
+               "result": "" if ok is None else ("PASS" if ok else "MISS"), "note": note,
+               "section": self.current,
+               # As printed, for tables built from the JSON (python -m bench).
+               "kvstore_cell": self.fmt_cell(kv), "peer_cell": self.fmt_cell(peer),
+               "ratio_text": self.fmt_ratio(ratio)}
         self.rows.append(row)
         print(f"  {comparison}: ratio {self.fmt_ratio(ratio)} {row['result']}", file=sys.stderr, flush=True)
         return row
 
     def markdown(self):
-        lines = ["| comparison | kvstore median / min | peer median / min | ratio (median; min) "
-                 "| target | result | notes |",
-                 "|---|---|---|---|---|---|---|"]
-        for r in self.rows:
-            lines.append(f"| {r['comparison']} | {self.fmt_cell(r['kvstore'])} | {self.fmt_cell(r['peer'])} "
-                         f"| {self.fmt_ratio(r['ratio'])}; {self.fmt_ratio(r['ratio_min'])} | {r['target']} "
-                         f"| {r['result'] or '—'} | {r['note']} |")
-        return "\n".join(lines)
+        """One markdown table per section, in the order the sections were started."""
+        sections = list(dict.fromkeys(r["section"] for r in self.rows))
+        out = []
+        for title in sections:
+            lines = [f"### {title}\n"] if title else []
+            lines += ["| comparison | kvstore median / min | peer median / min | ratio (median; min) "
+                      "| target | result | notes |",
+                      "|---|---|---|---|---|---|---|"]
+            for r in self.rows:
+                if r["section"] != title:
+                    continue
+                lines.append(f"| {r['comparison']} | {self.fmt_cell(r['kvstore'])} | {self.fmt_cell(r['peer'])} "
+                             f"| {self.fmt_ratio(r['ratio'])}; {self.fmt_ratio(r['ratio_min'])} | {r['target']} "
+                             f"| {r['result'] or '—'} | {r['note']} |")
+            out.append("\n".join(lines))
+        return "\n\n".join(out)
 
 
 class Report(Table):
@@ -159,6 +177,16 @@ class Report(Table):
             ok = passed
             target_text = passed_target
         self._row(comparison, kv, peer, kind, ratio, ratio_min, target_text, ok, note)
+
+
+def harness_arguments(doc, quick_help, argv, strict_help=None):
+    """The command line of every harness: --quick, --json PATH and, where targets are judged, --strict."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    if strict_help:
+        ap.add_argument("--strict", action="store_true", help=strict_help)
+    return ap.parse_args(argv)
 
 
 # ---------------------------------------------------------------- machine
@@ -186,9 +214,32 @@ def machine_info():
         "cpu": cpu, "cpu_flags": interesting, "cores": os.cpu_count(), "usable_cores": usable,
         "platform": platform.platform(), "python": platform.python_version(),
         "kvstore": kvstore.__version__, "kvstore_path": os.path.dirname(kvstore.__file__),
+        "mlx": _dist_version("mlx"), "mlx_lm": _dist_version("mlx-lm"),
         "implementation": _native.implementation(), "available": _native.available(),
         "openssl": getattr(__import__("ssl"), "OPENSSL_VERSION", "?"),
     }
+
+
+def _dist_version(name):
+    """The installed version of a distribution, or "not installed" (nothing is imported)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine_lines(info, extra=""):
+    """The markdown bullets every harness's report starts with: date, CPU, versions.
+
+    extra: appended to the platform line (e.g. MLX's device).
+    """
+    impl = ", ".join(f"{k}={v}" for k, v in info["implementation"].items())
+    return (f"- date: {info['date']}\n"
+            f"- CPU: {info['cpu']} ({', '.join(info['cpu_flags']) or 'no SHA/CRC flags'}); "
+            f"cores: {info['cores']} (usable {info['usable_cores']})\n"
+            f"- platform: {info['platform']}; Python {info['python']}; MLX {info['mlx']}{extra}; "
+            f"mlx-lm {info['mlx_lm']}; {info['openssl']}\n"
+            f"- kvstore {info['kvstore']} from {info['kvstore_path']}; implementation: {impl}")
 
 
 # ---------------------------------------------------------------- peers
@@ -376,11 +427,8 @@ def bench_touch_contended(report, tmp, runs, n):
 # ---------------------------------------------------------------- main
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repeats; finishes in under 30 s")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
-    args = ap.parse_args(argv)
+    args = harness_arguments(__doc__, "fewer repeats; finishes in under 30 s", argv,
+                             strict_help="exit 1 when a target is missed")
 
     # Sized to the time budgets: --quick about 3 s, the full run about 20 s on the
     # 2-core EPYC VM (the budgets are 30 s and 2 minutes, so a slower machine fits).
@@ -395,13 +443,10 @@ def main(argv=None):
     payload = rng.randbytes(CRC_BYTES)
     report = Report()
 
+    report.section("Hashing: kvstore.sha1, sha1_prefixes and crc32c vs hashlib, zlib and ds4's rehash")
     bench_sha1(report, prompt, repeats)
     bench_prefixes(report, prompt, repeats, rng)
     bench_crc(report, payload, crc_repeats)
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
-        bench_touch_single(report, tmp, repeats)
-        bench_touch_contended(report, tmp, touch_runs, touch_n)
-
     running = _native.implementation()
     try:
         _native.select(sha1="portable", crc32c="portable")
@@ -412,15 +457,15 @@ def main(argv=None):
         _native.select(sha1="auto", crc32c="auto")
         if _native.implementation() != running:       # e.g. KVSTORE_PORTABLE=1 was set
             _native.select(sha1="portable", crc32c="portable")
+
+    report.section("Header touch: kvstore.touch vs the ds4 way (open, read, rewrite, close)")
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
+        bench_touch_single(report, tmp, repeats)
+        bench_touch_contended(report, tmp, touch_runs, touch_n)
     elapsed = time.perf_counter() - t_start
 
-    impl = ", ".join(f"{k}={v}" for k, v in info["implementation"].items())
     print(f"# kvstore foundation benchmarks ({'quick' if args.quick else 'full'} run)\n")
-    print(f"- date: {info['date']}")
-    print(f"- CPU: {info['cpu']} ({', '.join(info['cpu_flags']) or 'no SHA/CRC flags'}); "
-          f"cores: {info['cores']} (usable {info['usable_cores']})")
-    print(f"- platform: {info['platform']}; Python {info['python']}; {info['openssl']}")
-    print(f"- kvstore {info['kvstore']} from {info['kvstore_path']}; implementation: {impl}")
+    print(machine_lines(info))
     print(f"- repeats: {repeats} (crc 64 MiB: {crc_repeats}); touch contention: {touch_runs} runs × "
           f"2 processes × {touch_n} calls; elapsed {elapsed:.1f} s")
     print("- times are per call, median / min.  time ratio = kvstore time / peer time (lower is "

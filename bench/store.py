@@ -18,17 +18,23 @@ the medians:
    every candidate, ds4's skip rules, directory listing order), and against one
    hashlib.sha1 of the whole prompt.
 2. Load (SPEC section 5) of a 0.5 GiB KV state, first load in a fresh process
-   with a warm page cache, against mlx-lm's ``load_prompt_cache``: every
-   sample is a new ``python -c`` child timed after its imports, and a child
-   that exits non-zero or aborts ("terminate called ...") is reported.
-3. Save (SPEC section 6) of the same state against mlx-lm's
-   ``save_prompt_cache``.
+   with a warm page cache and a second one in the same process, against
+   mlx-lm's ``load_prompt_cache``, ``mx.load`` of the same safetensors,
+   ``np.load`` of the tensors as .npy and a raw sequential read of the .kv
+   file: every sample is a new ``python -c`` child timed after its imports,
+   and a child that exits non-zero or aborts ("terminate called ...") is
+   reported.
+3. Save (SPEC section 6) of the same state, durable and not, against mlx-lm's
+   ``save_prompt_cache``, ``mx.save_safetensors`` and ``np.save``; the file
+   sizes against mlx-lm's.
+
+The JSON (--json) also holds the lookup curve and the GB/s of every load and
+save method, which ``python -m bench`` plots (bench/plots.py).
 
 The machine this was written for is a shared, noisy 2-core VM: compare
 ratios, not absolute numbers.
 """
 
-import argparse
 import dataclasses
 import gc
 import hashlib
@@ -48,7 +54,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvstore  # noqa: E402
-from foundation import PROMPT_BYTES, SAMPLE_NS, SEED, Table, compare, fmt_time, machine_info  # noqa: E402
+from foundation import PROMPT_BYTES, SAMPLE_NS, SEED, Table, compare, fmt_time, harness_arguments  # noqa: E402
+from foundation import machine_info, machine_lines  # noqa: E402
 from foundation import stats as _stats  # noqa: E402
 
 # ---- lookup ------------------------------------------------------------------
@@ -111,6 +118,8 @@ def fmt_cell(s):
         return "—"
     if "median_mib" in s:
         return f"{s['median_mib']:.0f} MiB / {s['min_mib']:.0f} MiB"
+    if "bytes" in s:
+        return f"{s['bytes']:,} B"
     cell = f"{fmt_time(s['median_ns'])} / {fmt_time(s['min_ns'])}"
     if "median_gbps" in s:
         cell += f" ({s['median_gbps']:.2f} / {s['max_gbps']:.2f} GB/s)"
@@ -140,15 +149,19 @@ class Report(Table):
     def add(self, comparison, kv, peer, target=None, note="", passed=None, passed_target=""):
         """Adds a row; ratio = kvstore / peer on the medians (lower is better).
 
-        kv, peer: foundation.stats() dicts (times) or mib_stats() dicts (memory).
+        kv, peer: foundation.stats() dicts (times), mib_stats() dicts (memory)
+            or {"bytes": n} (file sizes).
         target: the highest passing ratio, or None for a context row.
         passed (with passed_target, its text) replaces the ratio test.
         """
-        key = "median_mib" if "median_mib" in kv else "median_ns"
-        low = "min_mib" if key == "median_mib" else "min_ns"
+        if "median_mib" in kv:
+            key, low, unit = "median_mib", "min_mib", "memory"
+        elif "bytes" in kv:
+            key, low, unit = "bytes", "bytes", "size"
+        else:
+            key, low, unit = "median_ns", "min_ns", "time"
         ratio = kv[key] / peer[key] if peer[key] else float("inf")
         ratio_min = kv[low] / peer[low] if peer[low] else float("inf")
-        unit = "memory" if key == "median_mib" else "time"
         target_text = f"{unit} ratio ≤ {fmt_ratio(target)}" if target is not None else "context"
         ok = ratio <= target if target is not None else None
         if passed is not None:
@@ -300,46 +313,72 @@ def sample(fns, repeats, heavy=()):
 def lookup_repeats(n, quick):
     # ds4's loop costs ~1 s per call at 10,000 entries: fewer repeats there.
     if quick:
-        return 3 if n >= 10000 else 7
+        return 2 if n >= 10000 else 7
     return 9 if n >= 10000 else 21
 
 
+class LookupDir:
+    """A lookup directory that grows from 1 entry to N, for the scaling curve.
+
+    One real checkpoint holds the hit prompt's first MAX_TEXT_BYTES; the other
+    entries are sparse envelopes with distinct, shorter texts of zero bytes
+    (write_sparse_entry), which no prompt here starts with.  grow(n) adds
+    entries in place, so the curve's directories are built once.
+    """
+
+    def __init__(self, directory, rng):
+        self.directory = directory
+        # Prompts start with a non-zero byte, so no zero-filled text is a prefix
+        # of either, and the miss prompt starts differently from the hit prompt.
+        hit_prompt = bytearray(rng.randbytes(PROMPT_BYTES))
+        miss_prompt = bytearray(rng.randbytes(PROMPT_BYTES))
+        hit_prompt[0] = 0x41
+        miss_prompt[0] = 0x42
+        self.hit_prompt, self.miss_prompt = bytes(hit_prompt), bytes(miss_prompt)
+        # 9,999 distinct lengths spread uniformly over 1..MAX_TEXT_BYTES-1, plus the
+        # one real entry at MAX_TEXT_BYTES; N entries = the real one + the first N-1.
+        self.lengths = rng.sample(range(1, MAX_TEXT_BYTES), max(LOOKUP_SIZES) - 1)
+        self.names = [d.hex() + ".kv" for d in kvstore.sha1_prefixes(bytes(MAX_TEXT_BYTES), self.lengths)]
+        self.options = kvstore.Options()
+        self.store = kvstore.KVStore(directory, budget_mb=UNLIMITED_BUDGET_MB, quant_bits=ENTRY_QUANT_BITS,
+                                     ctx_size=ENTRY_CTX_SIZE, options=self.options, durable=False)
+        self.real = self.store.save(self.hit_prompt[:MAX_TEXT_BYTES], np.arange(ENTRY_TOKENS, dtype=np.uint32),
+                                    {"x": np.zeros(16, np.float16)})
+        assert self.real is not None, "the real lookup entry was refused"
+        self.header = sparse_entry_header()
+        self.n = 1
+
+    def grow(self, n):
+        """Adds sparse entries until the directory holds n; waits out the mtime granularity."""
+        for name, length in zip(self.names[self.n - 1:n - 1], self.lengths[self.n - 1:n - 1]):
+            write_sparse_entry(self.directory, name, length, self.header)
+        self.n = max(self.n, n)
+        time.sleep(0.1)               # past the index's mtime granularity: a warm, unchanged directory
+        assert self.store.stats()["entries"] == self.n
+
+    def text_megabytes(self):
+        """MB of text ds4's loop hashes on a miss: every entry's text."""
+        return (sum(self.lengths[:self.n - 1]) + MAX_TEXT_BYTES) / 1e6
+
+    def close(self):
+        self.store.close()
+        for name in os.listdir(self.directory):
+            os.unlink(os.path.join(self.directory, name))
+        os.rmdir(self.directory)
+
+
 def bench_lookup(report, tmp, rng, quick):
-    directory = os.path.join(tmp, "lookup")
-    # Prompts start with a non-zero byte, so no zero-filled text is a prefix
-    # of either, and the miss prompt starts differently from the hit prompt.
-    hit_prompt = bytearray(rng.randbytes(PROMPT_BYTES))
-    miss_prompt = bytearray(rng.randbytes(PROMPT_BYTES))
-    hit_prompt[0] = 0x41
-    miss_prompt[0] = 0x42
-    hit_prompt, miss_prompt = bytes(hit_prompt), bytes(miss_prompt)
-
-    # 9,999 distinct lengths spread uniformly over 1..MAX_TEXT_BYTES-1, plus the
-    # one real entry at MAX_TEXT_BYTES; N entries = the real one + the first N-1.
-    lengths = rng.sample(range(1, MAX_TEXT_BYTES), max(LOOKUP_SIZES) - 1)
-    names = [d.hex() + ".kv" for d in kvstore.sha1_prefixes(bytes(MAX_TEXT_BYTES), lengths)]
-
-    opts = kvstore.Options()
-    store = kvstore.KVStore(directory, budget_mb=UNLIMITED_BUDGET_MB, quant_bits=ENTRY_QUANT_BITS,
-                            ctx_size=ENTRY_CTX_SIZE, options=opts, durable=False)
-    real = store.save(hit_prompt[:MAX_TEXT_BYTES], np.arange(ENTRY_TOKENS, dtype=np.uint32),
-                      {"x": np.zeros(16, np.float16)})
-    assert real is not None, "the real lookup entry was refused"
-    header = sparse_entry_header()
+    report.section("Lookup scaling: KVStore.find vs ds4's find loop, 400 KB prompt")
+    lookup = LookupDir(os.path.join(tmp, "lookup"), rng)
+    directory, store, opts = lookup.directory, lookup.store, lookup.options
+    hit_prompt, miss_prompt, real = lookup.hit_prompt, lookup.miss_prompt, lookup.real
     curve = []
-    made = 0
     try:
         for n in LOOKUP_SIZES:
             t_n = time.perf_counter()
-            for name, length in zip(names[made:n - 1], lengths[made:n - 1]):
-                write_sparse_entry(directory, name, length, header)
-            made = n - 1
-            time.sleep(0.1)               # past the index's mtime granularity: a warm, unchanged directory
+            lookup.grow(n)
             ds4_entries = ds4_refresh(directory)
             assert len(ds4_entries) == n, (len(ds4_entries), n)
-
-            assert store.stats()["entries"] == n
-
             repeats = lookup_repeats(n, quick)
             fns = {
                 "kv_miss": lambda: store.find(miss_prompt),
@@ -366,7 +405,7 @@ def bench_lookup(report, tmp, rng, quick):
                 (f"find, N={n:,}, miss vs ds4 find loop (hashlib port)", "kv_miss", "ds4_miss",
                  1 / LOOKUP_MIN_SPEEDUP if top else None,
                  f"{repeats} repeats; ds4 hashes all {n:,} prefixes "
-                 f"({(sum(lengths[:n - 1]) + MAX_TEXT_BYTES) / 1e6:.0f} MB); "
+                 f"({lookup.text_megabytes():.0f} MB); "
                  f"its directory rescan, left out, adds {fmt_time(rescan)}"),
                 (f"find, N={n:,}, hit vs ds4 find loop (hashlib port)", "kv_hit", "ds4_hit", None,
                  f"the hit is entry {position + 1:,} of {n:,} in listing order"),
@@ -379,37 +418,8 @@ def bench_lookup(report, tmp, rng, quick):
             curve.append(point)
             print(f"  [lookup N={n:,}: {time.perf_counter() - t_n:.1f} s]", file=sys.stderr, flush=True)
     finally:
-        store.close()
-        for name in os.listdir(directory):
-            os.unlink(os.path.join(directory, name))
-        os.rmdir(directory)
-    save_plot(curve)
+        lookup.close()
     return curve
-
-
-def save_plot(curve):
-    """bench/store_lookup.png when matplotlib is importable; nothing otherwise."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
-        return
-    ns = [p["n"] for p in curve]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("kv_miss", "kvstore find (miss)"), ("kv_hit", "kvstore find (hit)"),
-                       ("ds4_miss", "ds4 loop (miss)"), ("ds4_hit", "ds4 loop (hit)"),
-                       ("sha1", "one hashlib.sha1 of the prompt")):
-        ax.plot(ns, [p[key]["median_ns"] / 1e6 for p in curve], marker="o", label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("entries in the directory")
-    ax.set_ylabel("ms per lookup (median)")
-    ax.set_title("lookup, 400 KB prompt")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_lookup.png"), dpi=120)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------- load: fresh processes
@@ -486,6 +496,25 @@ _CHILD_MX_LOAD = _CHILD_PRELUDE + textwrap.dedent("""
 """)
 
 
+_CHILD_NP_LOAD = _CHILD_PRELUDE + textwrap.dedent("""
+    import numpy as np
+    path, count = sys.argv[1], int(sys.argv[2])
+    def once():
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            arrays = [np.load(f) for _ in range(count)]
+        return time.perf_counter() - t0, arrays
+    print(json.dumps(measure(once)))
+""")
+
+
+def np_save_all(path, tensors):
+    """Peer: every tensor with np.save, one after another in one .npy stream."""
+    with open(path, "wb") as f:
+        for a in tensors.values():
+            np.save(f, np.asarray(a))
+
+
 @dataclasses.dataclass
 class ChildRun:
     variant: str
@@ -512,6 +541,12 @@ def run_child(variant, sample, code, args, cwd):
         print(f"  CHILD {variant} sample {sample}: rc={p.returncode} stderr: {p.stderr[-600:]!r}",
               file=sys.stderr, flush=True)
     return run
+
+
+def bar(op, method, nbytes, ns_list):
+    """One bar of the throughput plot: GB/s of the median and of the best sample."""
+    return {"op": op, "method": method, "median_gbps": nbytes / statistics.median(ns_list),
+            "max_gbps": nbytes / min(ns_list)}
 
 
 def read_raw(path, buf):
@@ -581,19 +616,22 @@ def bench_load(report, tmp, rng, tensors, quick):
     kv_path = entry.path
     st_path = os.path.join(tmp, "peer.safetensors")
     save_prompt_cache(st_path, peer_caches(tensors))
+    npy_path = os.path.join(tmp, "peer.npy")
+    np_save_all(npy_path, tensors)
 
-    # Warm page cache: read both files once before any timed load.
+    # Warm page cache: read the files once before any timed load.
     buf = bytearray(RAW_READ_BUFFER)
-    read_raw(kv_path, buf)
-    read_raw(st_path, buf)
+    for path in (kv_path, st_path, npy_path):
+        read_raw(path, buf)
 
     # (child code, its arguments, samples quick/full).  The target pair gets
     # the most samples; a full run starts with one uncounted round (sample -1).
     variants = {
-        "kv_mlx": (_CHILD_KV, [store_dir, text_path, "mlx"], 3, 11),
-        "peer": (_CHILD_MLX_LM, [st_path], 3, 11),
+        "kv_mlx": (_CHILD_KV, [store_dir, text_path, "mlx"], 2, 11),
+        "peer": (_CHILD_MLX_LM, [st_path], 2, 11),
         "kv_numpy": (_CHILD_KV, [store_dir, text_path, "numpy"], 1, 5),
         "mx_load": (_CHILD_MX_LOAD, [st_path], 1, 5),
+        "np_load": (_CHILD_NP_LOAD, [npy_path, str(len(tensors))], 1, 5),
     }
     names = list(variants)
     runs = {v: [] for v in names}
@@ -638,6 +676,10 @@ def bench_load(report, tmp, rng, tensors, quick):
     report.add(f"load {KV_BYTES // MiB} MiB, 1st in a fresh process, into MLX vs mx.load(path) "
                "of the safetensors + eval", first_kv, stats(times("mx_load", "first_s"), KV_BYTES), None,
                note=plural(len(runs["mx_load"]), "sample"))
+    report.add(f"load {KV_BYTES // MiB} MiB, 1st in a fresh process, into NumPy vs np.load of the same "
+               "tensors (.npy stream)", stats(times("kv_numpy", "first_s"), KV_BYTES),
+               stats(times("np_load", "first_s"), KV_BYTES), None,
+               note=f"{plural(len(runs['np_load']), 'sample')}; kvstore checks CRC32C, np.load nothing")
     report.add(f"load {KV_BYTES // MiB} MiB, 2nd in the same process (warm), into MLX "
                "vs mlx_lm load_prompt_cache 2nd", stats(times("kv_mlx", "warm_s"), KV_BYTES),
                stats(times("peer", "warm_s"), KV_BYTES), None, note="MLX's allocator reuses the freed buffers")
@@ -652,14 +694,30 @@ def bench_load(report, tmp, rng, tensors, quick):
                     f"{statistics.median(rss('mx_load')):.0f} MiB",
                passed=statistics.median(kv_rss) <= KV_BYTES / MiB + RSS_SLACK_MIB,
                passed_target=f"kvstore ≤ arrays + {RSS_SLACK_MIB} MiB (SPEC §5)")
-    for path in (kv_path, st_path, text_path):
+    report.add("file size: .kv (prompt text + token ids + tensors + CRCs) vs mlx_lm save_prompt_cache",
+               {"bytes": kv_size}, {"bytes": st_size}, None,
+               note=f".npy stream of the tensors: {os.path.getsize(npy_path):,} B")
+    fresh, warm = "load, 1st in a fresh process", "load, 2nd in the same process"
+    throughput = [bar(op, method, KV_BYTES, ns) for op, method, ns in (
+        (fresh, "kvstore → MLX", times("kv_mlx", "first_s")),
+        (fresh, "kvstore → NumPy", times("kv_numpy", "first_s")),
+        (fresh, "mlx_lm load_prompt_cache", times("peer", "first_s")),
+        (fresh, "mx.load(safetensors)", times("mx_load", "first_s")),
+        (fresh, "np.load(.npy)", times("np_load", "first_s")),
+        (warm, "kvstore → MLX", times("kv_mlx", "warm_s")),
+        (warm, "mlx_lm load_prompt_cache", times("peer", "warm_s")),
+        (warm, "mx.load(safetensors)", times("mx_load", "warm_s")),
+        (warm, "np.load(.npy)", times("np_load", "warm_s")),
+        ("raw sequential read of the .kv", "os.preadv, 16 MiB buffer", raw["raw"]))]
+    for path in (kv_path, st_path, npy_path, text_path):
         os.unlink(path)
-    return children, {"kv_bytes": kv_size, "safetensors_bytes": st_size}
+    return children, {"kv_bytes": kv_size, "safetensors_bytes": st_size}, throughput
 
 
 # ---------------------------------------------------------------- save
 
 def bench_save(report, tmp, rng, tensors, quick):
+    import mlx.core as mx
     from mlx_lm.models.cache import save_prompt_cache
 
     text = rng.randbytes(CHECKPOINT_TEXT_BYTES)
@@ -672,6 +730,7 @@ def bench_save(report, tmp, rng, tensors, quick):
                                       durable=True),
     }
     st_path = os.path.join(tmp, "save-peer.safetensors")
+    npy_path = os.path.join(tmp, "save-peer.npy")
     sizes = {}
 
     def kv_save(name):
@@ -680,13 +739,16 @@ def bench_save(report, tmp, rng, tensors, quick):
         sizes[name] = e.file_size
         return e.path
 
-    def peer_save():
-        save_prompt_cache(st_path, caches)
-        sizes["peer"] = os.path.getsize(st_path)
-        return st_path
+    def peer_save(name, path, save):
+        save(path)
+        sizes[name] = os.path.getsize(path)
+        return path
 
-    fns = {"kv_fast": lambda: kv_save("kv_fast"), "peer": peer_save,
-           "kv_durable": lambda: kv_save("kv_durable")}
+    fns = {"kv_fast": lambda: kv_save("kv_fast"),
+           "peer": lambda: peer_save("peer", st_path, lambda p: save_prompt_cache(p, caches)),
+           "kv_durable": lambda: kv_save("kv_durable"),
+           "mx_save": lambda: peer_save("mx_save", st_path, lambda p: mx.save_safetensors(p, tensors)),
+           "np_save": lambda: peer_save("np_save", npy_path, lambda p: np_save_all(p, tensors))}
     names = list(fns)
     samples = {v: [] for v in names}
     n = 3 if quick else 21
@@ -713,7 +775,16 @@ def bench_save(report, tmp, rng, tensors, quick):
                     f"{paired_ratio(samples['kv_fast'], samples['peer']):.2f}; {sizes_note}")
     report.add(f"save {KV_BYTES // MiB} MiB, durable=True (fsync file + dir) vs mlx_lm save_prompt_cache "
                "(no fsync)", stats(samples["kv_durable"], KV_BYTES), peer, None, note=f"{n} samples")
-    return sizes
+    report.add(f"save {KV_BYTES // MiB} MiB, durable=False vs mx.save_safetensors of the tensors",
+               stats(samples["kv_fast"], KV_BYTES), stats(samples["mx_save"], KV_BYTES), None,
+               note=f"{n} samples")
+    report.add(f"save {KV_BYTES // MiB} MiB, durable=False vs np.save of the tensors (.npy stream)",
+               stats(samples["kv_fast"], KV_BYTES), stats(samples["np_save"], KV_BYTES), None,
+               note=f"{n} samples")
+    throughput = [bar("save (page cache)", method, KV_BYTES, samples[v]) for method, v in (
+        ("kvstore durable=False", "kv_fast"), ("kvstore durable=True (fsync)", "kv_durable"),
+        ("mlx_lm save_prompt_cache", "peer"), ("mx.save_safetensors", "mx_save"), ("np.save", "np_save"))]
+    return sizes, throughput
 
 
 # ---------------------------------------------------------------- main
@@ -726,39 +797,26 @@ def phase(name, fn, *args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repeats; finishes in under 60 s")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    ap.add_argument("--strict", action="store_true",
-                    help="exit 1 when a target is missed or a child process aborted")
-    args = ap.parse_args(argv)
-
-    import mlx.core as mx
-    import mlx_lm
+    args = harness_arguments(__doc__, "fewer repeats; finishes in under 60 s", argv,
+                             strict_help="exit 1 when a target is missed or a child process aborted")
 
     t_start = time.perf_counter()
     info = machine_info()
-    info["mlx"] = mx.__version__
-    info["mlx_lm"] = mlx_lm.__version__
     rng = random.Random(SEED)
     report = Report()
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-store-") as tmp:
         curve = phase("lookup", bench_lookup, report, tmp, rng, args.quick)
         tensors = phase("state", make_state)
-        children, load_sizes = phase("load", bench_load, report, tmp, rng, tensors, args.quick)
-        save_sizes = phase("save", bench_save, report, tmp, rng, tensors, args.quick)
+        report.section(f"Payload: save and load of a {KV_BYTES // MiB} MiB KV state vs mlx-lm, MLX, NumPy "
+                       "and a raw read")
+        children, load_sizes, load_bars = phase("load", bench_load, report, tmp, rng, tensors, args.quick)
+        save_sizes, save_bars = phase("save", bench_save, report, tmp, rng, tensors, args.quick)
         del tensors
     elapsed = time.perf_counter() - t_start
 
     aborts = [c for c in children if c.aborted]
-    impl = ", ".join(f"{k}={v}" for k, v in info["implementation"].items())
     print(f"# kvstore store benchmarks ({'quick' if args.quick else 'full'} run)\n")
-    print(f"- date: {info['date']}")
-    print(f"- CPU: {info['cpu']} ({', '.join(info['cpu_flags']) or 'no SHA/CRC flags'}); "
-          f"cores: {info['cores']} (usable {info['usable_cores']})")
-    print(f"- platform: {info['platform']}; Python {info['python']}; MLX {info['mlx']}; "
-          f"mlx-lm {info['mlx_lm']}")
-    print(f"- kvstore {info['kvstore']} from {info['kvstore_path']}; implementation: {impl}")
+    print(machine_lines(info))
     print(f"- lookup: 400 KB prompts; N entries with distinct text lengths in 1..{MAX_TEXT_BYTES:,} B "
           f"(sparse files); ds4 = Python port of ds4_kvstore_find_text_prefix with hashlib SHA1 "
           f"(ds4 itself uses a portable C SHA1)")
@@ -780,6 +838,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"machine": info, "quick": args.quick, "elapsed_s": elapsed, "rows": report.rows,
                        "lookup_curve": curve, "file_sizes": {**load_sizes, **save_sizes},
+                       "throughput": load_bars + save_bars,
                        "children": [dataclasses.asdict(c) for c in children]}, f, indent=2)
     if args.strict and (aborts or any(r["result"] == "MISS" for r in report.rows)):
         return 1

@@ -3,7 +3,7 @@
     pytest bench/ --benchmark-only
     pytest bench/ --benchmark-only --benchmark-group-by=group --benchmark-columns=min,median,ops
 
-The side-by-side ratios with targets come from ``python bench/foundation.py``;
+The side-by-side ratios with targets come from ``python -m bench``;
 this file is for regression tracking (``--benchmark-autosave`` /
 ``--benchmark-compare``).
 """
@@ -16,6 +16,7 @@ import pytest
 
 import kvstore
 from foundation import ds4_prefixes_rehash, naive_prefixes_copy, touch_ds4_fopen, touch_ds4_os
+from store import ENTRY_CTX_SIZE, ds4_find_text_prefix, ds4_refresh
 
 
 # ---------------------------------------------------------------- SHA1, 400 KB
@@ -132,3 +133,30 @@ def test_touch_ds4_os(benchmark, checkpoint):
 def test_touch_ds4_fopen(benchmark, checkpoint):
     benchmark(touch_ds4_fopen, checkpoint)
 
+
+
+# ---------------------------------------------------------------- find at N entries (400 KB prompt)
+
+DS4_MAX_ENTRIES = 1000           # ds4's loop costs ~1 s a call at 10,000: python -m bench measures it there
+
+
+@pytest.mark.benchmark(group="find")
+def test_find_miss(benchmark, lookup):
+    benchmark.group = f"find, N={lookup.n:,}"
+    assert benchmark(lookup.store.find, lookup.miss_prompt) is None
+
+
+@pytest.mark.benchmark(group="find")
+def test_find_hit(benchmark, lookup):
+    benchmark.group = f"find, N={lookup.n:,}"
+    assert benchmark(lookup.store.find, lookup.hit_prompt).sha == lookup.real.sha
+
+
+@pytest.mark.benchmark(group="find")
+def test_ds4_find_miss(benchmark, lookup):
+    if lookup.n > DS4_MAX_ENTRIES:
+        pytest.skip(f"ds4's loop at {lookup.n:,} entries: see python -m bench")
+    benchmark.group = f"find, N={lookup.n:,}"
+    entries = ds4_refresh(lookup.directory)
+    assert benchmark(ds4_find_text_prefix, entries, lookup.miss_prompt, lookup.options.min_tokens,
+                     ENTRY_CTX_SIZE) == -1

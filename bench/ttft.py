@@ -38,7 +38,6 @@ The machine this was written for is a shared, noisy 2-core VM with MLX's
 CPU wheel (a slow reference BLAS): compare ratios, not absolute numbers.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -49,7 +48,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvstore  # noqa: E402
-from foundation import Table, machine_info  # noqa: E402
+from foundation import Table, harness_arguments, machine_info, machine_lines  # noqa: E402
 
 # The request: a checkpoint at N tokens (multiples of ds4's 2,048-token
 # alignment and prefill step) and a new turn after it.  store_len(N + 128)
@@ -69,7 +68,7 @@ QUICK_MODEL = dict(seed=0, layers=2, hidden=64, heads=2, kv_heads=1, head_dim=16
 
 # Rounds: each round samples cold once and each hit HIT_SAMPLES_PER_ROUND times.
 FULL_ROUNDS = 5
-QUICK_ROUNDS = 5
+QUICK_ROUNDS = 3
 HIT_SAMPLES_PER_ROUND = 4
 LOAD_SAMPLES = 21
 
@@ -164,16 +163,28 @@ def first_token(logits):
     return int(mx.argmax(logits).item())
 
 
-def request_cold(model, tok, prompt):
+def prefill_aligned(engine, ids, pos=0, step=PREFILL_STEP):
+    """Prefills ids after pos cached tokens in chunks that end at multiples of step.
+
+    The chunks a PromptCache would use, so every path computes the same state.
+
+    Returns:
+        the last position's logits.
+    """
+    logits = None
+    while ids:
+        k = (pos // step + 1) * step - pos
+        logits = engine.prefill(ids[:k])
+        pos, ids = pos + len(ids[:k]), ids[k:]
+    return logits
+
+
+def request_cold(model, tok, prompt, step=PREFILL_STEP):
     """(a) fresh engine, no store."""
     from kvstore.mlx import MLXEngine
     engine = MLXEngine(model, tok)
     t0 = time.perf_counter_ns()
-    ids = engine.tokenize(prompt.encode())
-    logits = None
-    for i in range(0, len(ids), PREFILL_STEP):
-        logits = engine.prefill(ids[i:i + PREFILL_STEP])
-    y = first_token(logits)
+    y = first_token(prefill_aligned(engine, engine.tokenize(prompt.encode()), step=step))
     return time.perf_counter_ns() - t0, y
 
 
@@ -204,13 +215,7 @@ def request_mlx_lm(model, tok, prompt, path, n_ckpt):
     if not data.startswith(text) or len(json.loads(meta["tokens"])) != cache[0].offset:
         raise SystemExit("mlx-lm cache does not match the prompt")
     engine.cache = cache
-    ids = engine.tokenize(data[len(text):])
-    pos, logits = cache[0].offset, None
-    while ids:                                     # chunks end at multiples of the step, as in (b)
-        k = (pos // PREFILL_STEP + 1) * PREFILL_STEP - pos
-        logits = engine.prefill(ids[:k])
-        pos, ids = pos + len(ids[:k]), ids[k:]
-    y = first_token(logits)
+    y = first_token(prefill_aligned(engine, engine.tokenize(data[len(text):]), cache[0].offset))
     dt = time.perf_counter_ns() - t0
     if cache[0].offset != n_ckpt + SUFFIX_TOKENS:
         raise SystemExit("mlx-lm cache did not reach the prompt length")
@@ -332,24 +337,19 @@ def bench_size(report, model, tok, text, n_ckpt, rounds, tmp):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a smaller model, 4,096 tokens; under a minute")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
-    args = ap.parse_args(argv)
+    args = harness_arguments(__doc__, "a smaller model, 4,096 tokens; under a minute", argv,
+                             strict_help="exit 1 when a target is missed")
 
     import mlx.core as mx
-    import mlx_lm
     from kvstore import demo_model
 
     t_start = time.perf_counter()
     info = machine_info()
-    info["mlx"] = mx.__version__
-    info["mlx_lm"] = mlx_lm.__version__
     spec = QUICK_MODEL if args.quick else FULL_MODEL
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     rounds = QUICK_ROUNDS if args.quick else FULL_ROUNDS
     report = Report()
+    report.section("Time to first token: cold prefill vs a kvstore disk hit vs an mlx-lm prompt-cache file hit")
     runs = []
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-ttft-") as tmp:
         tok = demo_model.make_tokenizer(os.path.join(tmp, "tok"))
@@ -363,14 +363,8 @@ def main(argv=None):
 
     cfg = demo_model.model_config(**{k: v for k, v in spec.items() if k != "seed"})
     kv_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
-    impl = ", ".join(f"{k}={v}" for k, v in info["implementation"].items())
     print(f"# kvstore time-to-first-token benchmark ({'quick' if args.quick else 'full'} run)\n")
-    print(f"- date: {info['date']}")
-    print(f"- CPU: {info['cpu']} ({', '.join(info['cpu_flags']) or 'no SHA/CRC flags'}); "
-          f"cores: {info['cores']} (usable {info['usable_cores']})")
-    print(f"- platform: {info['platform']}; Python {info['python']}; MLX {info['mlx']} "
-          f"(device {mx.default_device()}); mlx-lm {info['mlx_lm']}")
-    print(f"- kvstore {info['kvstore']} from {info['kvstore_path']}; implementation: {impl}")
+    print(machine_lines(info, extra=f" (device {mx.default_device()})"))
     print(f"- model: random-weight mlx-lm llama, float32, {cfg['num_hidden_layers']} layers, hidden "
           f"{cfg['hidden_size']}, MLP {cfg['intermediate_size']}, {cfg['num_attention_heads']} query heads / "
           f"{cfg['num_key_value_heads']} KV head × {cfg['head_dim']}, vocabulary {cfg['vocab_size']:,} "
