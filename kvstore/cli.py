@@ -7,6 +7,8 @@
     kvstore stats DIR [--json] [--budget-mb N]
     kvstore wipe DIR [SHA-PREFIX] --yes
     kvstore session list DIR [--json]
+    kvstore ls --remote s3://BUCKET/PREFIX [--endpoint-url URL] [--json]
+    kvstore remote gc --remote s3://BUCKET/PREFIX --budget-gb N [--dry-run]
 
 What this module owns: argument parsing, the read-only directory scan and the
 text and JSON layouts.  The rules themselves stay where they live (the
@@ -40,6 +42,7 @@ import time
 import unicodedata
 
 from kvstore import __version__, policy, sessions
+from kvstore import remote as remote_mod
 from kvstore.errors import CheckpointMissing, CorruptCheckpoint, KVStoreError, UnsafePath
 from kvstore.format import (ExtFlag, Reason, entry_from_fd, is_checkpoint_name, open_checkpoint,
                             read_entry)
@@ -278,6 +281,12 @@ def _budget_bytes(mb):
 
 
 def cmd_ls(args):
+    if args.remote:
+        if args.dir is not None:
+            raise UsageError("ls takes DIR or --remote, not both")
+        return cmd_remote_ls(args)
+    if args.dir is None:
+        raise UsageError("ls needs DIR (or --remote s3://BUCKET/PREFIX)")
     d = _directory(args.dir)
     entries, bad = _scan(d)
     now = int(time.time())
@@ -641,6 +650,78 @@ def cmd_session_list(args):
     return 0
 
 
+# ---- the remote tier (an S3-compatible bucket) --------------------------------------
+
+def _bucket(args):
+    """The bucket named by --remote; UsageError for a bad URL or a missing boto3."""
+    if not args.remote:
+        raise UsageError("--remote s3://BUCKET/PREFIX is required")
+    try:
+        return remote_mod.Bucket(args.remote, remote_mod.options_from_args(args))
+    except (ValueError, ImportError) as e:
+        raise UsageError(str(e)) from None
+    except Exception as e:                 # noqa: BLE001 - a profile or region that does not resolve
+        raise UsageError(f"{args.remote}: {_remote_failure(e)}") from None
+
+
+def _remote_failure(exc):
+    f = remote_mod.classify(exc)
+    status = f" (HTTP {f.status})" if f.status else ""
+    hint = {remote_mod.DENIED: "; check the credentials (AWS_PROFILE, --profile, AWS_ACCESS_KEY_ID, "
+                               "~/.aws/credentials) and the identity's permissions",
+            remote_mod.UNAVAILABLE: "; check --endpoint-url and that the store is reachable"}.get(f.kind, "")
+    return f"{f.kind}: {f.code}{status}{hint}"
+
+
+def _remote_call(args, fn, *a, **kw):
+    try:
+        return fn(*a, **kw)
+    except remote_mod.RemoteError:
+        raise
+    except Exception as e:                 # noqa: BLE001 - one line, classified
+        raise remote_mod.RemoteError(0, f"{args.remote}: {_remote_failure(e)}") from None
+
+
+def cmd_remote_ls(args):
+    bucket = _bucket(args)
+    objects = _remote_call(args, remote_mod.list_objects, bucket)
+    now = time.time()
+    objects.sort(key=lambda o: (-o.modified, o.key))
+    if args.json:
+        print(json.dumps([{"key": o.key, "sha": o.sha, "fingerprint": o.fingerprint, "text_bytes": o.text_bytes,
+                           "size": o.size, "modified": o.modified} for o in objects], indent=2))
+        return 0
+    if objects:
+        rows = [(o.sha[:12], o.fingerprint[:12], o.text_bytes, _size(o.size), _span(now - o.modified) + " ago")
+                for o in objects]
+        print(_table(rows, ("SHA", "MODEL", "TEXT", "SIZE", "UPLOADED"), right={2, 3}))
+    total = sum(o.size for o in objects)
+    models = len({o.fingerprint for o in objects})
+    print(f"{len(objects)} object{'s' if len(objects) != 1 else ''}, {_size(total)} in {args.remote}"
+          + (f" ({models} model{'s' if models != 1 else ''})" if objects else ""))
+    return 0
+
+
+def cmd_remote_gc(args):
+    bucket = _bucket(args)
+    budget = int(args.budget_gb * 2**30)
+    max_age = None if args.max_age_days is None else args.max_age_days * 86400
+    victims, before, after = _remote_call(args, remote_mod.gc, bucket, budget, dry_run=args.dry_run,
+                                          max_age_s=max_age, min_age_s=args.min_age_s)
+    verb = "would delete" if args.dry_run else "deleted"
+    for o, e in victims:
+        what = (f"{_reason_name(e.reason)}  tokens {e.tokens}  hits {e.hits}" if e is not None
+                else "expired" if max_age is not None and time.time() - o.modified > max_age else "unreadable header")
+        print(f"{verb} {o.sha[:12]}  {what}  {_size(o.size)}")
+    print(f"{verb} {len(victims)} object{'s' if len(victims) != 1 else ''} ({_size(before - after)}); "
+          f"{'would leave' if args.dry_run else 'now'} {_budget_line(after, budget)} (was {_size(before)})")
+    if not args.dry_run:
+        n = _remote_call(args, remote_mod.abort_stale_uploads, bucket)
+        if n:
+            print(f"aborted {n} stale multipart upload{'s' if n != 1 else ''}")
+    return 0
+
+
 # ---- parser ---------------------------------------------------------------------
 
 def _megabytes(text):
@@ -650,6 +731,16 @@ def _megabytes(text):
         v = math.nan
     if not math.isfinite(v) or v < 0:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected a number of MiB >= 0")
+    return v
+
+
+def _gigabytes(text):
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected a number of GiB > 0")
     return v
 
 
@@ -678,11 +769,12 @@ def build_parser():
     p.add_argument("-v", "--verbose", action="store_true", help="log every store event (key=value lines)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    s = sub.add_parser("ls", help="list checkpoints, best kept first")
-    s.add_argument("dir", metavar="DIR")
+    s = sub.add_parser("ls", help="list checkpoints, best kept first (or a bucket's, with --remote)")
+    s.add_argument("dir", metavar="DIR", nargs="?")
     s.add_argument("--json", action="store_true", help="a JSON list of objects")
     s.add_argument("--budget-mb", type=_megabytes, default=DEFAULT_BUDGET_MB,
                    help=f"budget shown against the total (default {DEFAULT_BUDGET_MB}; 0: none)")
+    remote_mod.add_arguments(s)
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("inspect", help="show one checkpoint's header, manifest and trailer")
@@ -721,6 +813,24 @@ def build_parser():
     s.add_argument("dir", metavar="DIR")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_session_list)
+
+    s = sub.add_parser("remote", help="the shared bucket of the remote tier: ls, gc")
+    rs = s.add_subparsers(dest="remote_command", metavar="SUBCOMMAND", required=True)
+    s = rs.add_parser("ls", help="list the bucket's checkpoints, newest first")
+    remote_mod.add_arguments(s)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_remote_ls)
+    s = rs.add_parser("gc", help="delete lowest-score objects until the bucket fits a budget "
+                                 "(the one janitor: clients never delete)")
+    remote_mod.add_arguments(s)
+    s.add_argument("--budget-gb", type=_gigabytes, required=True, help="GiB for every object under the prefix")
+    s.add_argument("--max-age-days", type=float, default=None,
+                   help="also delete objects uploaded longer ago than this")
+    s.add_argument("--min-age-s", type=float, default=remote_mod.GC_MIN_AGE_S,
+                   help=f"keep objects younger than this (default {remote_mod.GC_MIN_AGE_S:g}): "
+                        "another host may be about to find them")
+    s.add_argument("--dry-run", action="store_true", help="print what would go, delete nothing")
+    s.set_defaults(func=cmd_remote_gc)
 
     _add_demo(sub)
     # `kvstore serve` takes mlx_lm.server's options as well as its own, so

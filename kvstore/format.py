@@ -146,6 +146,10 @@ class Entry:
     # The prompt a lookup matched this entry against (set by KVStore.find so
     # that load can compare the stored text byte for byte); never printed.
     query: bytes = dataclasses.field(default=None, repr=False, compare=False)
+    # The object key of a hit in the remote tier (KVStore.find), not yet
+    # copied to ``path``: only sha, text_bytes and file_size are known until
+    # load() fetches it.  None for a local file.
+    remote: str = dataclasses.field(default=None, compare=False)
 
     @property
     def name(self):

@@ -148,5 +148,11 @@ class DirectoryIndex:
                                               memoryview(self._digests)[:20 * n])
         return self._sorted[matches[-1]] if matches else None
 
+    def lookup_arrays(self):
+        """(eligible entries sorted by text length, their lengths as uint64, their
+        digests joined): what longest_prefix searches, for a caller that
+        searches this index together with another one in the same pass."""
+        return self._sorted, self._lengths, self._digests
+
     def total_bytes(self):
         return sum(e.file_size for e in self.entries.values())

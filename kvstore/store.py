@@ -119,11 +119,23 @@ class KVStore:
         verify: check every payload CRC on load.
         quarantine: move corrupt files to <dir>/.quarantine instead of deleting.
         max_age_s: remove checkpoints not used for this long (None: keep).
+        remote: ``s3://bucket/prefix``: share checkpoints through a bucket on
+            any S3-compatible store, a second tier behind this directory
+            (kvstore.remote; needs boto3: ``pip install 'kvstore[s3]'``).
+        remote_options: dict for the remote tier: endpoint_url, region,
+            profile, connect_timeout, read_timeout, refresh_interval_s,
+            upload_queue, ... (kvstore.remote.resolve_options lists them).
+            Credentials come from the standard AWS chain, never from here.
+        model_identity: a string naming the exact model (say its repository
+            and revision); with model_id, the payload ABI and (when quant
+            matters) quant_bits it makes the remote key prefix, so that only
+            interchangeable checkpoints are shared.
     """
 
     def __init__(self, path, budget_mb=DEFAULT_BUDGET_MB, model_id=0, quant_bits=16,
                  ctx_size=None, reject_different_quant=False, options=None, durable=True,
-                 verify=True, quarantine=False, max_age_s=None):
+                 verify=True, quarantine=False, max_age_s=None, remote=None, remote_options=None,
+                 model_identity=None):
         self.path = os.path.abspath(os.fspath(path))
         if budget_mb is None or budget_mb < 0:
             raise ValueError(f"budget_mb={budget_mb!r} must be a number >= 0")
@@ -153,6 +165,10 @@ class KVStore:
         self._index = DirectoryIndex(self.path, self._eligible)
         self._remove_stale_tmp()
         self.evict()            # lists the directory (the first index refresh) and applies the budget
+        self.model_identity = model_identity
+        self.remote = None
+        if remote is not None:
+            self.remote = self._open_remote(remote, remote_options)
 
     # -- set-up ------------------------------------------------------------
 
@@ -187,6 +203,15 @@ class KVStore:
                     except OSError:
                         pass
 
+    def _open_remote(self, url, options):
+        from kvstore import remote as remote_mod        # boto3 only when a remote is asked for
+        if self.model_identity is None:
+            log.warning("kvstore: remote_model_identity_unset model_id=%d (every model with this id "
+                        "shares one key prefix; pass model_identity=)", self.model_id)
+        fp = remote_mod.model_fingerprint(self.model_id, self.quant_bits, self.reject_different_quant,
+                                          self.model_identity)
+        return remote_mod.RemoteTier(url, self.path, fp, options)
+
     def _check_open(self):
         if self._closed:
             raise StoreClosed(f"KVStore({self.path!r}) is closed")
@@ -214,7 +239,12 @@ class KVStore:
         data = _as_bytes(prompt)
         with self._lock:
             self._index.refresh()
-            e = self._index.longest_prefix(data)
+            if self.remote is not None:
+                # Both tiers in one SHA1 pass, from memory; a remote hit only
+                # when longer than the best local one.
+                e = self.remote.longest_prefix(data, self._index)
+            else:
+                e = self._index.longest_prefix(data)
             if e is not None:
                 return dataclasses.replace(e, query=data)
             self._stats["misses"] += 1
@@ -244,6 +274,10 @@ class KVStore:
         if into not in ("numpy", "mlx"):
             raise ValueError(f"into={into!r}; expected 'numpy' or 'mlx'")
         t0 = time.perf_counter()
+        if entry.remote is not None:
+            entry = self._fetch_remote(entry, min_tokens)
+            if entry is None:
+                return None
         try:
             fd, st = open_checkpoint(entry.path)
         except CheckpointMissing:
@@ -302,6 +336,26 @@ class KVStore:
         cur = dataclasses.replace(cur, hits=hits)
         return Checkpoint(entry=cur, tokens=tokens, tensors=tensors, meta=manifest.meta,
                           text_bytes=text, trailers=trailer_values)
+
+    def _fetch_remote(self, entry, min_tokens):
+        """The local Entry to load for a remote hit: the fetched copy, or, when
+        the fetch is a miss, the best local hit for the same prompt (None if none)."""
+        if os.path.lexists(entry.path):      # fetched or saved here meanwhile
+            return dataclasses.replace(entry, remote=None)
+        got = self.remote.fetch(entry, lambda e: self._eligible(e, min_tokens), self.budget_bytes, self.durable)
+        if got is not None:
+            with self._lock:
+                self._index.add(got)
+            self.evict(protect=got)
+            return dataclasses.replace(got, query=entry.query)
+        with self._lock:
+            self._index.refresh()
+            local = self._index.longest_prefix(entry.query) if entry.query is not None else None
+        if local is None:
+            with self._lock:
+                self._stats["misses"] += 1
+            return None
+        return dataclasses.replace(local, query=entry.query)
 
     def _miss(self, entry):
         with self._lock:
@@ -415,6 +469,8 @@ class KVStore:
         try:
             kept = self._keep_existing(path, text, ctx, values, Reason(reason))
             if kept is not None:
+                if self.remote is not None:
+                    self.remote.enqueue(kept)
                 return kept
             header = Header(quant_bits=self.quant_bits, tokens=n, ctx_size=ctx or 0,
                             payload_bytes=plan.payload_bytes, reason=Reason(reason),
@@ -435,6 +491,8 @@ class KVStore:
             self._index.add(entry)
         log.info("kvstore: saved reason=%s tokens=%d text=%d bytes=%d save_ms=%.1f file=%s",
                  Reason(reason).name.lower(), n, len(text), entry.file_size, dt * 1e3, _short(name))
+        if self.remote is not None:
+            self.remote.enqueue(entry)       # never blocks: a background thread uploads
         self.evict(protect=entry, incoming_text=text)
         return entry
 
@@ -678,6 +736,8 @@ class KVStore:
             out["entries"] = len(self._index.entries)
             out["bytes"] = self._index.total_bytes()
             out["budget_bytes"] = self.budget_bytes
+        if self.remote is not None:
+            out.update(self.remote.stats())
         return out
 
     def wipe(self, entry=None):
@@ -705,6 +765,8 @@ class KVStore:
             return
         if self._writer is not None and self._writer_pid == os.getpid():
             self._writer.close()
+        if self.remote is not None:
+            self.remote.close()
         self._closed = True
 
     def __enter__(self):
@@ -773,7 +835,7 @@ def _reason_line(e):
     return f"{e.reason}: {e.detail}" if getattr(e, "detail", "") else e.reason
 
 
-def verify_file(path, progress=None):
+def verify_file(path, progress=None, name=None):
     """Checks one checkpoint file as load() would, without keeping any array.
 
     Checked: the envelope (SPEC section 2), the stored text against the file
@@ -787,6 +849,8 @@ def verify_file(path, progress=None):
     Args:
         path: the .kv file.
         progress: optional callable(nbytes), called as bytes are read.
+        name: the checkpoint name to check the text against, for a file not
+            (yet) under its name (a download in a temporary file).
 
     Returns:
         None when the file is sound, else a one-line reason such as
@@ -809,7 +873,7 @@ def verify_file(path, progress=None):
         return f"unreadable: {os.strerror(e.errno) if e.errno else e}"
     buf = None
     try:
-        e = entry_from_fd(fd, st, path)
+        e = entry_from_fd(fd, st, path if name is None else os.path.join(os.path.dirname(path), name))
         advance(PREFIX_SIZE)
         if not e.loadable:
             return None
