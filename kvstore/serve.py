@@ -371,9 +371,9 @@ class _Server:
         options = Options(**{k: v for k, v in (("min_tokens", opts.min_tokens),
                                                 ("continued_interval_tokens", opts.waypoint_tokens))
                              if v is not None})
-        extra = {}
+        extra = dict(model_identity=self.fingerprint)
         if opts.remote:
-            extra = dict(remote=opts.remote, remote_options=_remote_options(opts))
+            extra.update(remote=opts.remote, remote_options=_remote_options(opts))
         self.store = KVStore(cache_dir, budget_mb=opts.budget_mb,
                              model_id=int(self.fingerprint[:2], 16),
                              quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
