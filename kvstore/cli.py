@@ -679,7 +679,7 @@ def _remote_call(args, fn, *a, **kw):
     except remote_mod.RemoteError:
         raise
     except Exception as e:                 # noqa: BLE001 - one line, classified
-        raise remote_mod.RemoteError(0, f"{args.remote}: {_remote_failure(e)}") from None
+        raise remote_mod.RemoteError(f"{args.remote}: {_remote_failure(e)}") from None
 
 
 def cmd_remote_ls(args):

@@ -1163,7 +1163,7 @@ def read_header(bucket, obj):
     except Exception as e:                  # noqa: BLE001 - a gone or foreign object is skipped
         f = classify(e) if not isinstance(e, KVStoreError) else Failure(ERROR, "bad_header")
         if f.kind == UNAVAILABLE:
-            raise RemoteError(0, f"reading {obj.key}: {f.code}") from e
+            raise RemoteError(f"reading {obj.key}: {f.code}") from e
         return None
     text_len = int.from_bytes(raw[48:52], "little")
     return Entry(sha=obj.sha, path=obj.key, quant_bits=h.quant_bits, reason=h.reason,

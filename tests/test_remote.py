@@ -597,6 +597,12 @@ def test_wrong_credentials_and_read_only_identity(s3, tmp_path, caplog):
     objs = bucket_objects(s3, "auth")
     assert len(objs) == 1 and ew.sha in next(iter(objs))
 
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    p = _cli(str(cwd), "ls", "--remote", f"s3://{BUCKET}/auth", "--endpoint-url", s3.endpoint, "--profile", "kvwrong")
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr.startswith("kvstore: error: s3://kvtest/auth: denied: SignatureDoesNotMatch (HTTP 403)")
+
 
 def _cli(cwd, *args):
     env = dict(os.environ)
