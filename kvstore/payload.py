@@ -52,6 +52,11 @@ VERSION = 1
 DATA_ALIGN = 4096
 BLOCK_ALIGN = 64
 
+# NumPy (and MLX) refuse an array whose dimensions, zeros taken as one,
+# multiply past a signed 64-bit byte count, even when a zero dimension makes it
+# empty: a manifest shape like [0, 2**62] is corruption, not an empty tensor.
+MAX_ARRAY_BYTES = 2**63 - 1
+
 # No manifest this big is ever written (a 400-layer model with 10 tensors per
 # layer is ~0.5 MB); a larger length field is corruption, not a manifest.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -221,6 +226,9 @@ class Manifest:
             m = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
             raise CorruptCheckpoint("bad_manifest", path, "manifest is not UTF-8 JSON") from None
+        except RecursionError:
+            # Deep nesting ("[[[[…") exhausts the JSON scanner's stack.
+            raise CorruptCheckpoint("bad_manifest", path, "manifest JSON is nested too deeply") from None
         if not isinstance(m, dict) or m.get("version") != VERSION:
             raise CorruptCheckpoint("bad_manifest", path, "manifest version is not 1")
         limit = entry.payload_bytes
@@ -233,7 +241,9 @@ class Manifest:
             for k, v in (("offset", off), ("nbytes", n), ("crc32c", crc)):
                 if type(v) is not int or v < 0:
                     raise CorruptCheckpoint("bad_manifest", path, f"{what}.{k} is not a non-negative int")
-            if crc > 0xFFFFFFFF:
+            if crc > 0xFFFFFFFF or (n == 0 and crc != 0):
+                # An empty block's CRC32C is 0: the readers skip empty blocks, so
+                # any other value is a manifest that verify and load would judge apart.
                 raise CorruptCheckpoint("bad_manifest", path, f"{what}.crc32c out of range")
             if off < data_offset or n > limit or off > limit - n:
                 raise CorruptCheckpoint("bad_manifest", path, f"{what} lies outside the payload data")
@@ -262,10 +272,11 @@ class Manifest:
             if not isinstance(name, str) or name in names:
                 raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} has a missing or repeated name")
             names.add(name)
-            if dtype not in DTYPES:
+            if not isinstance(dtype, str) or dtype not in DTYPES:
                 raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} has unknown dtype")
             if (not isinstance(shape, list) or len(shape) > 16
-                    or any(type(d) is not int or d < 0 for d in shape)):
+                    or any(type(d) is not int or d < 0 for d in shape)
+                    or math.prod(d for d in shape if d) * DTYPES[dtype][0] > MAX_ARRAY_BYTES):
                 raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} has a bad shape")
             off, n, crc = block(t, f"tensor {i}")
             if math.prod(shape) * DTYPES[dtype][0] != n:
