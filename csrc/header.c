@@ -97,21 +97,19 @@ static uint64_t to_le64(uint64_t v)
 #endif
 }
 
-int kvs_touch(const char *path, uint64_t now, uint32_t *hits_out)
+int kvs_touch_fd(int fd, uint64_t now, uint32_t *hits_out)
 {
-    int rc = KVS_OK, fd;
+    int rc = KVS_OK;
     struct stat st;
     uint8_t *map = MAP_FAILED;
     uint32_t *hits, old, next;
     kvs_header h;
 
-    fd = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
-    if (fd < 0) return -errno;
-    if (fstat(fd, &st) != 0) { rc = -errno; goto cleanup; }
-    if (!S_ISREG(st.st_mode)) { rc = KVS_ENOTREG; goto cleanup; }
-    if ((uint64_t)st.st_size < KVS_PREFIX_SIZE) { rc = KVS_ETRUNC; goto cleanup; }
+    if (fstat(fd, &st) != 0) return -errno;
+    if (!S_ISREG(st.st_mode)) return KVS_ENOTREG;
+    if ((uint64_t)st.st_size < KVS_PREFIX_SIZE) return KVS_ETRUNC;
     map = mmap(NULL, KVS_HEADER_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (map == MAP_FAILED) { rc = -errno; goto cleanup; }
+    if (map == MAP_FAILED) return -errno;
     rc = kvs_header_parse(map, &h);
     if (rc != KVS_OK) goto cleanup;
 
@@ -130,7 +128,16 @@ int kvs_touch(const char *path, uint64_t now, uint32_t *hits_out)
     *hits_out = to_le32(next);
 
 cleanup:
-    if (map != MAP_FAILED) munmap(map, KVS_HEADER_SIZE);
+    munmap(map, KVS_HEADER_SIZE);
+    return rc;
+}
+
+int kvs_touch(const char *path, uint64_t now, uint32_t *hits_out)
+{
+    int rc, fd = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+
+    if (fd < 0) return -errno;
+    rc = kvs_touch_fd(fd, now, hits_out);
     close(fd);
     return rc;
 }

@@ -55,4 +55,10 @@ int kvs_envelope_fits(uint64_t file_size, uint32_t text_len, uint64_t payload_by
  * new count. */
 int kvs_touch(const char *path, uint64_t now, uint32_t *hits_out);
 
+/* kvs_touch on a file the caller has open for reading and writing: a caller
+ * that has just read a checkpoint through one descriptor records the hit on
+ * that same file, never on a newer one renamed over its name since.  The
+ * descriptor stays open. */
+int kvs_touch_fd(int fd, uint64_t now, uint32_t *hits_out);
+
 #endif

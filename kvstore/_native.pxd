@@ -49,6 +49,7 @@ cdef extern from "header.h" nogil:
     int kvs_header_parse(const uint8_t *buf, kvs_header *h)
     int kvs_envelope_fits(uint64_t file_size, uint32_t text_len, uint64_t payload_bytes)
     int kvs_touch(const char *path, uint64_t now, uint32_t *hits_out)
+    int kvs_touch_fd(int fd, uint64_t now, uint32_t *hits_out)
 
 cdef extern from "io.h" nogil:
     enum:

@@ -279,6 +279,16 @@ def touch(path, uint64_t now):
     return hits
 
 
+def touch_fd(int fd, uint64_t now, path=None):
+    """touch() on an open file (read-write): the hit goes to that very file; returns hits."""
+    cdef uint32_t hits = 0
+    cdef int rc
+    with nogil:
+        rc = kvs_touch_fd(fd, now, &hits)
+    _raise_status(rc, path if path is not None else f"fd {fd}", "touch")
+    return hits
+
+
 def pread_into(int fd, buf, uint64_t offset, path=None, crc=None):
     """Fills the writable buffer buf from fd at offset, GIL released.
 

@@ -47,7 +47,7 @@ from kvstore.errors import CheckpointMissing, CorruptCheckpoint, KVStoreError, U
 from kvstore.format import (ExtFlag, Reason, entry_from_fd, is_checkpoint_name, open_checkpoint,
                             read_entry)
 from kvstore.payload import read_manifest
-from kvstore.store import (DEFAULT_BUDGET_MB, QUARANTINE_DIR, KVStore, section_crc,
+from kvstore.store import (DEFAULT_BUDGET_MB, QUARANTINE_DIR, KVStore, move_aside, section_crc,
                            trailer_sections, verify_file, wipe_file)
 
 PROG = "kvstore"
@@ -497,7 +497,7 @@ def _quarantine(d, path, before):
         if (now.st_ino, now.st_dev) != (before.st_ino, before.st_dev):
             return False, "kept: replaced while it was checked"
         os.makedirs(qdir, mode=0o700, exist_ok=True)
-        os.rename(path, os.path.join(qdir, os.path.basename(path)))
+        move_aside(path, qdir)                  # never into a planted symlink
     except FileNotFoundError:
         return False, "gone meanwhile"
     except OSError as e:

@@ -33,7 +33,7 @@ import numpy as np
 from kvstore import _native, payload, policy
 from kvstore import trailers as trailer_mod
 from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
-                            KVStoreError, StoreClosed, UnsafePath)
+                            KVStoreError, StoreClosed, UnsafePath, os_error)
 from kvstore.format import (LOADABLE_ABIS, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Entry, Header,
                             Reason, entry_from_fd, open_checkpoint, read_entry)
 from kvstore.index import DirectoryIndex
@@ -70,7 +70,8 @@ class Checkpoint:
     tensors: dict
     meta: dict
     text_bytes: bytes = dataclasses.field(repr=False)
-    trailers: dict = dataclasses.field(default_factory=dict)
+    # Prompt content too (the tool-call text map): kept out of repr, like the text.
+    trailers: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
 def _short(name):
@@ -311,16 +312,15 @@ class KVStore:
             if cur.file_size > cur.trailer_offset:
                 raw = os.pread(fd, cur.file_size - cur.trailer_offset, cur.trailer_offset)
                 trailer_values, _, _ = trailer_mod.parse_trailer(raw, cur.path, log)
+            # With fd still open the inode cannot be reused: the hit goes to
+            # the file just read, never to a newer one renamed over its name.
+            hits = _record_hit(entry.path, st, cur.hits)
         except CorruptCheckpoint as e:
             self._discard_corrupt(entry.path, st, e.reason)
             return self._miss(entry)
         finally:
             os.close(fd)
 
-        try:
-            hits = _native.touch(entry.path, int(time.time()))
-        except KVStoreError:
-            hits = cur.hits      # deleted or replaced meanwhile: the load stands
         if consume and cur.tokens > self.options.cold_max_tokens:
             # The live session now owns this state and writes fresh waypoints.
             self._unlink_if_same(entry.path, st)
@@ -404,7 +404,7 @@ class KVStore:
             qdir = os.path.join(self.path, QUARANTINE_DIR)
             try:
                 os.makedirs(qdir, mode=0o700, exist_ok=True)
-                os.rename(path, os.path.join(qdir, name))
+                move_aside(path, qdir)
                 with self._lock:
                     self._index.discard(name)
                 action = "quarantined"
@@ -516,10 +516,7 @@ class KVStore:
         except UnsafePath:
             return None              # a planted symlink: the rename replaces the name
         try:
-            try:
-                e = entry_from_fd(fd, st, path)
-            except CorruptCheckpoint:
-                return None
+            e = entry_from_fd(fd, st, path)
             if not self._compatible(e, ctx) or os.pread(fd, e.text_bytes, PREFIX_SIZE) != text:
                 return None
             if values:
@@ -533,6 +530,10 @@ class KVStore:
                 self._index.add(e)
             log.info("kvstore: save_kept file=%s", _short(e.name))
             return e
+        except CorruptCheckpoint:
+            # Corrupt, or made so under us (another process wiping it): not
+            # kept; the save writes a fresh file and renames it over this one.
+            return None
         finally:
             os.close(fd)
 
@@ -645,9 +646,12 @@ class KVStore:
         """
         self._check_open()
         evicted = []
-        lock_fd = os.open(os.path.join(self.path, LOCK_NAME),
-                          os.O_RDONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
-                          0o600)
+        lock_path = os.path.join(self.path, LOCK_NAME)
+        try:
+            lock_fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                              | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as e:
+            raise os_error(e.errno, lock_path, "lock") from None
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             with self._lock:
@@ -656,7 +660,7 @@ class KVStore:
             now = int(time.time())
             if self.max_age_s is not None:
                 for e in entries:
-                    t = e.last_used or e.created_at
+                    t = _last_activity(e)
                     if t and now - t > self.max_age_s and (protect is None or e.name != protect.name):
                         # The index's copy predates hits recorded in place
                         # since (touch): an entry that looks old is re-read.
@@ -664,7 +668,7 @@ class KVStore:
                             cur = read_entry(e.path)
                         except KVStoreError:
                             continue
-                        t = cur.last_used or cur.created_at
+                        t = _last_activity(cur)
                         if t and now - t > self.max_age_s and self._delete(e, "max_age"):
                             evicted.append(e)
                 entries = [e for e in entries if e not in evicted]
@@ -774,6 +778,50 @@ class KVStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _last_activity(e):
+    """Unix seconds of a checkpoint's last use, else its creation, else (a
+    header with neither, written by some other tool) its file's mtime: a
+    maximum age must not spare a file for lack of a timestamp."""
+    return e.last_used or e.created_at or e.mtime_ns // 10**9
+
+
+def move_aside(path, qdir):
+    """Renames path into the directory qdir, never through a symlink at qdir.
+
+    The file holds prompt text: a symlink planted as the quarantine would
+    move it out of the store's 0700 directory.  Raises OSError (ELOOP for a
+    symlink) instead.
+    """
+    qfd = os.open(qdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                  | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.rename(path, os.path.basename(path), dst_dir_fd=qfd)
+    finally:
+        os.close(qfd)
+
+
+def _record_hit(path, st, hits):
+    """hits + 1 and last_used = now on the file at path if it is still the one
+    stat'ed as st (open by the caller, so its inode is not reused).
+
+    Returns:
+        the new hit count, or hits when the name is gone or holds another
+        file (deleted or replaced meanwhile: the load stands, uncounted).
+    """
+    try:
+        fd, now = open_checkpoint(path, _RDWR_FLAGS)
+    except KVStoreError:
+        return hits
+    try:
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return hits
+        return _native.touch_fd(fd, int(time.time()), path)
+    except KVStoreError:
+        return hits
+    finally:
+        os.close(fd)
 
 
 def _overwrite(path):
