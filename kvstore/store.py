@@ -550,8 +550,18 @@ class KVStore:
         raw, ext = trailer_mod.encode_trailer(merged, sections)
         if raw == old_raw:
             return e
-        _native.pwrite_from(fd, raw, e.trailer_offset, e.path)
-        os.ftruncate(fd, e.trailer_offset + len(raw))
+        try:
+            _native.pwrite_from(fd, raw, e.trailer_offset, e.path)
+            os.ftruncate(fd, e.trailer_offset + len(raw))
+        except OSError:
+            # A full disk half-way: put the old trailer back (it fitted
+            # before), so that a failed save leaves the file as it was.
+            try:
+                _native.pwrite_from(fd, old_raw, e.trailer_offset, e.path)
+                os.ftruncate(fd, e.trailer_offset + len(old_raw))
+            except OSError:
+                pass
+            raise
         had = 0
         for s in sections:
             had |= 1 << s.bit
