@@ -54,7 +54,7 @@ FULL_ROUNDS = 3
 QUICK_ROUNDS = 1
 # All three configurations prefill in the demo's chunks: the same chunks
 # compute the same state (and on MLX's reference BLAS, 2,048-token chunks
-# were about 1.8x slower than the demo's 256 on these prompts).
+# were slower than the demo's 256 on these prompts).
 PREFILL_STEP = demo.PREFILL_STEP
 WARMUP_CHARS = 2000
 # mlx_lm.server's defaults: 10 cached sequences, no byte limit.
@@ -227,7 +227,8 @@ def main(argv=None):
                     out = run_none(chat, prompts)
                 if r >= 0:
                     results[name].append(out)
-            print(f"  [round {r + 1}/{rounds}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
+            label = f"round {r + 1}/{rounds}" if r >= 0 else "warm-up round"
+            print(f"  [{label}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - t_start
 
     summary = {name: summarize(results[name]) for name in CONFIGS}

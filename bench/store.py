@@ -781,7 +781,7 @@ def bench_save(report, tmp, rng, tensors, quick):
     report.add(f"save {KV_BYTES // MiB} MiB, durable=False vs np.save of the tensors (.npy stream)",
                stats(samples["kv_fast"], KV_BYTES), stats(samples["np_save"], KV_BYTES), None,
                note=f"{n} samples")
-    throughput = [bar("save (page cache)", method, KV_BYTES, samples[v]) for method, v in (
+    throughput = [bar("save", method, KV_BYTES, samples[v]) for method, v in (
         ("kvstore durable=False", "kv_fast"), ("kvstore durable=True (fsync)", "kv_durable"),
         ("mlx_lm save_prompt_cache", "peer"), ("mx.save_safetensors", "mx_save"), ("np.save", "np_save"))]
     return sizes, throughput
