@@ -50,6 +50,7 @@ import mlx_lm
 from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
+from kvstore import remote
 from kvstore.format import Reason
 from kvstore.mlx import DEFAULT_CTX_SIZE, token_bytes_function
 from kvstore.mlx_cache import cache_from_checkpoint, checked_tensors
@@ -188,7 +189,13 @@ class TieredPromptCache(LRUPromptCache):
 
     def _load_longest(self, tokens, reused):
         entry = self.store.find(self._key_bytes(tokens[:-1]))
-        if entry is None or entry.tokens <= reused:
+        if entry is None:
+            return None
+        if getattr(entry, "remote", None) is not None:
+            # A remote entry's header is read when it is fetched: compare bytes.
+            if entry.text_bytes <= len(self._key_bytes(tokens[:reused])):
+                return None
+        elif entry.tokens <= reused:
             return None
         ckpt = self.store.load(entry, into="mlx")
         if ckpt is None:
@@ -371,13 +378,16 @@ class _Server:
         options = Options(**{k: v for k, v in (("min_tokens", opts.min_tokens),
                                                 ("continued_interval_tokens", opts.waypoint_tokens))
                              if v is not None})
-        extra = dict(model_identity=self.fingerprint)
-        if opts.remote:
-            extra.update(remote=opts.remote, remote_options=_remote_options(opts))
+        extra = dict(model_identity=self.fingerprint, **remote.store_kwargs(opts))
         self.store = KVStore(cache_dir, budget_mb=opts.budget_mb,
                              model_id=int(self.fingerprint[:2], 16),
                              quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
                              options=options, **extra)
+        if self.store.remote is not None:
+            # The bucket's index before the first request (later refreshes
+            # run in the background); a remote that is down costs one
+            # connect timeout here and nothing afterwards.
+            self.store.remote.refresh()
         model_key = (path, cli.adapter_path, cli.draft_model)
         self.tier = TieredPromptCache(self.store, model_provider, model_key, self.fingerprint,
                                       max_size=cli.prompt_cache_size)
@@ -421,10 +431,6 @@ class _Server:
         return 0
 
 
-def _remote_options(opts):
-    return {k: v for k, v in (("endpoint_url", opts.remote_endpoint),) if v}
-
-
 def build_parser():
     """The options `kvstore serve` adds to mlx_lm.server's own."""
     p = argparse.ArgumentParser(
@@ -443,8 +449,7 @@ def build_parser():
     p.add_argument("--waypoint-tokens", type=int, default=None,
                    help="store a `continued` checkpoint every this many prompt tokens, rounded up "
                         "to 2048 (default 10000; 0: none)")
-    p.add_argument("--remote", help="a shared S3 tier, s3://bucket/prefix")
-    p.add_argument("--remote-endpoint", help="S3 endpoint URL (default: AWS)")
+    remote.add_arguments(p)
     return p
 
 

@@ -674,3 +674,33 @@ def test_janitor_shrinks_bucket_while_reader_sees_clean_misses(s3, tmp_path):
         assert r.stats()["remote_objects"] == 4     # vanished objects left the index
     finally:
         r.close()
+
+
+def test_serve_with_remote_shares_across_cache_directories(s3, tmp_path):
+    """`kvstore serve --remote`: a prefix one server stored is a hit for a server on another disk."""
+    pytest.importorskip("mlx_lm")
+    from kvstore.demo_model import write_model_dir
+    from test_serve import SYSTEM_PROMPT, _conversation, kvstore_server
+
+    model = str(tmp_path / "model")
+    write_model_dir(model, seed=3)
+    flags = ["--remote", f"s3://{BUCKET}/serve", "--endpoint-url", s3.endpoint, "--profile", "kvwriter"]
+    a = kvstore_server(model, tmp_path / "cache-a", tmp_path, "remote-a", *flags)
+    try:
+        _conversation(a, ["First user, first question."])
+        wait_for(lambda: any(k.endswith(".kv") for k in bucket_objects(s3, "serve")), 30,
+                 "the anchor uploaded")
+    finally:
+        assert a.stop() == 0
+    b = kvstore_server(model, tmp_path / "cache-b", tmp_path, "remote-b", *flags)
+    try:
+        _, _, usages = _conversation(b, ["Another user with another question."],
+                                     [{"role": "system", "content": SYSTEM_PROMPT}])
+    finally:
+        assert b.stop() == 0
+    anchors = [e for e in map(kvstore.read_entry, (tmp_path / "cache-b").glob("*.kv"))
+               if e.reason == Reason.COLD]
+    assert len(anchors) == 1, "the anchor was not fetched into the second server's directory"
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == anchors[0].tokens
+    assert "kvstore: remote_hit " in b.text()
+    assert b.request_lines()[0].startswith(f"request source=disk reused={anchors[0].tokens} ")
