@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 
 import plots  # noqa: E402
 
-HARNESSES = ["foundation", "store", "ttft", "e2e"]
+HARNESSES = ["foundation", "store", "ttft", "e2e", "serve"]
 
 # The rows quoted in the README: (harness, substring of the comparison).
 HEADLINE = [
@@ -52,6 +52,7 @@ HEADLINE = [
     ("e2e", "hit rate: kvstore vs mlx-lm"),
     ("e2e", "median TTFT per request: kvstore vs no prompt cache"),
     ("e2e", "mean TTFT per request (a round's total wait): kvstore vs mlx-lm"),
+    ("serve", "turn 4"),
 ]
 
 LOAD_NOTE = """\
