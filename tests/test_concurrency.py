@@ -222,9 +222,9 @@ def test_four_processes_random_operations(tmp_path):
 def test_soak_four_processes_random_operations(tmp_path):
     d = str(tmp_path / "kv")
     t0 = time.monotonic()
-    results = run_workers(d, 4, 5000, seed=2)
+    results = run_workers(d, 4, 25000, seed=2)
     counts, audited, ambiguous = audit(d, results)
-    print(f"\nconcurrency soak: procs=4 ops={4 * 5000} seconds={time.monotonic() - t0:.1f} "
+    print(f"\nconcurrency soak: procs=4 ops={4 * 25000} seconds={time.monotonic() - t0:.1f} "
           f"ambiguous_touches={ambiguous} audited={dict(audited)} counts={dict(sorted(counts.items()))}")
 
 
@@ -294,9 +294,17 @@ def check_checkpoint_race(ck, prompt):
 
 
 def test_lookup_racing_deletion_is_a_miss(tmp_path):
+    race(tmp_path, seconds=4)
+
+
+@pytest.mark.soak
+def test_soak_lookup_racing_deletion_is_a_miss(tmp_path):
+    race(tmp_path, seconds=60)
+
+
+def race(tmp_path, seconds):
     d = str(tmp_path / "kv")
     out = CTX.Queue()
-    seconds = 4
     procs = [CTX.Process(target=_deleter, args=(d, seconds, 1, out)),
              CTX.Process(target=_reader, args=(d, seconds, 2, out))]
     for p in procs:

@@ -132,14 +132,14 @@ json_values = st.recursive(
 
 # ---- whole files ------------------------------------------------------------------
 
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=1000, **SETTINGS)
 @given(ops())
 def test_mutated_checkpoint_is_refused_or_loads_what_it_says(target, ops):
     blob, recomputed = fp.mutate(target, ops)
     bounded_check(target, blob, expect_original=not recomputed)
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=500, **SETTINGS)
 @given(ops(kinds=("flip",), max_ops=3))
 def test_bit_flips_are_refused_or_load_the_original(target, ops):
     blob, recomputed = fp.mutate(target, ops)
@@ -363,7 +363,7 @@ def test_atheris_target_runs(tmp_path):
 # ---- soak ----------------------------------------------------------------------------
 
 @pytest.mark.soak
-@settings(max_examples=20000, **SETTINGS)
+@settings(max_examples=50000, **SETTINGS)
 @given(ops(max_ops=6))
 def test_soak_mutated_checkpoints(target, ops):
     blob, recomputed = fp.mutate(target, ops)
