@@ -588,6 +588,9 @@ class KVStore:
             os.ftruncate(fd, PREFIX_SIZE + len(text) + plan.payload_bytes + len(trailer_raw))
             if self.durable:
                 os.fsync(fd)
+            # Read back before the rename: once visible, the file may be
+            # wiped (zeroed) by another process at once.
+            entry = entry_from_fd(fd, os.fstat(fd), path)
             os.rename(tmp, path)
         except BaseException:
             os.close(fd)
@@ -596,10 +599,7 @@ class KVStore:
             except OSError:
                 pass
             raise
-        try:
-            entry = entry_from_fd(fd, os.fstat(fd), path)
-        finally:
-            os.close(fd)
+        os.close(fd)
         if self.durable:
             _fsync_dir(self.path)
         return entry

@@ -385,3 +385,23 @@ def test_save_over_a_file_being_wiped_writes_a_fresh_one(tmp_path, monkeypatch):
         ck = s.load(s.find(text + "?"))
         assert ck.meta["uid"] == "fresh" and ck.trailers == {3: "second"}
         check_checkpoint(ck, (text + "?").encode())
+
+
+def test_save_whose_file_is_wiped_as_soon_as_visible(tmp_path, monkeypatch):
+    """Another process may wipe a checkpoint the moment its rename makes it
+    visible: save() still returns the entry it wrote (once it raised
+    CorruptCheckpoint reading the file back after the rename)."""
+    real_rename = os.rename
+
+    def rename_then_wipe(src, dst, *a, **kw):
+        real_rename(src, dst, *a, **kw)
+        if str(dst).endswith(".kv"):
+            with open(dst, "r+b") as f:
+                f.write(bytes(os.path.getsize(dst)))
+    with KVStore(tmp_path / "kv", options=OPTS, durable=True) as s:
+        monkeypatch.setattr(os, "rename", rename_then_wipe)
+        e = s.save(TEXTS[2], tokens_for(3), tensors_for(3), meta={"t": 2, "seed": 3, "uid": "x"})
+        monkeypatch.undo()
+        assert e is not None and e.tokens == 40 and e.name == kvstore.sha1(TEXTS[2].encode()).hex() + ".kv"
+        found = s.find(TEXTS[2] + "?")                         # the zeroed file is a miss
+        assert found is None or s.load(found) is None
