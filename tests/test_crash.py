@@ -278,17 +278,19 @@ class Rounds:
             if done:
                 to_load.add(plan[done[-1]][1])
             for n in sorted(to_load):
-                seeds, text, ctx = set(), None, None
+                # The data it may hold: the last completed save's, or the
+                # interrupted one's if the kill came after its rename.
+                seeds = set()
                 if n in self.known:
-                    text, seed, ctx = self.known[n]
+                    text, seed, _ = self.known[n]
                     seeds.add(seed)
                 if in_flight is not None and in_flight[1] == n:
-                    _, _, text, seed, new_ctx, _ = in_flight
+                    _, _, text, seed, _, _ = in_flight
                     seeds.add(seed)
                 ck = s.load(s.find(text + " and more"))
                 got = check_loaded(ck, self.base, text, seeds)
-                if n not in self.known:
-                    self.stats["in_flight_visible"] += 1
+                if n not in self.known or got != self.known[n][1]:
+                    self.stats["interrupted_save_visible"] += 1
                 self.known[n] = (text, got, ck.entry.ctx_size)
                 self.stats["loads"] += 1
             self.stats["files_checked"] += len(names)

@@ -17,7 +17,6 @@ and mutated bytes (test_trailers.py), one hand-made manifest fault per rule
 (test_faults.py).
 """
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -26,7 +25,6 @@ import subprocess
 import sys
 import tracemalloc
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -145,7 +143,6 @@ def test_bit_flips_are_refused_or_load_the_original(target, ops):
     blob, recomputed = fp.mutate(target, ops)
     assert not recomputed
     outcome = bounded_check(target, blob, expect_original=True)
-    e = target.entry
     flipped = [a % len(blob) for _, a, _, _ in ops]
     # A flip in the text, the payload header, the manifest or a data block is
     # always caught (no one-bit error passes a CRC32C or the name's SHA1); a

@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import KVStore, Options, Reason, sessions
+from kvstore import KVStore, Options, sessions
 from kvstore.store import LOCK_NAME, QUARANTINE_DIR, verify_file, wipe_file
 
 from kvhelpers import flip, make_store

@@ -46,7 +46,7 @@ with _instrumented:
     from kvstore import _reference, payload, trailers
     from kvstore import store as store_mod
     from kvstore.errors import CorruptCheckpoint, KVStoreError
-    from kvstore.format import PREFIX_SIZE, Entry, Header, Reason, read_entry
+    from kvstore.format import PREFIX_SIZE, Entry, Header, read_entry
 
 PAYLOAD_HEAD = struct.Struct("<4sIQII")
 
