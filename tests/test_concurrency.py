@@ -93,7 +93,7 @@ OPS = {"save": 20, "save_async": 10, "find": 15, "load": 25, "touch": 10, "evict
 def _worker(d, wid, n_ops, seed, out):
     rng = random.Random(seed)
     loads, touches = collections.Counter(), collections.Counter()
-    ambiguous, errors, counts = [], [], collections.Counter()
+    ambiguous, errors, counts, raised = [], [], collections.Counter(), collections.Counter()
     futures = []
     names, weights = list(OPS), list(OPS.values())
 
@@ -102,7 +102,7 @@ def _worker(d, wid, n_ops, seed, out):
             r = fut.result(timeout=60)
             counts["save_async_" + ("ok" if r is not None else "none")] += 1
         except KVStoreError as e:
-            counts["save_async_" + type(e).__name__] += 1
+            raised["save_async", type(e).__name__] += 1
 
     try:
         store = KVStore(d, budget_mb=BUDGET_MB, options=OPTS, durable=False)
@@ -150,7 +150,7 @@ def _worker(d, wid, n_ops, seed, out):
                     if e is not None:
                         store.wipe(e)
             except KVStoreError as e:
-                counts[f"{op}_{type(e).__name__}"] += 1
+                raised[op, type(e).__name__] += 1
             while futures and (futures[0].done() or len(futures) > 8):
                 settle(futures.pop(0))
         for fut in futures:
@@ -158,7 +158,8 @@ def _worker(d, wid, n_ops, seed, out):
         store.close()
     except BaseException:
         errors.append(traceback.format_exc())
-    out.put(dict(loads=loads, touches=touches, ambiguous=ambiguous, errors=errors, counts=counts))
+    out.put(dict(loads=loads, touches=touches, ambiguous=ambiguous, errors=errors, counts=counts,
+                 raised=raised))
 
 
 def run_workers(d, n_procs, n_ops, seed):
@@ -176,6 +177,14 @@ def run_workers(d, n_procs, n_ops, seed):
 def audit(d, results):
     errors = [e for r in results for e in r["errors"]]
     assert not errors, errors[0]
+    raised = collections.Counter()
+    for r in results:
+        raised.update(r["raised"])
+    # The serving calls never raise: a race is a miss, a refusal or a fresh
+    # save.  touch() on a file deleted or being wiped raises its documented
+    # CheckpointMissing / CorruptCheckpoint.
+    assert {op for op, _ in raised} <= {"touch"}, raised
+    assert {name for _, name in raised} <= {"CheckpointMissing", "CorruptCheckpoint"}, raised
     loads, touches = collections.Counter(), collections.Counter()
     margin = collections.Counter()
     counts = collections.Counter()
@@ -203,6 +212,7 @@ def audit(d, results):
     assert total <= BUDGET_MB * 1024 * 1024, (total, files)
     with KVStore(d, budget_mb=BUDGET_MB, options=OPTS) as s:
         assert sorted(e.name for e in s.entries()) == files
+    counts.update({f"{op}_raised_{name}": n for (op, name), n in raised.items()})
     return counts, audited, sum(len(r["ambiguous"]) for r in results)
 
 
