@@ -89,6 +89,20 @@ def in_fsync(pid, fd=None):
     return None
 
 
+def fs_type(path):
+    """The file system type of the mount holding path (Linux), or ""."""
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                _, mnt, typ = line.split()[:3]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, typ
+    except OSError:
+        pass
+    return kind
+
+
 def base_array(nbytes):
     """The 50 MB every checkpoint's data is derived from (shared by fork, never copied)."""
     n = nbytes // 4
@@ -233,7 +247,9 @@ class Rounds:
             raise AssertionError("the writer never finished a save")
         if strategy in ("delay", "second_save") or not _SYSCALLS:
             time.sleep(self.rng.uniform(0, 1.2 * self.save_s) + 0.005)
-        elif wait_for(lambda: in_fsync(p.pid) is not None, 10 * self.save_s + 10):
+        # On a file system whose fsync returns at once (tmpfs) it is never
+        # seen: the kill then comes at a random moment after all.
+        elif wait_for(lambda: in_fsync(p.pid) is not None, 3 * self.save_s + 0.2):
             fd = in_fsync(p.pid)
             if strategy == "after_fsync" and fd is not None:
                 wait_for(lambda: in_fsync(p.pid, fd) is None, 10, step=0)
@@ -337,8 +353,10 @@ def run_kills(tmp_path, kills, seed):
 def test_sigkill_during_saves_loses_nothing(tmp_path):
     rounds = run_kills(tmp_path, kills=100, seed=6)
     assert rounds.stats["kills"] >= 100
-    # The kills did land inside saves, and inside fsync at least once.
-    assert rounds.landed["fsync"] + rounds.landed["fdatasync"] > 0, rounds.landed
+    # The kills did land inside fsync (where the system call can be seen and
+    # fsync takes time: not on a tmpfs).
+    if _SYSCALLS and fs_type(str(tmp_path)) not in ("tmpfs", "ramfs"):
+        assert rounds.landed["fsync"] + rounds.landed["fdatasync"] > 0, rounds.landed
     assert rounds.stats["saves_new"] > 0 and rounds.stats["tmp_left_by_kill"] > 0
 
 
