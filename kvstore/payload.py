@@ -27,7 +27,6 @@ arrays' own memory (see bench/README.md for why this beats zero-fill-then-read).
 """
 
 import atexit
-import bisect
 import concurrent.futures
 import copy
 import io
@@ -410,48 +409,61 @@ def _numpy_dtype(dtype):
 
 
 def read_tensors_numpy(fd, entry, manifest, verify=True):
-    """Every tensor as a numpy array (bfloat16 as its uint16 bit pattern)."""
-    out = {}
+    """Every tensor as a numpy array (bfloat16 as its uint16 bit pattern).
+
+    The reads of every tensor are queued at once (parallel slices, CRC'd as
+    they land), then joined: no tensor waits for the previous one.
+    """
+    out, pending = {}, []
+    crc0 = 0 if verify else None
     for name, dtype, shape, off, n, crc in manifest.tensors:
         a = np.empty(shape, dtype=_numpy_dtype(dtype))
         if n:
-            got = read_block(fd, a.reshape(-1).view(np.uint8), entry.payload_offset + off, entry.path, verify)
-            _check(got, crc, entry.path, f"tensor {name!r}")
+            jobs = _submit(_native.pread_into, fd, _bytes_view(a.reshape(-1).view(np.uint8)),
+                           entry.payload_offset + off, entry.path, crc0)
+            pending.append((name, crc, jobs))
         out[name] = a
+    error = None
+    for name, crc, jobs in pending:          # every job joined, even after a failure
+        try:
+            _check(_join(jobs, crc0), crc, entry.path, f"tensor {name!r}")
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        raise error
     return out
 
 
-class _VirtualSafetensors(io.RawIOBase):
-    """The payload's tensors seen as one safetensors file, for mx.load.
+class _VirtualBlob(io.RawIOBase):
+    """The payload's tensor data seen as a safetensors file of one uint8 blob, for mx.load.
 
-    mx.load allocates each array and calls readinto() once with the array's
-    own memory.  In deferred mode this object only queues the parallel preads
-    (from the tensor's real offset, CRC'd as they land) and returns at once,
-    so that MLX moves on to allocate the next array while the reads of the
-    last one run: the reads of all tensors overlap instead of waiting one
-    tensor at a time.  wait() then joins them and checks every CRC, and the
-    caller checks that each buffer MLX handed over is the final array's own
-    memory (if MLX ever copied out of it, the data would not be there yet).
-    Reads that do not cover a whole tensor in one call are served at once,
-    and their tensors are CRC-checked from the arrays after the load.
+    mx.load allocates the blob (no fill) and calls readinto() with the new
+    array's own memory.  In deferred mode this object queues the parallel
+    preads of every tensor at once (each slice CRC'd as it lands, into the
+    blob at the tensor's offset) and returns, so MLX's bookkeeping and the
+    reads overlap and Python is entered once per load, not once per tensor;
+    the tensors are then views of the blob (no copy).  wait() joins the
+    reads and checks every CRC; the caller checks that the buffer MLX handed
+    over is the blob's final memory.  A read that is not the whole blob in
+    one call is served at once, without CRCs: the caller then checks every
+    tensor's CRC from the blob after the load.
+
+    Args:
+        tensors: manifest rows of the tensors to read (none empty).
+        lo, hi: the payload-relative byte range the blob covers.
     """
 
-    def __init__(self, fd, entry, manifest, verify, defer):
-        self.fd, self.entry, self.verify, self.defer = fd, entry, verify, defer
-        header, self.spans, at = {}, [], 0
-        for name, dtype, shape, off, n, crc in manifest.tensors:
-            header[name] = {"dtype": DTYPES[dtype][1], "shape": list(shape), "data_offsets": [at, at + n]}
-            if n:
-                self.spans.append((at, n, entry.payload_offset + off, crc, name))
-            at += n
-        self.starts = [s[0] for s in self.spans]
+    def __init__(self, fd, entry, tensors, lo, hi, verify, defer):
+        self.fd, self.entry, self.tensors, self.lo, self.verify, self.defer = fd, entry, tensors, lo, verify, defer
+        header = {"blob": {"dtype": "U8", "shape": [hi - lo], "data_offsets": [0, hi - lo]}}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self.head = struct.pack("<Q", len(raw)) + raw
-        self.size = len(self.head) + at
+        self.size = len(self.head) + hi - lo
         self.pos = 0
-        self.partial = set()      # tensors read other than whole-in-one-call
-        self.pending = {}         # name -> (jobs, crc, buffer address)
+        self.partial = False      # data read other than whole-in-one-call: CRCs checked after
+        self.pending = []         # (name, crc, jobs)
+        self.address = None       # of the buffer the deferred reads go into
         self.error = None
 
     def readable(self):
@@ -475,8 +487,10 @@ class _VirtualSafetensors(io.RawIOBase):
                 if self.pos < len(self.head):
                     k = min(n - done, len(self.head) - self.pos)
                     mv[done:done + k] = self.head[self.pos:self.pos + k]
+                elif self.defer and done == 0 and self.pos == len(self.head) and n == self.size - self.pos:
+                    k = self._queue_all(mv)
                 else:
-                    k = self._read_span(mv[done:], self.pos - len(self.head))
+                    k = self._read_now(mv[done:], self.pos - len(self.head))
                 self.pos += k
                 done += k
         except Exception as e:      # mx.load would mask it: keep it
@@ -484,28 +498,25 @@ class _VirtualSafetensors(io.RawIOBase):
             raise
         return done
 
-    def _read_span(self, mv, rel):
-        start, size, file_off, crc, name = self.spans[bisect.bisect_right(self.starts, rel) - 1]
-        k = min(mv.nbytes, start + size - rel)
-        out = mv[:k]
-        if rel == start and k == size:
-            # Deferring pays for large tensors; a small one is read at once
-            # (a pool round trip costs more than its read).
-            if self.defer and k >= 2 * MIN_SLICE:
-                jobs = _submit(_native.pread_into, self.fd, out, file_off, self.entry.path,
-                               0 if self.verify else None)
-                self.pending[name] = (jobs, crc, _native.buffer_address(out))
-            else:
-                got = read_block(self.fd, out, file_off, self.entry.path, self.verify)
-                _check(got, crc, self.entry.path, f"tensor {name!r}")
-        else:
-            read_block(self.fd, out, file_off + rel - start, self.entry.path, False)
-            self.partial.add(name)
+    def _queue_all(self, mv):
+        crc0 = 0 if self.verify else None
+        for name, dtype, shape, off, n, crc in self.tensors:
+            at = off - self.lo
+            jobs = _submit(_native.pread_into, self.fd, mv[at:at + n], self.entry.payload_offset + off,
+                           self.entry.path, crc0)
+            self.pending.append((name, crc, jobs))
+        self.address = _native.buffer_address(mv)
+        return mv.nbytes
+
+    def _read_now(self, mv, rel):
+        k = min(mv.nbytes, self.size - len(self.head) - rel)
+        read_block(self.fd, mv[:k], self.entry.payload_offset + self.lo + rel, self.entry.path, False)
+        self.partial = True
         return k
 
     def wait(self):
         """Joins the deferred reads; raises the first failure."""
-        for name, (jobs, crc, _) in self.pending.items():
+        for name, crc, jobs in self.pending:
             try:
                 got = _join(jobs, 0 if self.verify else None)
                 _check(got, crc, self.entry.path, f"tensor {name!r}")
@@ -515,48 +526,58 @@ class _VirtualSafetensors(io.RawIOBase):
             raise self.error
 
 
-def _mx_load(fd, entry, manifest, verify, defer):
-    """mx.load over the virtual file; every read joined and checked on return."""
+def _mx_load_blob(fd, entry, tensors, lo, hi, verify, defer):
+    """mx.load of the blob; every read joined and checked on return."""
     import mlx.core as mx
-    src = _VirtualSafetensors(fd, entry, manifest, verify, defer)
+    src = _VirtualBlob(fd, entry, tensors, lo, hi, verify, defer)
     try:
-        loaded = mx.load(src, format="safetensors")
-        mx.eval(list(loaded.values()))
+        blob = mx.load(src, format="safetensors")["blob"]
+        mx.eval(blob)
     except Exception as e:
         try:
-            src.wait()          # never leave reads running into freed arrays
+            src.wait()          # never leave reads running into freed memory
         except Exception:
             pass
         if src.error is not None:
             raise src.error from None
         raise CorruptCheckpoint("bad_payload", entry.path, f"mx.load failed: {type(e).__name__}") from None
     src.wait()
-    return loaded, src
+    return blob, src
+
+
+def _mx_dtype(mx, name):
+    return mx.bool_ if name == "bool" else getattr(mx, name)
 
 
 def read_tensors_mlx(fd, entry, manifest, verify=True):
-    """Every tensor as an MLX array, read straight into the arrays' memory."""
+    """Every tensor as an MLX array: views of one blob read straight into MLX's memory.
+
+    The tensors share that one buffer: it is freed when the last of them is.
+    """
     import mlx.core as mx
-    if not manifest.tensors:
-        return {}
+    out = {}
     # mx.load's safetensors reader has no float64 (MLX keeps float64 on the
     # CPU only): those tensors are read through NumPy and copied into MLX.
     wide = copy.copy(manifest)
     wide.tensors = [t for t in manifest.tensors if t[1] == "float64"]
-    direct = copy.copy(manifest)
-    direct.tensors = [t for t in manifest.tensors if t[1] != "float64"]
-    out = {}
-    if direct.tensors:
-        loaded, src = _mx_load(fd, entry, direct, verify, defer=True)
-        if any(_native.buffer_address(memoryview(loaded[name])) != addr
-               for name, (_, _, addr) in src.pending.items()):
-            # MLX did not read into the arrays' own memory: no deferring.
-            loaded, src = _mx_load(fd, entry, direct, verify, defer=False)
-        for name, dtype, shape, off, n, crc in direct.tensors:
-            a = loaded[name]
-            if name in src.partial and verify:
+    direct = [t for t in manifest.tensors if t[1] != "float64" and t[4]]
+    if direct:
+        lo = min(t[3] for t in direct)
+        hi = max(t[3] + t[4] for t in direct)
+        blob, src = _mx_load_blob(fd, entry, direct, lo, hi, verify, defer=True)
+        if src.address is not None and _native.buffer_address(memoryview(blob)) != src.address:
+            # MLX did not read into the blob's own memory: no deferring.
+            blob, src = _mx_load_blob(fd, entry, direct, lo, hi, verify, defer=False)
+        for name, dtype, shape, off, n, crc in direct:
+            a = blob[off - lo:off - lo + n]
+            if src.partial and verify:
                 _check(_native.crc32c(memoryview(a)), crc, entry.path, f"tensor {name!r}")
-            out[name] = a
+            out[name] = a.view(_mx_dtype(mx, dtype)).reshape(shape)
+    for name, dtype, shape, off, n, crc in manifest.tensors:
+        if not n and dtype != "float64":
+            out[name] = mx.zeros(shape, dtype=_mx_dtype(mx, dtype))
     for name, a in read_tensors_numpy(fd, entry, wide, verify).items():
         out[name] = mx.array(a, dtype=mx.float64)
+    if out:
+        mx.eval(list(out.values()))
     return {t[0]: out[t[0]] for t in manifest.tensors}

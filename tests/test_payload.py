@@ -355,3 +355,52 @@ def test_payload_larger_than_one_io_slice(store):
     ck = store.load(store.find("big"), into="mlx")
     assert np.array_equal(np.array(ck.tensors["big"]), big)
     assert isinstance(ck.tensors["big"], mx.array)
+
+
+def _force_route(monkeypatch, route):
+    """Makes read_tensors_mlx take one of its three routes; returns a list of the defer flags used."""
+    from kvstore import payload
+    used = []
+    load = payload._mx_load_blob
+
+    def spy(fd, entry, tensors, lo, hi, verify, defer):
+        defer = defer and route != "sync"
+        used.append(defer)
+        return load(fd, entry, tensors, lo, hi, verify, defer=defer)
+    monkeypatch.setattr(payload, "_mx_load_blob", spy)
+    if route == "address_mismatch":
+        queue = payload._VirtualBlob._queue_all
+
+        def moved(self, mv):                 # as if MLX had copied out of the buffer it handed over
+            n = queue(self, mv)
+            self.address += 4096
+            return n
+        monkeypatch.setattr(payload._VirtualBlob, "_queue_all", moved)
+    return used
+
+
+@pytest.mark.parametrize("route", ["deferred", "sync", "address_mismatch"])
+def test_mlx_read_routes_give_the_same_arrays_and_check_every_crc(store, monkeypatch, route):
+    rng = np.random.default_rng(11)
+    tensors = {"big": rng.integers(0, 2**32, size=(3 << 20) // 4 + 5, dtype=np.uint32),
+               "half": sample("float16", (7, 300), 2), "b16": mlx_sample("bfloat16", (4, 33), 3),
+               "empty": np.zeros((0, 5), np.int16), "wide": sample("float64", (3,), 4)}
+    entry = store.save("routes", [1, 2, 3], tensors)
+    used = _force_route(monkeypatch, route)
+    ck = store.load(store.find("routes"), into="mlx")
+    assert used == {"deferred": [True], "sync": [False], "address_mismatch": [True, False]}[route]
+    for name, src in tensors.items():
+        got = ck.tensors[name]
+        assert isinstance(got, mx.array) and tuple(got.shape) == tuple(src.shape)
+        check_mlx_result(got, src.dtype if isinstance(src, mx.array) else mx_dtype(src.dtype.name), bits(src))
+    # One flipped byte inside a tensor: a corrupt file on every route.
+    m = parse(entry.path)
+    t = next(t for t in m["manifest"]["tensors"] if t["name"] == "half")
+    at = m["P"] + t["offset"] + 17
+    raw = bytearray(m["raw"])
+    raw[at] ^= 0x40
+    with open(entry.path, "r+b") as f:
+        f.seek(at)
+        f.write(raw[at:at + 1])
+    assert store.load(store.find("routes"), into="mlx") is None
+    assert store.stats()["corrupt"] == 1
