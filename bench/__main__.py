@@ -67,15 +67,16 @@ routes were measured on this machine:
   page once, the read a second time (about 0.5 s per GiB before any data).
 - Read into NumPy arrays, then `mx.array(...)`: the copy runs at about
   1.4 GB/s.
-- kvstore's route: the payload is presented to `mx.load` as a virtual
-  safetensors file. MLX allocates each array (no fill) and calls `readinto`
-  with the array's own memory; kvstore queues parallel `pread`s of that
-  tensor's slices (GIL released, CRC32C computed on each slice as it lands)
-  and returns at once, so the reads and page faults of all tensors overlap
-  on every core while MLX allocates the next array. After `mx.eval` every
-  read is joined, every CRC checked, and each buffer MLX handed over is
-  checked to be the final array's memory (otherwise the load is redone
-  synchronously).
+- kvstore's route: the payload's tensor data is presented to `mx.load` as
+  a virtual safetensors file holding one uint8 blob. MLX allocates the blob
+  (no fill) and calls `readinto` once with its memory; kvstore queues the
+  parallel `pread`s of every tensor's slices into it at once (GIL released,
+  CRC32C computed on each slice as it lands) and returns, so Python is
+  entered once per load rather than once per tensor, and the reads and page
+  faults run on every core. After `mx.eval` every read is joined, every CRC
+  checked, and the blob's memory is checked to be the buffer MLX handed over
+  (otherwise the load is redone synchronously); the tensors are views of the
+  blob (no copy).
 
 Transparent huge pages (`MADV_HUGEPAGE`) cut the fault cost 2.5× when the
 kernel had free huge pages, and cost up to 0.9 s when it had to compact
