@@ -242,6 +242,19 @@ def machine_lines(info, extra=""):
             f"- kvstore {info['kvstore']} from {info['kvstore_path']}; implementation: {impl}")
 
 
+def finish(args, info, elapsed, report, **extra):
+    """Writes a harness's JSON results (with --json); returns its exit status.
+
+    The JSON holds the machine, the run kind, the elapsed time, extra and the
+    report's rows; the status is 1 when --strict and a target was missed.
+    """
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "quick": args.quick, "elapsed_s": elapsed, **extra,
+                       "rows": report.rows}, f, indent=2)
+    return int(bool(args.strict and any(r["result"] == "MISS" for r in report.rows)))
+
+
 # ---------------------------------------------------------------- peers
 
 def naive_prefixes_copy(data, lengths):
@@ -473,13 +486,7 @@ def main(argv=None):
           "targets are judged on the medians\n")
     print(report.markdown())
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "quick": args.quick, "elapsed_s": elapsed,
-                       "rows": report.rows}, f, indent=2)
-    if args.strict and any(r["result"] == "MISS" for r in report.rows):
-        return 1
-    return 0
+    return finish(args, info, elapsed, report)
 
 
 if __name__ == "__main__":

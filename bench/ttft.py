@@ -48,7 +48,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvstore  # noqa: E402
-from foundation import Table, harness_arguments, machine_info, machine_lines  # noqa: E402
+from foundation import Table, finish, harness_arguments, machine_info, machine_lines  # noqa: E402
 
 # The request: a checkpoint at N tokens (multiples of ds4's 2,048-token
 # alignment and prefill step) and a new turn after it.  store_len(N + 128)
@@ -383,13 +383,7 @@ def main(argv=None):
           "the medians\n")
     print(report.markdown())
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "quick": args.quick, "elapsed_s": elapsed, "model": cfg,
-                       "runs": runs, "rows": report.rows}, f, indent=2)
-    if args.strict and any(r["result"] == "MISS" for r in report.rows):
-        return 1
-    return 0
+    return finish(args, info, elapsed, report, model=cfg, runs=runs)
 
 
 if __name__ == "__main__":

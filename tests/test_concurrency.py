@@ -216,13 +216,19 @@ def audit(d, results):
     return counts, audited, sum(len(r["ambiguous"]) for r in results)
 
 
-def test_four_processes_random_operations(tmp_path):
+def random_operations(tmp_path, ops, seed, label):
+    """4 processes x ops random operations, audited; returns the counts."""
     d = str(tmp_path / "kv")
     t0 = time.monotonic()
-    results = run_workers(d, 4, 500, seed=1)
+    results = run_workers(d, 4, ops, seed=seed)
     counts, audited, ambiguous = audit(d, results)
-    print(f"\nconcurrency: procs=4 ops={4 * 500} seconds={time.monotonic() - t0:.1f} "
+    print(f"\n{label}: procs=4 ops={4 * ops} seconds={time.monotonic() - t0:.1f} "
           f"ambiguous_touches={ambiguous} audited={dict(audited)} counts={dict(sorted(counts.items()))}")
+    return counts
+
+
+def test_four_processes_random_operations(tmp_path):
+    counts = random_operations(tmp_path, 500, 1, "concurrency")
     # The run did what it is for: saves were evicted, loads hit, touches landed.
     assert counts["load_ok"] > 50 and counts["save_ok"] > 50
     assert sum(c for k, c in counts.items() if k.startswith("touch")) > 0
@@ -230,12 +236,7 @@ def test_four_processes_random_operations(tmp_path):
 
 @pytest.mark.soak
 def test_soak_four_processes_random_operations(tmp_path):
-    d = str(tmp_path / "kv")
-    t0 = time.monotonic()
-    results = run_workers(d, 4, 25000, seed=2)
-    counts, audited, ambiguous = audit(d, results)
-    print(f"\nconcurrency soak: procs=4 ops={4 * 25000} seconds={time.monotonic() - t0:.1f} "
-          f"ambiguous_touches={ambiguous} audited={dict(audited)} counts={dict(sorted(counts.items()))}")
+    random_operations(tmp_path, 25000, 2, "concurrency soak")
 
 
 # ---- lookups racing deletions ----------------------------------------------------------
@@ -243,57 +244,54 @@ def test_soak_four_processes_random_operations(tmp_path):
 RACE_TEXTS = [f"racing text {i} " * 3 for i in range(6)]
 
 
-def _deleter(d, seconds, seed, out):
+def _race_worker(role, d, seconds, seed, out):
+    """Runs role's step (below) in a loop for seconds; puts (role, counts, traceback or None)."""
+    step = {"deleter": _delete_step, "reader": _read_step}[role]
     rng = random.Random(seed)
     n = collections.Counter()
     try:
         store = KVStore(d, options=OPTS, durable=False, budget_mb=0)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            t = rng.randrange(len(RACE_TEXTS))
-            s = rng.randrange(2**31)
-            e = store.save(RACE_TEXTS[t], tokens_for(s), tensors_for(s),
-                           meta={"t": t, "seed": s, "uid": str(s)}, ctx_size=rng.choice([4096, 8192]))
-            how = rng.choice(["unlink", "wipe", "evict", "replace"])
-            n[how] += 1
-            try:
-                if how == "unlink":
-                    os.unlink(e.path)
-                elif how == "wipe":
-                    store.wipe(e)
-                elif how == "evict":
-                    with KVStore(d, options=OPTS, durable=False, budget_mb=0.01):
-                        pass                                   # opening evicts to the budget
-                # "replace": the next save of this text (another context) renames over it
-            except FileNotFoundError:
-                pass
-        out.put(("deleter", dict(n), None))
+            step(store, d, rng, n)
+        out.put((role, dict(n), None))
     except BaseException:
-        out.put(("deleter", dict(n), traceback.format_exc()))
+        out.put((role, dict(n), traceback.format_exc()))
 
 
-def _reader(d, seconds, seed, out):
-    rng = random.Random(seed)
-    n = collections.Counter()
+def _delete_step(store, d, rng, n):
+    t = rng.randrange(len(RACE_TEXTS))
+    s = rng.randrange(2**31)
+    e = store.save(RACE_TEXTS[t], tokens_for(s), tensors_for(s),
+                   meta={"t": t, "seed": s, "uid": str(s)}, ctx_size=rng.choice([4096, 8192]))
+    how = rng.choice(["unlink", "wipe", "evict", "replace"])
+    n[how] += 1
     try:
-        store = KVStore(d, options=OPTS, durable=False, budget_mb=0)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            t = rng.randrange(len(RACE_TEXTS))
-            prompt = RACE_TEXTS[t].encode() + b"?"
-            e = store.find(prompt)
-            if e is None:
-                n["find_miss"] += 1
-                continue
-            ck = store.load(e)                               # never raises: None is the miss
-            if ck is None:
-                n["found_then_missed"] += 1
-            else:
-                check_checkpoint_race(ck, prompt)
-                n["loaded"] += 1
-        out.put(("reader", dict(n), None))
-    except BaseException:
-        out.put(("reader", dict(n), traceback.format_exc()))
+        if how == "unlink":
+            os.unlink(e.path)
+        elif how == "wipe":
+            store.wipe(e)
+        elif how == "evict":
+            with KVStore(d, options=OPTS, durable=False, budget_mb=0.01):
+                pass                                   # opening evicts to the budget
+        # "replace": the next save of this text (another context) renames over it
+    except FileNotFoundError:
+        pass
+
+
+def _read_step(store, d, rng, n):
+    t = rng.randrange(len(RACE_TEXTS))
+    prompt = RACE_TEXTS[t].encode() + b"?"
+    e = store.find(prompt)
+    if e is None:
+        n["find_miss"] += 1
+        return
+    ck = store.load(e)                               # never raises: None is the miss
+    if ck is None:
+        n["found_then_missed"] += 1
+    else:
+        check_checkpoint_race(ck, prompt)
+        n["loaded"] += 1
 
 
 def check_checkpoint_race(ck, prompt):
@@ -315,8 +313,8 @@ def test_soak_lookup_racing_deletion_is_a_miss(tmp_path):
 def race(tmp_path, seconds):
     d = str(tmp_path / "kv")
     out = CTX.Queue()
-    procs = [CTX.Process(target=_deleter, args=(d, seconds, 1, out)),
-             CTX.Process(target=_reader, args=(d, seconds, 2, out))]
+    procs = [CTX.Process(target=_race_worker, args=("deleter", d, seconds, 1, out)),
+             CTX.Process(target=_race_worker, args=("reader", d, seconds, 2, out))]
     for p in procs:
         p.start()
     got = [out.get(timeout=120) for _ in procs]
