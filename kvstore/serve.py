@@ -416,10 +416,12 @@ class _Server:
         host, port = self.httpd.server_address[:2]
         log.info("kvstore: serving host=%s port=%d cache_dir=%s entries=%d", host, port,
                  self.cache_dir, len(self.store.entries()))
+        status = 0
         try:
             while not stop.wait(0.5):
                 if not self.generator.generation_available():
                     log.error("kvstore: generation thread stopped; shutting down")
+                    status = 1
                     break
         finally:
             for s, h in old.items():
@@ -428,7 +430,7 @@ class _Server:
             self.httpd.server_close()
             self.generator.stop_and_join()
             self.tier.close()
-        return 0
+        return status
 
 
 def build_parser():
@@ -466,6 +468,11 @@ def main(argv=None):
     if not opts.model:
         parser.print_usage(sys.stderr)
         print("kvstore serve: error: --model PATH is required", file=sys.stderr)
+        return 2
+    local = os.path.isabs(opts.model) or opts.model.startswith((".", "~"))
+    if local and not os.path.isdir(os.path.expanduser(opts.model)):
+        # (Anything else may be a hub repository id, which mlx-lm resolves.)
+        print(f"kvstore serve: error: --model {opts.model}: no such model directory", file=sys.stderr)
         return 2
     for name in ("budget_mb", "min_tokens", "waypoint_tokens"):
         value = getattr(opts, name)

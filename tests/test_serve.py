@@ -315,6 +315,34 @@ def test_bad_requests_answer_like_stock(model_dir, workdir, stock):
             assert verify_file(e.path) is None
 
 
+@pytest.mark.parametrize("args, message", [
+    ([], "--model PATH is required"),
+    (["--model", "/nonexistent/model-dir"], "--model /nonexistent/model-dir: no such model directory"),
+    (["--model", "."+ os.sep + "missing", "--budget-mb", "1"], "no such model directory"),
+])
+def test_bad_command_lines_exit_2_with_one_message(args, message, workdir):
+    p = subprocess.run([sys.executable, "-m", "kvstore", "serve", *args], cwd=workdir,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bad_option_values_exit_2(model_dir, workdir):
+    p = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--model", model_dir, "--budget-mb", "-1"],
+                       cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--budget-mb -1.0 must be >= 0" in p.stderr
+
+
+def test_a_model_that_does_not_load_stops_the_server_with_status_1(tmp_path, workdir):
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    p = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--model", str(empty),
+                        "--cache-dir", str(tmp_path / "cache"), "--port", str(_free_port())],
+                       cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert "kvstore: generation thread stopped; shutting down" in p.stderr
+
+
 def test_split_at_waypoints_cuts_at_absolute_multiples():
     segs, types = split_at_waypoints([list(range(5)), list(range(5, 23))], ["system", "user"], 4)
     assert [len(s) for s in segs] == [4, 1, 3, 4, 4, 4, 3]
