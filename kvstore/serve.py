@@ -149,7 +149,6 @@ class TieredPromptCache(LRUPromptCache):
         self._token_bytes = None
         self._incoming = None
         self._held = {}            # (model, tuple(tokens)) -> the cache mlx-lm keeps for it
-        self.requests = {"ram": 0, "disk": 0, "none": 0}
 
     # -- the tokens -> bytes key --------------------------------------------
 
@@ -174,7 +173,6 @@ class TieredPromptCache(LRUPromptCache):
                 rest = tokens[n:]
                 reused, source = n, "disk"
                 load_ms = (time.perf_counter() - t0) * 1e3
-        self.requests[source] += 1
         log.info("kvstore: request source=%s reused=%d prefilled=%d load_ms=%.1f",
                  source, reused, len(rest), load_ms)
         return cache, rest
@@ -227,12 +225,10 @@ class TieredPromptCache(LRUPromptCache):
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         finally:
             self._incoming = None
-        if model != self.model_key or len(tokens) < self.options.min_tokens:
-            return
         if cache_type == "system":
-            self._persist(tokens, prompt_cache, Reason.COLD)
+            self._persist(model, tokens, prompt_cache, Reason.COLD)
         elif cache_type == WAYPOINT_TYPE and self.waypoint_step and len(tokens) % self.waypoint_step == 0:
-            self._persist(tokens, prompt_cache, Reason.CONTINUED)
+            self._persist(model, tokens, prompt_cache, Reason.CONTINUED)
 
     def _pushed(self, model, tokens):
         if self._incoming is not None:
@@ -245,11 +241,17 @@ class TieredPromptCache(LRUPromptCache):
 
     def _dropped(self, model, tokens):
         cache = self._held.pop((model, tuple(tokens)), None)
-        if cache is not None and model == self.model_key and len(tokens) >= self.options.min_tokens:
-            self._persist(tokens, cache, Reason.EVICT)
+        if cache is not None:
+            self._persist(model, tokens, cache, Reason.EVICT)
 
-    def _persist(self, tokens, cache, reason):
-        """Stores cache under its tokens' bytes on the background writer (unless already stored)."""
+    def _persist(self, model, tokens, cache, reason):
+        """Stores cache under its tokens' bytes on the background writer.
+
+        Nothing is stored for another model than the store's, for fewer than
+        min_tokens tokens, or when the same text is stored already.
+        """
+        if model != self.model_key:
+            return None
         try:
             n = cache[0].offset if cache and hasattr(cache[0], "offset") else len(tokens)
             if n > len(tokens) or n < self.options.min_tokens:
@@ -279,8 +281,7 @@ class TieredPromptCache(LRUPromptCache):
         """
         saved = 0
         for (model, tokens), cache in list(self._held.items()):
-            if model == self.model_key and len(tokens) >= self.options.min_tokens:
-                saved += self._persist(tokens, cache, Reason.SHUTDOWN) is not None
+            saved += self._persist(model, tokens, cache, Reason.SHUTDOWN) is not None
         log.info("kvstore: shutdown queued=%d", saved)
 
     def close(self):
@@ -300,7 +301,6 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
     """
 
     def __init__(self, model_provider, prompt_cache):
-        self.waypoint_step = prompt_cache.waypoint_step
         self.tier = prompt_cache
         super().__init__(model_provider, prompt_cache)
 
@@ -312,8 +312,9 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
 
     def _tokenize(self, tokenizer, request, args):
         prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
-        if vision is None and 0 < self.waypoint_step < len(prompt):
-            segments, types = split_at_waypoints(segments, types, self.waypoint_step)
+        step = self.tier.waypoint_step
+        if vision is None and 0 < step < len(prompt):
+            segments, types = split_at_waypoints(segments, types, step)
         return prompt, segments, types, state, vision
 
 
