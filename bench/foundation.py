@@ -203,7 +203,8 @@ def machine_info():
                     flags = set(value.split())
     except OSError:
         pass
-    interesting = [f for f in ("sha_ni", "sse4_2", "pclmulqdq", "avx2", "avx512f", "sha1", "crc32", "pmull")
+    interesting = [f for f in ("sha_ni", "sse4_2", "pclmulqdq", "avx2", "avx512f", "vpclmulqdq", "sha1", "crc32",
+                               "pmull")
                    if f in flags]
     try:
         usable = len(os.sched_getaffinity(0))
@@ -216,6 +217,7 @@ def machine_info():
         "kvstore": kvstore.__version__, "kvstore_path": os.path.dirname(kvstore.__file__),
         "mlx": _dist_version("mlx"), "mlx_lm": _dist_version("mlx-lm"),
         "implementation": _native.implementation(), "available": _native.available(),
+        "read_prefaults": _native.read_prefaults(),
         "openssl": getattr(__import__("ssl"), "OPENSSL_VERSION", "?"),
     }
 
@@ -239,7 +241,8 @@ def machine_lines(info, extra=""):
             f"cores: {info['cores']} (usable {info['usable_cores']})\n"
             f"- platform: {info['platform']}; Python {info['python']}; MLX {info['mlx']}{extra}; "
             f"mlx-lm {info['mlx_lm']}; {info['openssl']}\n"
-            f"- kvstore {info['kvstore']} from {info['kvstore_path']}; implementation: {impl}")
+            f"- kvstore {info['kvstore']} from {info['kvstore_path']}; implementation: {impl}; "
+            f"reads prefault pages: {'yes' if info.get('read_prefaults') else 'no'}")
 
 
 def finish(args, info, elapsed, report, **extra):

@@ -93,6 +93,7 @@ KV_BYTES = LAYERS * 2 * int(np.prod(KV_SHAPE)) * 2
 CHECKPOINT_TEXT_BYTES = 16 * 1024        # the rendered prompt the state belongs to
 RAW_READ_BUFFER = 16 << 20
 CHILD_TIMEOUT_S = 300
+CHILD_SETTLE_S = 0.2             # after the imports, before the first timed load
 
 LOAD_MAX_TIME_RATIO = 1.0        # kvstore first load vs mlx-lm load_prompt_cache
 SAVE_MAX_TIME_RATIO = 1.0        # kvstore save (durable=False) vs mlx-lm save_prompt_cache
@@ -424,14 +425,19 @@ def bench_lookup(report, tmp, rng, quick):
 
 # ---------------------------------------------------------------- load: fresh processes
 
-# Each child imports what it needs, then times one load: the first in the
-# process (fresh allocator, fresh pages), then a second one (warm).  It prints
-# one JSON line.  Peak memory is VmHWM from /proc/self/status: ru_maxrss is
+# Each child imports the same modules (whichever it uses), waits for them to
+# settle, then times one load: the first in the process (fresh allocator,
+# fresh pages), then a second one (warm).  It prints one JSON line.  The wait:
+# `import numpy` starts OpenBLAS's threads, which spin for about 50 ms (one
+# core busy, measured), and a load timed inside that window shares the CPU
+# with them; which child imported numpy last would decide the result.  Peak memory is VmHWM from /proc/self/status: ru_maxrss is
 # useless here because Linux carries the parent's peak (this process holds
 # the 0.5 GiB state, ~1 GiB at its peak) into the child across fork + exec;
 # ru_maxrss is still recorded in the JSON.
 _CHILD_PRELUDE = """
 import gc, json, resource, sys, time
+import numpy, mlx.core, mlx_lm.models.cache, kvstore
+time.sleep(%(settle)s)
 def peak_kib():
     with open("/proc/self/status") as f:
         for line in f:
@@ -450,7 +456,7 @@ def measure(once):
     del arrays
     return {"first_s": first, "warm_s": warm, "hwm0_kib": hwm0, "hwm1_kib": hwm1,
             "maxrss0_kib": ru0, "maxrss1_kib": ru1, "nbytes": nbytes}
-"""
+""" % {"settle": CHILD_SETTLE_S}
 
 _CHILD_KV = _CHILD_PRELUDE + textwrap.dedent("""
     import mlx.core as mx

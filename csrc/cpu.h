@@ -6,6 +6,11 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define KVS_HAVE_X86 1
+/* The AVX-512 carry-less multiply path needs a compiler that knows the
+ * vpclmulqdq target (GCC 8, clang 6 and later). */
+#if (defined(__clang__) && __clang_major__ >= 6) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 8)
+#define KVS_HAVE_X86_VPCLMUL 1
+#endif
 #endif
 
 /* The ARM paths are compiled only when the compiler targets the extensions
@@ -21,6 +26,7 @@
 
 int kvs_cpu_has_shani(void);
 int kvs_cpu_has_sse42(void);
+int kvs_cpu_has_avx512_vpclmul(void);
 int kvs_cpu_has_arm_sha1(void);
 int kvs_cpu_has_arm_crc32(void);
 

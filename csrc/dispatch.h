@@ -1,10 +1,10 @@
 /* dispatch.h: which instruction-set paths this build has and which one runs.
  *
  * Every hot path in csrc/ has a portable C version and, where the compiler
- * and CPU allow, a hardware version (SHA-NI and SSE4.2 on x86-64, the ARMv8
- * crypto and CRC extensions on arm64).  The choice is made once at run time
- * by kvs_init(); a caller can force the portable paths (tests and CI do) with
- * kvs_select().  Nothing here reads the environment: that is the binding's job.
+ * and CPU allow, hardware versions (SHA-NI, SSE4.2 and AVX-512 VPCLMULQDQ on
+ * x86-64, the ARMv8 crypto and CRC extensions on arm64).  The choice is made
+ * once at run time by kvs_init(); a caller can force the portable paths
+ * (tests and CI do) with kvs_select().  Nothing here reads the environment: that is the binding's job.
  */
 #ifndef KVS_DISPATCH_H
 #define KVS_DISPATCH_H
@@ -13,7 +13,8 @@ enum kvs_impl {
     KVS_IMPL_AUTO = 0,      /* the fastest path this CPU supports */
     KVS_IMPL_PORTABLE = 1,  /* plain C, every platform */
     KVS_IMPL_X86 = 2,       /* SHA-NI / SSE4.2 crc32 */
-    KVS_IMPL_ARM = 3        /* ARMv8 SHA1 / CRC32C instructions */
+    KVS_IMPL_ARM = 3,       /* ARMv8 SHA1 / CRC32C instructions */
+    KVS_IMPL_X86_AVX512 = 4 /* CRC32C only: AVX-512 VPCLMULQDQ folding */
 };
 
 /* Builds the CRC tables and picks the fastest paths.  Idempotent; call once
@@ -31,7 +32,7 @@ int kvs_sha1_has(int impl);
 int kvs_crc32c_has(int impl);
 
 /* The running implementation, as a short static name ("portable", "sha-ni",
- * "armv8", "sse4.2"). */
+ * "armv8", "sse4.2", "avx512-vpclmulqdq"). */
 const char *kvs_sha1_impl_name(void);
 const char *kvs_crc32c_impl_name(void);
 

@@ -14,9 +14,22 @@
 
 #define KVS_ESHORT 1010             /* end of file before len bytes */
 
+/* Probes what the kernel offers the reads (called once by kvs_init()). */
+void kvs_io_init(void);
+
+/* 1 when reads map each chunk's pages with MADV_POPULATE_WRITE before
+ * filling it (Linux 5.14 and later), 0 when the read faults them in. */
+int kvs_io_prefaults(void);
+
 /* Reads len bytes at offset off into buf; *crc (if not NULL) is updated with
  * the CRC32C of the bytes read.  Returns 0, KVS_ESHORT or -errno. */
 int kvs_pread_full(int fd, uint8_t *buf, size_t len, uint64_t off, uint32_t *crc);
+
+/* Allocates the first len bytes of a new file's blocks (the size becomes
+ * len).  Returns 0 or -errno: -EOPNOTSUPP where the filesystem or system
+ * cannot (the caller writes as usual), -ENOSPC, -EDQUOT or -EFBIG where the
+ * file does not fit. */
+int kvs_preallocate(int fd, uint64_t len);
 
 /* Writes len bytes from buf at offset off; *crc (if not NULL) is updated.
  * Returns 0 or -errno (ENOSPC, EFBIG, EIO ...). */

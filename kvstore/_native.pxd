@@ -7,6 +7,7 @@ cdef extern from "dispatch.h" nogil:
         KVS_IMPL_PORTABLE
         KVS_IMPL_X86
         KVS_IMPL_ARM
+        KVS_IMPL_X86_AVX512
     void kvs_init()
     int kvs_sha1_select(int impl)
     int kvs_crc32c_select(int impl)
@@ -54,5 +55,7 @@ cdef extern from "header.h" nogil:
 cdef extern from "io.h" nogil:
     enum:
         KVS_ESHORT
+    int kvs_io_prefaults()
+    int kvs_preallocate(int fd, uint64_t len)
     int kvs_pread_full(int fd, uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)
     int kvs_pwrite_full(int fd, const uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)

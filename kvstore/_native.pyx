@@ -5,6 +5,7 @@ The GIL is released around every loop over bytes.  Status codes from C become
 exceptions in exactly one place, :func:`_raise_status`.
 """
 
+import errno as _errno
 import os
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
@@ -22,7 +23,9 @@ from kvstore.errors import CorruptCheckpoint, UnsafePath, os_error
 kvs_init()
 
 _IMPLS = {"auto": KVS_IMPL_AUTO, "portable": KVS_IMPL_PORTABLE,
-          "x86": KVS_IMPL_X86, "arm": KVS_IMPL_ARM}
+          "x86": KVS_IMPL_X86, "avx512": KVS_IMPL_X86_AVX512, "arm": KVS_IMPL_ARM}
+# Slowest first: the last name available is the one "auto" picks.
+_ORDER = ("portable", "x86", "avx512", "arm")
 
 HEADER_SIZE = KVS_HEADER_SIZE
 
@@ -50,7 +53,8 @@ def select(sha1=None, crc32c=None):
     """Selects the SHA1 and/or CRC32C implementation.
 
     Args:
-        sha1, crc32c: "auto", "portable", "x86" or "arm"; None keeps the current.
+        sha1, crc32c: "auto", "portable", "x86" or "arm"; for crc32c also
+            "avx512" (x86-64 with VPCLMULQDQ).  None keeps the current.
 
     Raises:
         ValueError: the name is unknown or that path cannot run on this CPU.
@@ -68,14 +72,23 @@ def select(sha1=None, crc32c=None):
 def available():
     """The implementations that can run here: {"sha1": [...], "crc32c": [...]}."""
     return {
-        "sha1": [n for n in ("portable", "x86", "arm") if kvs_sha1_has(_IMPLS[n])],
-        "crc32c": [n for n in ("portable", "x86", "arm") if kvs_crc32c_has(_IMPLS[n])],
+        "sha1": [n for n in _ORDER if kvs_sha1_has(_IMPLS[n])],
+        "crc32c": [n for n in _ORDER if kvs_crc32c_has(_IMPLS[n])],
     }
 
 
 def implementation():
     """The running implementations, e.g. {"sha1": "sha-ni", "crc32c": "sse4.2"}."""
     return {"sha1": kvs_sha1_impl_name().decode(), "crc32c": kvs_crc32c_impl_name().decode()}
+
+
+def read_prefaults():
+    """True when reads map each chunk's fresh pages in one call before filling it.
+
+    That is MADV_POPULATE_WRITE (Linux 5.14 and later); elsewhere the read
+    faults the pages in one by one.  The bytes read are the same either way.
+    """
+    return bool(kvs_io_prefaults())
 
 
 def sha1(data):
@@ -321,6 +334,31 @@ def buffer_address(buf):
         return <size_t>view.buf
     finally:
         PyBuffer_Release(&view)
+
+
+# Errors of fallocate() that mean "this filesystem or file cannot", not "no room".
+_NO_PREALLOCATE = frozenset(getattr(_errno, n) for n in ("EOPNOTSUPP", "ENOTSUP", "ENOSYS", "EINVAL", "ENODEV",
+                                                          "EPERM", "ESPIPE") if hasattr(_errno, n))
+
+
+def preallocate(int fd, uint64_t length, path=None):
+    """Allocates a new file's first length bytes and sets its size (Linux fallocate).
+
+    Returns:
+        True when allocated, False where the filesystem or system cannot (the
+        writes then allocate as they go).
+
+    Raises:
+        CheckpointOSError: no room (ENOSPC, EDQUOT, EFBIG) or an I/O error.
+    """
+    cdef int rc
+    with nogil:
+        rc = kvs_preallocate(fd, length)
+    if rc == 0:
+        return True
+    if -rc in _NO_PREALLOCATE:
+        return False
+    _raise_status(rc, path if path is not None else f"fd {fd}", "preallocate")
 
 
 def pwrite_from(int fd, buf, uint64_t offset, path=None, crc=None):

@@ -12,7 +12,7 @@ from kvstore import _native
 
 _AVAILABLE = _native.available()
 # Every path name the build can run for either hot path, portable first.
-_IMPL_NAMES = [n for n in ("portable", "x86", "arm")
+_IMPL_NAMES = [n for n in ("portable", "x86", "avx512", "arm")
                if n in _AVAILABLE["sha1"] or n in _AVAILABLE["crc32c"]]
 
 

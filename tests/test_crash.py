@@ -51,11 +51,11 @@ _SYSCALLS = {
     "x86_64": {0: "read", 1: "write", 3: "close", 5: "fstat", 9: "mmap", 11: "munmap", 17: "pread64",
                18: "pwrite64", 73: "flock", 74: "fsync", 75: "fdatasync", 77: "ftruncate", 82: "rename",
                87: "unlink", 202: "futex", 217: "getdents64", 257: "openat", 262: "newfstatat",
-               264: "renameat", 316: "renameat2"},
+               264: "renameat", 316: "renameat2", 28: "madvise", 285: "fallocate"},
     "aarch64": {63: "read", 64: "write", 57: "close", 80: "fstat", 222: "mmap", 215: "munmap",
                 67: "pread64", 68: "pwrite64", 32: "flock", 82: "fsync", 83: "fdatasync", 46: "ftruncate",
                 38: "renameat", 276: "renameat2", 35: "unlinkat", 98: "futex", 61: "getdents64",
-                56: "openat"},
+                56: "openat", 233: "madvise", 47: "fallocate"},
 }.get(platform.machine(), {})
 
 
@@ -318,7 +318,7 @@ class Rounds:
 def _where(calls):
     """The most telling system call among a process's threads at the kill."""
     for name in ("fsync", "fdatasync", "rename", "renameat", "renameat2", "pwrite64", "write", "ftruncate",
-                 "openat", "unlink", "pread64", "read", "flock", "getdents64", "mmap", "munmap"):
+                 "fallocate", "openat", "unlink", "pread64", "read", "flock", "getdents64", "mmap", "munmap"):
         if name in calls:
             return name
     return calls[0] if calls else "?"

@@ -41,7 +41,7 @@ def ref_crc(off, n):
 # ---- selection ------------------------------------------------------------
 
 EXPECTED_NAMES = {"portable": ("portable", "portable"), "x86": ("sha-ni", "sse4.2"),
-                  "arm": ("armv8", "armv8")}
+                  "avx512": (None, "avx512-vpclmulqdq"), "arm": ("armv8", "armv8")}
 
 
 def test_implementation_reports_selection(impl):
@@ -56,7 +56,7 @@ def test_available_always_has_portable():
     av = _native.available()
     assert av["sha1"][0] == "portable" and av["crc32c"][0] == "portable"
     assert set(av["sha1"]) <= {"portable", "x86", "arm"}
-    assert set(av["crc32c"]) <= {"portable", "x86", "arm"}
+    assert set(av["crc32c"]) <= {"portable", "x86", "avx512", "arm"}
 
 
 def test_select_auto_picks_fastest_available(impl):
@@ -86,7 +86,7 @@ def test_select_positional_is_sha1(impl):
 
 @pytest.mark.parametrize("which", ["sha1", "crc32c"])
 def test_select_unavailable_raises_and_keeps_selection(impl, which):
-    missing = [n for n in ("x86", "arm") if n not in _native.available()[which]]
+    missing = [n for n in ("x86", "avx512", "arm") if n not in _native.available()[which]]
     assert missing, "an x86 and an arm path cannot both run on one CPU"
     before = _native.implementation()
     for name in missing:
@@ -323,8 +323,11 @@ def test_crc32c_every_length_and_odd_offsets(impl):
             assert kvstore.crc32c(BUF[off:off + n]) == ref_crc(off, n), (off, n)
 
 
-@pytest.mark.parametrize("n", [767, 768, 769, 1000, 24575, 24576, 24577, 100000])
-def test_crc32c_three_stream_thresholds(impl, n):
+# 511-769: the fold's start (512) and its 256-byte steps; 767-769 and 24575-24577:
+# the three-stream slices.
+@pytest.mark.parametrize("n", [511, 512, 513, 767, 768, 769, 1000, 1024, 1279, 24575, 24576, 24577,
+                               100000])
+def test_crc32c_path_thresholds(impl, n):
     mv = memoryview(BUF)
     for off in range(8):
         assert kvstore.crc32c(mv[off:off + n]) == ref_crc(off, n), (n, off)

@@ -160,7 +160,7 @@ static void check_fits(void)
 
 int main(void)
 {
-    static const int impls[] = {KVS_IMPL_X86, KVS_IMPL_ARM};
+    static const int impls[] = {KVS_IMPL_X86, KVS_IMPL_X86_AVX512, KVS_IMPL_ARM};
     enum { MAX = 200000 };
     uint8_t *buf = malloc(MAX + 16), d0[20], d1[20];
     char hx[41];
@@ -169,7 +169,7 @@ int main(void)
     kvs_init();
     for (size_t i = 0; i < MAX + 16; i++) buf[i] = next_byte();
 
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 3; k++) {
         int impl = impls[k];
         if (kvs_sha1_has(impl)) {
             hw_sha++;
@@ -196,7 +196,7 @@ int main(void)
             }
         }
     }
-    for (int impl = KVS_IMPL_PORTABLE; impl <= KVS_IMPL_ARM; impl++) {
+    for (int impl = KVS_IMPL_PORTABLE; impl <= KVS_IMPL_X86_AVX512; impl++) {
         if (kvs_sha1_select(impl) == 0) {
             kvs_sha1((const uint8_t *)"abc", 3, d0);
             hex(d0, hx);

@@ -1,0 +1,174 @@
+"""The run-time-chosen I/O paths of csrc/io.c.
+
+Reads: on Linux 5.14 and later each chunk's pages are mapped with
+MADV_POPULATE_WRITE before the read fills them.  The bytes and CRCs must be
+the same as a plain read, and no page outside the destination may be touched.
+
+Writes: a new checkpoint's blocks are allocated with fallocate() before it
+is written; where the filesystem cannot, the writes allocate as they go.
+Both routes must give the same file.
+"""
+
+import ctypes
+import mmap
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from kvstore import _native, _reference
+from kvstore.errors import CheckpointOSError, CorruptCheckpoint
+from kvhelpers import make_store
+
+PAGE = mmap.PAGESIZE
+LINUX = sys.platform.startswith("linux")
+
+
+def kernel_version():
+    parts = os.uname().release.split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def resident_pages(m):
+    """mincore() of an anonymous mapping: one bool per page."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    n = len(m) // PAGE
+    vec = ctypes.create_string_buffer(n)
+    anchor = ctypes.c_char.from_buffer(m)
+    try:
+        if libc.mincore(ctypes.addressof(anchor), len(m), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+    finally:
+        del anchor
+    return [b & 1 == 1 for b in vec.raw]
+
+
+@pytest.mark.skipif(not LINUX, reason="MADV_POPULATE_WRITE is Linux's")
+def test_prefaulting_is_on_where_the_kernel_has_it():
+    assert _native.read_prefaults() == (kernel_version() >= (5, 14))
+
+
+@pytest.mark.skipif(LINUX, reason="elsewhere the read faults pages in itself")
+def test_no_prefaulting_off_linux():
+    assert _native.read_prefaults() is False
+
+
+@pytest.mark.parametrize("first,last", [(3 * PAGE + 100, 330 * PAGE + 17),     # unaligned both ends
+                                        (4 * PAGE, 300 * PAGE),                # page-aligned
+                                        (5 * PAGE + 1, 5 * PAGE + 99)])        # inside one page
+def test_read_into_fresh_memory_touches_only_its_pages(tmp_path, first, last):
+    # 340 pages: the larger cases span more than one 1 MiB read chunk.
+    data = os.urandom(340 * PAGE)
+    path = tmp_path / "data"
+    path.write_bytes(data)
+    m = mmap.mmap(-1, 340 * PAGE)            # anonymous: no page mapped yet
+    try:
+        if LINUX:
+            assert not any(resident_pages(m))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            view = memoryview(m)[first:last]
+            crc = _native.pread_into(fd, view, 77, str(path), 0)
+            view.release()
+        finally:
+            os.close(fd)
+        want = data[77:77 + last - first]
+        assert m[first:last] == want
+        assert crc == _reference.crc32c(want)
+        if LINUX:
+            touched = [i for i, r in enumerate(resident_pages(m)) if r]
+            assert touched == list(range(first // PAGE, (last - 1) // PAGE + 1))
+    finally:
+        m.close()
+
+
+def test_read_past_end_of_file_is_an_error_after_prefaulting(tmp_path):
+    path = tmp_path / "short"
+    path.write_bytes(os.urandom(3 * PAGE))
+    m = mmap.mmap(-1, 8 * PAGE)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            view = memoryview(m)
+            with pytest.raises(CorruptCheckpoint) as e:
+                _native.pread_into(fd, view, 0, str(path), 0)
+            assert e.value.reason == "truncated"
+            view.release()
+        finally:
+            os.close(fd)
+    finally:
+        m.close()
+
+
+# ---- preallocation -----------------------------------------------------------
+
+@pytest.mark.skipif(not LINUX, reason="fallocate() is Linux's")
+def test_preallocate_sets_the_size_and_allocates_the_blocks(tmp_path):
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert _native.preallocate(fd, 5 * 1024 * 1024 + 3, str(path)) is True
+        st = os.fstat(fd)
+        assert st.st_size == 5 * 1024 * 1024 + 3
+        assert st.st_blocks * 512 >= st.st_size
+        assert os.pread(fd, 4096, 0) == bytes(4096)          # allocated, reads as zeros
+        assert _native.preallocate(fd, 0, str(path)) is True  # nothing to do
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(LINUX, reason="Linux has fallocate()")
+def test_preallocate_elsewhere_says_it_cannot(tmp_path):
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert _native.preallocate(fd, 4096, str(path)) is False
+        assert os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not LINUX, reason="fallocate() is Linux's")
+def test_preallocate_on_a_read_only_descriptor_is_an_error(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(CheckpointOSError) as e:
+            _native.preallocate(fd, 4096, str(path))
+        assert e.value.errno == 9 and "preallocate" in str(e.value)      # EBADF
+    finally:
+        os.close(fd)
+
+
+def save_one(directory):
+    tensors = {"k": np.arange(3 * 1024 * 1024, dtype=np.float16).reshape(3, 1024, 1024),
+               "empty": np.zeros((0, 4), np.float32)}
+    with make_store(directory) as s:
+        e = s.save(b"a prompt" * 100, np.arange(700, dtype=np.uint32), tensors, meta={"m": 1})
+        assert e is not None
+        ck = s.load(s.find(b"a prompt" * 100 + b"!"))
+        assert ck is not None and np.array_equal(ck.tensors["k"], tensors["k"])
+        assert ck.tensors["empty"].shape == (0, 4)
+        return open(e.path, "rb").read()
+
+
+def test_a_save_without_preallocation_writes_the_same_file(tmp_path, monkeypatch):
+    calls = []
+    real = _native.preallocate
+
+    def spy(fd, length, path=None):
+        calls.append(length)
+        return real(fd, length, path)
+
+    monkeypatch.setattr(_native, "preallocate", spy)
+    with_prealloc = save_one(tmp_path / "a")
+    assert len(calls) == 1 and calls[0] == len(with_prealloc)
+    # A filesystem that cannot preallocate: the writes allocate as they go.
+    monkeypatch.setattr(_native, "preallocate", lambda fd, length, path=None: False)
+    without = save_one(tmp_path / "b")
+    # Equal but for the header's created_at and last_used (bytes 24-39): clock time.
+    assert len(without) == len(with_prealloc)
+    assert without[:24] + without[40:] == with_prealloc[:24] + with_prealloc[40:]
