@@ -35,7 +35,8 @@
  * memory from ~320 to ~205 ms.  It is only a hint: when it fails the read
  * faults the pages in as before and reports any real error itself. */
 static size_t page_size = 4096;
-static int populate_works;
+static int populate_probed;         /* the kernel has it */
+static int populate_works;          /* ... and it is in use */
 
 void kvs_io_init(void)
 {
@@ -43,11 +44,17 @@ void kvs_io_init(void)
     page_size = ps > 0 ? (size_t)ps : 4096;
     void *p = mmap(NULL, page_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return;
-    populate_works = madvise(p, page_size, MADV_POPULATE_WRITE) == 0;
+    populate_probed = populate_works = madvise(p, page_size, MADV_POPULATE_WRITE) == 0;
     munmap(p, page_size);
 }
 
 int kvs_io_prefaults(void) { return populate_works; }
+
+int kvs_io_set_prefault(int on)
+{
+    populate_works = on && populate_probed;
+    return populate_works;
+}
 
 static void populate(uint8_t *buf, size_t len)
 {
@@ -63,6 +70,7 @@ static void populate(uint8_t *buf, size_t len)
 #else
 void kvs_io_init(void) {}
 int kvs_io_prefaults(void) { return 0; }
+int kvs_io_set_prefault(int on) { (void)on; return 0; }
 static void populate(uint8_t *buf, size_t len) { (void)buf; (void)len; }
 #endif
 

@@ -21,6 +21,11 @@ void kvs_io_init(void);
  * filling it (Linux 5.14 and later), 0 when the read faults them in. */
 int kvs_io_prefaults(void);
 
+/* Turns prefaulting on (where the kernel has it) or off, for tests and
+ * KVSTORE_PORTABLE; returns kvs_io_prefaults().  Not thread-safe: call it
+ * while no read runs. */
+int kvs_io_set_prefault(int on);
+
 /* Reads len bytes at offset off into buf; *crc (if not NULL) is updated with
  * the CRC32C of the bytes read.  Returns 0, KVS_ESHORT or -errno. */
 int kvs_pread_full(int fd, uint8_t *buf, size_t len, uint64_t off, uint32_t *crc);

@@ -56,6 +56,7 @@ cdef extern from "io.h" nogil:
     enum:
         KVS_ESHORT
     int kvs_io_prefaults()
+    int kvs_io_set_prefault(int on)
     int kvs_preallocate(int fd, uint64_t len)
     int kvs_pread_full(int fd, uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)
     int kvs_pwrite_full(int fd, const uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)

@@ -91,6 +91,15 @@ def read_prefaults():
     return bool(kvs_io_prefaults())
 
 
+def set_read_prefaults(on):
+    """Turns prefaulting on (where the kernel has it) or off; returns read_prefaults().
+
+    For tests and KVSTORE_PORTABLE=1, which turns it off.  Call it while no
+    read runs.
+    """
+    return bool(kvs_io_set_prefault(1 if on else 0))
+
+
 def sha1(data):
     """SHA1 digest (20 bytes) of any buffer-protocol object."""
     cdef Py_buffer view
@@ -379,3 +388,4 @@ def pwrite_from(int fd, buf, uint64_t offset, path=None, crc=None):
 
 if os.environ.get("KVSTORE_PORTABLE", "") not in ("", "0"):
     select(sha1="portable", crc32c="portable")
+    set_read_prefaults(False)

@@ -23,6 +23,7 @@ from kvhelpers import make_store
 
 PAGE = mmap.PAGESIZE
 LINUX = sys.platform.startswith("linux")
+PORTABLE = os.environ.get("KVSTORE_PORTABLE", "") not in ("", "0")
 
 
 def kernel_version():
@@ -45,20 +46,35 @@ def resident_pages(m):
     return [b & 1 == 1 for b in vec.raw]
 
 
-@pytest.mark.skipif(not LINUX, reason="MADV_POPULATE_WRITE is Linux's")
+def kernel_prefaults():
+    return LINUX and kernel_version() >= (5, 14)
+
+
+@pytest.fixture(params=["prefault", "plain"])
+def read_route(request):
+    """Runs a test with prefaulting on (where the kernel has it) and off."""
+    on = request.param == "prefault"
+    if on and not kernel_prefaults():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    assert _native.set_read_prefaults(on) is on
+    try:
+        yield request.param
+    finally:
+        _native.set_read_prefaults(not PORTABLE)
+
+
 def test_prefaulting_is_on_where_the_kernel_has_it():
-    assert _native.read_prefaults() == (kernel_version() >= (5, 14))
-
-
-@pytest.mark.skipif(LINUX, reason="elsewhere the read faults pages in itself")
-def test_no_prefaulting_off_linux():
-    assert _native.read_prefaults() is False
+    # KVSTORE_PORTABLE=1 turns it off at import, with the portable hash paths.
+    assert _native.read_prefaults() == (kernel_prefaults() and not PORTABLE)
+    assert _native.set_read_prefaults(True) == kernel_prefaults()
+    assert _native.set_read_prefaults(False) is False
+    _native.set_read_prefaults(not PORTABLE)
 
 
 @pytest.mark.parametrize("first,last", [(3 * PAGE + 100, 330 * PAGE + 17),     # unaligned both ends
                                         (4 * PAGE, 300 * PAGE),                # page-aligned
                                         (5 * PAGE + 1, 5 * PAGE + 99)])        # inside one page
-def test_read_into_fresh_memory_touches_only_its_pages(tmp_path, first, last):
+def test_read_into_fresh_memory_touches_only_its_pages(tmp_path, read_route, first, last):
     # 340 pages: the larger cases span more than one 1 MiB read chunk.
     data = os.urandom(340 * PAGE)
     path = tmp_path / "data"
@@ -84,7 +100,7 @@ def test_read_into_fresh_memory_touches_only_its_pages(tmp_path, first, last):
         m.close()
 
 
-def test_read_past_end_of_file_is_an_error_after_prefaulting(tmp_path):
+def test_read_past_end_of_file_is_an_error(tmp_path, read_route):
     path = tmp_path / "short"
     path.write_bytes(os.urandom(3 * PAGE))
     m = mmap.mmap(-1, 8 * PAGE)
