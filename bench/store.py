@@ -430,7 +430,8 @@ def bench_lookup(report, tmp, rng, quick):
 # fresh pages), then a second one (warm).  It prints one JSON line.  The wait:
 # `import numpy` starts OpenBLAS's threads, which spin for about 50 ms (one
 # core busy, measured), and a load timed inside that window shares the CPU
-# with them; which child imported numpy last would decide the result.  Peak memory is VmHWM from /proc/self/status: ru_maxrss is
+# with them; which child imported numpy last would decide the result.
+# Peak memory is VmHWM from /proc/self/status: ru_maxrss is
 # useless here because Linux carries the parent's peak (this process holds
 # the 0.5 GiB state, ~1 GiB at its peak) into the child across fork + exec;
 # ru_maxrss is still recorded in the JSON.

@@ -4,7 +4,8 @@
  * and CPU allow, hardware versions (SHA-NI, SSE4.2 and AVX-512 VPCLMULQDQ on
  * x86-64, the ARMv8 crypto and CRC extensions on arm64).  The choice is made
  * once at run time by kvs_init(); a caller can force the portable paths
- * (tests and CI do) with kvs_select().  Nothing here reads the environment: that is the binding's job.
+ * (tests and CI do) with kvs_select().  Nothing here reads the environment:
+ * that is the binding's job.
  */
 #ifndef KVS_DISPATCH_H
 #define KVS_DISPATCH_H

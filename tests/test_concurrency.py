@@ -162,16 +162,22 @@ def _worker(d, wid, n_ops, seed, out):
                  raised=raised))
 
 
-def run_workers(d, n_procs, n_ops, seed):
+def run_processes(targets, result_timeout, join_timeout):
+    """Starts one process per (function, args), each putting one result on the
+    queue passed as its last argument; returns the results once all exited 0."""
     out = CTX.Queue()
-    procs = [CTX.Process(target=_worker, args=(d, w, n_ops, seed * 100 + w, out)) for w in range(n_procs)]
+    procs = [CTX.Process(target=fn, args=(*args, out)) for fn, args in targets]
     for p in procs:
         p.start()
-    results = [out.get(timeout=600) for _ in procs]
+    results = [out.get(timeout=result_timeout) for _ in procs]
     for p in procs:
-        p.join(60)
+        p.join(join_timeout)
         assert p.exitcode == 0
     return results
+
+
+def run_workers(d, n_procs, n_ops, seed):
+    return run_processes([(_worker, (d, w, n_ops, seed * 100 + w)) for w in range(n_procs)], 600, 60)
 
 
 def audit(d, results):
@@ -312,15 +318,8 @@ def test_soak_lookup_racing_deletion_is_a_miss(tmp_path):
 
 def race(tmp_path, seconds):
     d = str(tmp_path / "kv")
-    out = CTX.Queue()
-    procs = [CTX.Process(target=_race_worker, args=("deleter", d, seconds, 1, out)),
-             CTX.Process(target=_race_worker, args=("reader", d, seconds, 2, out))]
-    for p in procs:
-        p.start()
-    got = [out.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    got = run_processes([(_race_worker, ("deleter", d, seconds, 1)),
+                         (_race_worker, ("reader", d, seconds, 2))], 120, 30)
     for role, n, err in got:
         assert err is None, f"{role}: {err}"
     reader = next(n for role, n, _ in got if role == "reader")
