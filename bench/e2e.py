@@ -7,7 +7,7 @@ one imported:
     python bench/e2e.py --quick      # one round, about a minute and a half
     python bench/e2e.py --json results.json
 
-The workload is ``kvstore demo``'s (kvstore/demo.py): three users of one agent
+The workload is ``kvstore demo``'s (kvstore/demo/workload.py): three users of one agent
 whose long system prompt is the same for everyone, two turns each, a server
 restart, a third turn each, one user switching back to an earlier session by
 its hash.  Three configurations serve the same requests with the same model
@@ -46,7 +46,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from foundation import Table, harness_arguments, machine_info, machine_lines  # noqa: E402
-from kvstore import demo  # noqa: E402
+from kvstore.demo import workload as demo  # noqa: E402
 from ttft import first_token, fmt_cell as fmt_time_cell, fmt_ratio, prefill_aligned, request_cold  # noqa: E402
 from ttft import stats  # noqa: E402
 
@@ -122,9 +122,9 @@ def run_kvstore(workdir):
     prompts = []
     # The demo prints its rows on stdout; this harness's stdout is its report.
     with recording(prompts), contextlib.redirect_stdout(sys.stderr):
-        rows = demo.run_phase(1, directory, None, workdir, False)
+        rows = demo.run_phase(1, directory, None, workdir)
         restart = len(rows)
-        rows += demo.run_phase(2, directory, None, workdir, False)
+        rows += demo.run_phase(2, directory, None, workdir)
     results = [{"ttft_ns": r["ttft_ms"] * 1e6, "source": r["source"], "reused": r["reused_tokens"],
                 "prefilled": r["prefilled_tokens"]} for r in rows]
     return results, prompts, restart

@@ -8,7 +8,7 @@ one imported:
     python bench/serve.py --json results.json
 
 The workload is a four-turn chat with a long system prompt on a random-weight
-mlx-lm llama (kvstore.demo_model) served over HTTP on 127.0.0.1.  For each
+mlx-lm llama (kvstore.demo.model) served over HTTP on 127.0.0.1.  For each
 server kind, each round: start the server, play turns 1-3, stop it with
 SIGTERM, start it again and time turn 4 (a non-streaming request with
 max_tokens=1, request sent to response read: the time to first token plus
@@ -121,7 +121,7 @@ def main(argv=None):
     args = harness_arguments(__doc__, "a smaller model and conversation", argv,
                              strict_help="exit 1 when the target is missed")
 
-    from kvstore import demo_model
+    from kvstore.demo import model as demo_model
 
     t_start = time.perf_counter()
     info = machine_info()

@@ -10,7 +10,7 @@ one imported:
 The workload is a long prompt (prose, no chat markers) whose first N tokens
 (N a multiple of the 2,048-token alignment) were served before, followed by a
 new turn of SUFFIX_TOKENS tokens.  The model is a random-weight mlx-lm llama
-(kvstore.demo_model) with a byte-level BPE tokenizer trained on the spot:
+(kvstore.demo.model) with a byte-level BPE tokenizer trained on the spot:
 nothing is downloaded.  Each sample is one request, timed from the prompt
 text to the first sampled token:
 
@@ -133,7 +133,7 @@ PROSE_MODULES = ("argparse", "collections", "email.message", "http.client", "jso
 
 def text_of_tokens(tok, text, n):
     """demo_model.text_of_tokens, stopping the run when the text is too short."""
-    from kvstore import demo_model
+    from kvstore.demo import model as demo_model
     if len(tok.encode(text)) < n:
         raise SystemExit(f"the benchmark text holds fewer than {n} tokens")
     return demo_model.text_of_tokens(tok, text, n)
@@ -224,7 +224,7 @@ def request_mlx_lm(model, tok, prompt, path, n_ckpt):
 
 def load_kvstore(store_dir, prompt):
     import mlx.core as mx
-    from kvstore.mlx_cache import tensors_to_cache
+    from kvstore.mlx import tensors_to_cache
     with kvstore.KVStore(store_dir) as store:
         t0 = time.perf_counter_ns()
         ck = store.load(store.find(prompt), into="mlx")
@@ -341,7 +341,7 @@ def main(argv=None):
                              strict_help="exit 1 when a target is missed")
 
     import mlx.core as mx
-    from kvstore import demo_model
+    from kvstore.demo import model as demo_model
 
     t_start = time.perf_counter()
     info = machine_info()

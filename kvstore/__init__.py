@@ -2,7 +2,8 @@
 
 A checkpoint file is named by the SHA1 of the rendered prompt bytes; a request
 loads the longest stored checkpoint whose text is a byte prefix of its prompt
-and prefills only the rest.  See SPEC.md for the file format.
+and prefills only the rest.  docs/format.md describes the file format and
+the semantics; the README lists the rooms of this package.
 """
 
 from kvstore._native import crc32c, sha1, sha1_prefixes
@@ -15,6 +16,8 @@ from kvstore.policy import Options
 from kvstore.store import Checkpoint, KVStore
 from kvstore.prompt_cache import PromptCache
 from kvstore import sessions
+# The remote tier registers itself with the store (KVStore(remote="s3://...")).
+from kvstore import remote  # noqa: F401
 
 __version__ = "0.1.0"
 

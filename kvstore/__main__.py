@@ -1,4 +1,4 @@
-"""`python -m kvstore ...`: the kvstore command line (see kvstore/cli.py)."""
+"""`python -m kvstore ...`: the kvstore command line (kvstore.cli)."""
 
 import sys
 

@@ -61,6 +61,10 @@ class AmbiguousSession(KVStoreError, LookupError):
         super().__init__(message)
 
 
+class RemoteError(KVStoreError, OSError):
+    """A remote-tier call failed in a way the caller must hear of (CLI, gc)."""
+
+
 def os_error(err, path, what):
     """Builds the kvstore exception for an errno from an operation on path."""
     path = os.fspath(path)

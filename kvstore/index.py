@@ -1,4 +1,4 @@
-"""The directory index (SPEC section 4): text length -> {digest -> entry}.
+"""The lookup index (docs/format.md §4): text length -> {digest -> entry}.
 
 A lookup asks for the digest of the prompt's first n bytes at every distinct
 stored length n; the index keeps those lengths sorted so that one SHA1 pass
@@ -8,6 +8,9 @@ Other processes add and delete files at any time.  The index re-lists the
 directory only when the directory's mtime says something changed, and then
 reads only the headers of names it has not seen (or whose inode, mtime or
 size changed), so a lookup in an unchanged directory costs one stat.
+
+TieredLookup searches the directory and the remote tier's index of a bucket
+in the same single pass.
 """
 
 import os
@@ -156,3 +159,65 @@ class DirectoryIndex:
 
     def total_bytes(self):
         return sum(e.file_size for e in self.entries.values())
+
+
+def _merge(local, remote):
+    l_entries, l_lengths, l_digests = local
+    r_shas, r_lengths, r_digests = remote
+    lengths = np.concatenate([l_lengths, r_lengths]).astype(np.uint64, copy=False)
+    # Stable: at equal lengths local entries stay first (and in their order:
+    # fewer tokens first), so the scan from the end meets the remote one
+    # first and the best local one next.
+    order = np.argsort(lengths, kind="stable")
+    owners = [*l_entries, *r_shas]
+    digests = np.frombuffer(bytes(l_digests) + bytes(r_digests), dtype=np.uint8).reshape(-1, 20)
+    return [owners[i] for i in order.tolist()], lengths[order], digests[order].tobytes()
+
+
+class TieredLookup:
+    """The local index and a remote index searched in one SHA1 pass.
+
+    The local and the remote lengths are merged into one sorted array,
+    rebuilt only when either index changed.  A remote hit counts only when
+    its text is strictly longer than the best local one: at equal length the
+    local file wins (no transfer needed).
+
+    Args:
+        local: the DirectoryIndex.
+    """
+
+    def __init__(self, local):
+        self.local = local
+        self._key = None
+        self._merged = None
+
+    def longest_prefix(self, data, remote=None):
+        """(local Entry, None), (None, remote sha) or (None, None) for a miss.
+
+        Args:
+            data: the prompt bytes.
+            remote: the remote index (``snapshot`` of (shas, lengths, digests)
+                sorted by length, and ``generation``), or None: local only.
+        """
+        if remote is None:
+            return self.local.longest_prefix(data), None
+        key = (self.local.generation, id(remote), remote.generation)
+        if self._key != key:
+            self._merged = _merge(self.local.lookup_arrays(), remote.snapshot)
+            self._key = key
+        owners, lengths, digests = self._merged
+        n = int(np.searchsorted(lengths, len(data), side="right"))
+        if n == 0:
+            return None, None
+        matches = _native.sha1_prefix_matches(data, lengths[:n], memoryview(digests)[:20 * n])
+        local = remote_at = None
+        for i in reversed(matches):
+            if not isinstance(owners[i], str):
+                local = owners[i]
+                break
+            if remote_at is None:
+                remote_at = i
+        # The scan met the remote match first, so it is at least as long.
+        if remote_at is not None and (local is None or int(lengths[remote_at]) > local.text_bytes):
+            return None, owners[remote_at]
+        return local, None

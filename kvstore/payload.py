@@ -87,7 +87,8 @@ def _align(x, a):
 
 # ---- sources: numpy or MLX arrays as flat byte buffers -------------------
 
-def _is_mlx(a):
+def is_mlx_array(a):
+    """True for an MLX array (told apart by its module, so MLX need not be imported)."""
     return type(a).__module__.startswith("mlx")
 
 
@@ -103,7 +104,7 @@ def tensor_source(name, a):
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"tensor name {name!r} must be a non-empty str")
-    if _is_mlx(a):
+    if is_mlx_array(a):
         import mlx.core as mx
         mx.eval(a)
         dtype = str(a.dtype).rsplit(".", 1)[-1]

@@ -20,7 +20,7 @@ import operator
 
 import numpy as np
 
-from kvstore.format import PREFIX_SIZE, Reason
+from kvstore.format import LOADABLE_ABIS, PREFIX_SIZE, Reason
 
 # --- Defaults: each is ds4's compiled-in value (ds4_kvstore.c / ds4_kvstore.h).
 
@@ -418,38 +418,95 @@ def _named_in(entry, names):
     return getattr(entry, "sha", None) in names or getattr(entry, "name", None) in names
 
 
-def pick_victim(entries, now, superseded=frozenset(), protected=frozenset(),
-                half_life_s=DEFAULT_HALF_LIFE):
-    """The entry to delete next while the directory is over budget.
+def eviction_order(entries, now, superseded=frozenset(), protected=frozenset(),
+                   half_life_s=DEFAULT_HALF_LIFE):
+    """Every entry in the order eviction deletes them: the next victim first.
 
     The lowest :func:`eviction_score` goes first; on a tie, the one used
     longest ago (``last_used``, or ``created_at`` when never hit); on a
-    further tie, the first in ``entries``.  Protected entries (the file just
-    written) are picked only when nothing else is left, and then by their
-    real score.
+    further tie, the earlier in ``entries``.  Protected entries (the file
+    just written) come after all the others, in the same order among
+    themselves.  Scores do not change as victims go, so this one ordering
+    serves the store, the command line's dry run and the bucket's janitor.
 
     Args:
         entries: candidate entries (:class:`kvstore.Entry` or alike).
         now: unix seconds.
         superseded: shas of continued waypoints the incoming store supersedes.
-        protected: shas (or file names) never to pick while others remain.
+        protected: shas (or file names) to keep while others remain.
         half_life_s: hit half-life in seconds.
 
     Returns:
-        the chosen entry, or None when ``entries`` is empty.
+        list of the entries.
     """
-    entries = list(entries)
-    candidates = [e for e in entries if not _named_in(e, protected)] or entries
-    if not candidates:
-        return None
-
     # ds4 breaks ties on the raw last_used, so there a never-hit file (0)
-    # loses every tie however new it is; SPEC/this module use the same time
-    # the decay uses, t = last_used or created_at.
+    # loses every tie however new it is; this module uses the same time the
+    # decay uses, t = last_used or created_at.
     def rank(indexed):
         index, entry = indexed
         score = eviction_score(entry, now, superseded=_named_in(entry, superseded),
                                half_life_s=half_life_s)
-        return (score, _used_at(entry), index)
+        return (_named_in(entry, protected), score, _used_at(entry), index)
 
-    return min(enumerate(candidates), key=rank)[1]
+    return [e for _, e in sorted(enumerate(entries), key=rank)]
+
+
+def select_victims(entries, budget_bytes, now, superseded=frozenset(), protected=frozenset(),
+                   half_life_s=DEFAULT_HALF_LIFE, kept_bytes=0):
+    """The entries to delete, in order, until the rest fit the budget.
+
+    Args:
+        entries: the candidates (``file_size`` each); all count for the budget.
+        budget_bytes: the budget; 0 means unlimited (nothing is selected).
+        now, superseded, protected, half_life_s: as :func:`eviction_order`.
+        kept_bytes: bytes that count for the budget but are never candidates.
+
+    Returns:
+        list of victims, the first to delete first.
+    """
+    entries = list(entries)
+    total = kept_bytes + sum(e.file_size for e in entries)
+    victims = []
+    if not budget_bytes:
+        return victims
+    for e in eviction_order(entries, now, superseded, protected, half_life_s):
+        if total <= budget_bytes:
+            break
+        victims.append(e)
+        total -= e.file_size
+    return victims
+
+
+def pick_victim(entries, now, superseded=frozenset(), protected=frozenset(),
+                half_life_s=DEFAULT_HALF_LIFE):
+    """The entry to delete next (the head of :func:`eviction_order`), or None when none."""
+    order = eviction_order(entries, now, superseded, protected, half_life_s)
+    return order[0] if order else None
+
+
+# --- Which checkpoints an engine can load
+
+def misfit(entry, model_id, ctx_size=None, quant_bits=None, reject_different_quant=False):
+    """Why a checkpoint cannot be loaded by an engine, or None when it fits.
+
+    A checkpoint fits when its payload ABI is one this build loads, it was
+    made by the same model id, with a context no larger than the engine's
+    (None: no limit), and, only when quant is part of the match, with the
+    same quant bits (docs/format.md §4 and §7).
+
+    Args:
+        entry: a :class:`kvstore.Entry` (or anything with its header fields).
+        model_id, ctx_size, quant_bits, reject_different_quant: the engine's.
+
+    Returns:
+        None, or one of "payload_abi", "model_id", "ctx_size", "quant_bits".
+    """
+    if entry.payload_abi not in LOADABLE_ABIS:
+        return "payload_abi"
+    if entry.model_id != model_id:
+        return "model_id"
+    if ctx_size is not None and entry.ctx_size > ctx_size:
+        return "ctx_size"
+    if reject_different_quant and entry.quant_bits != quant_bits:
+        return "quant_bits"
+    return None

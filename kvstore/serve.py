@@ -52,8 +52,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from kvstore import remote
 from kvstore.format import Reason
-from kvstore.mlx import DEFAULT_CTX_SIZE, token_bytes_function
-from kvstore.mlx_cache import cache_from_checkpoint, checked_tensors
+from kvstore.mlx import DEFAULT_CTX_SIZE, cache_from_checkpoint, checked_tensors, token_bytes_function
 from kvstore.policy import Options, continued_step
 from kvstore.store import DEFAULT_BUDGET_MB, KVStore
 

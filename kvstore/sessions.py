@@ -1,4 +1,4 @@
-"""Agent sessions (SPEC section 9): named working states addressed by their hash.
+"""Agent sessions (docs/format.md §9): named working states addressed by their hash.
 
 An agent saves its live state as a checkpoint with reason agent-session and
 an optional title (ext bit 3, kept in the trailer), and the checkpoint of its
@@ -33,9 +33,8 @@ from kvstore import _native
 from kvstore import trailers as trailer_mod
 from kvstore.errors import AmbiguousSession, KVStoreError, SessionNotFound
 from kvstore.format import ExtFlag, Reason, entry_from_fd, open_checkpoint, read_entry
-from kvstore.store import trailer_sections
 
-__all__ = ["SessionInfo", "save", "list", "resolve", "switch", "read_title", "MIN_PREFIX"]
+__all__ = ["SessionInfo", "save", "list", "resolve", "switch", "read_title", "from_entries", "MIN_PREFIX"]
 
 log = logging.getLogger("kvstore")
 
@@ -101,7 +100,7 @@ def read_title(entry):
         if not cur.ext_flags & ExtFlag.SESSION_TITLE:
             return None
         hook = trailer_mod.hooks()[_TITLE_BIT]
-        for bit, offset, length, crc in trailer_sections(fd, cur):
+        for bit, offset, length, crc in trailer_mod.trailer_sections(fd, cur):
             if bit != _TITLE_BIT or length > trailer_mod.TITLE_MAX_BYTES:
                 continue
             body = os.pread(fd, length, offset)
@@ -155,11 +154,26 @@ def save(store, text, tokens, tensors, meta=None, title=None, system_text=None,
                       trailers=trailers, min_tokens=1)
 
 
-def list(store):   # noqa: A001 - the SPEC's verb; the builtin is not used in this module
+def list(store):   # noqa: A001 - the verb of docs/format.md §9; the builtin is not used here
     """Every agent session in the store's directory, newest first.
 
     Args:
-        store: a KVStore (anything with an entries() method returning Entry objects).
+        store: a KVStore.
+
+    Returns:
+        list of SessionInfo, by creation time, newest first.
+    """
+    return from_entries(store.entries())
+
+
+def from_entries(entries):
+    """The agent sessions among entries (headers re-read from disk), newest first.
+
+    For a caller that lists a directory itself (`kvstore session list`
+    reads it without opening a store).
+
+    Args:
+        entries: Entry objects (kvstore.files.scan_directory, KVStore.entries).
 
     Returns:
         list of SessionInfo, by creation time, newest first.
@@ -167,7 +181,7 @@ def list(store):   # noqa: A001 - the SPEC's verb; the builtin is not used in th
     out = [SessionInfo(sha=e.sha, title=read_title(e), tokens=e.tokens, hits=e.hits,
                        created_at=e.created_at, last_used=e.last_used, model_id=e.model_id,
                        payload_abi=e.payload_abi, file_size=e.file_size, path=e.path)
-           for e in _fresh(store.entries()) if e.reason == Reason.AGENT_SESSION and e.sha]
+           for e in _fresh(entries) if e.reason == Reason.AGENT_SESSION and e.sha]
     out.sort(key=lambda s: (s.created_at, s.last_used, s.sha), reverse=True)
     return out
 
@@ -225,13 +239,14 @@ def resolve(store, sha_prefix):
 
 def _why_not(store, e):
     """Why store.load refused a session (for the error message only)."""
-    if not e.loadable:
+    why = store.misfit(e)
+    if why == "payload_abi":
         return f"its payload ABI {e.payload_abi} is not one this build loads"
-    if e.model_id != store.model_id:
+    if why == "model_id":
         return f"it was saved by model id {e.model_id}, this store serves model id {store.model_id}"
-    if store.ctx_size is not None and e.ctx_size > store.ctx_size:
+    if why == "ctx_size":
         return f"it was made with context {e.ctx_size}, larger than this store's {store.ctx_size}"
-    if store.reject_different_quant and e.quant_bits != store.quant_bits:
+    if why == "quant_bits":
         return f"it was made with {e.quant_bits}-bit weights, this store rejects other quants"
     return "it vanished or was corrupt (see the log)"
 

@@ -19,24 +19,22 @@ moved aside) and the lookup is a miss.
 import dataclasses
 import errno
 import fcntl
-import hashlib
 import logging
 import os
-import re
-import secrets
 import stat as stat_mod
 import threading
 import time
 
 import numpy as np
 
-from kvstore import _native, payload, policy
+from kvstore import _native, files, payload, policy
 from kvstore import trailers as trailer_mod
 from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
                             KVStoreError, StoreClosed, UnsafePath, os_error)
-from kvstore.format import (LOADABLE_ABIS, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Entry, Header,
+from kvstore.files import RDWR_FLAGS, short_name
+from kvstore.format import (PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Entry, Header,
                             Reason, entry_from_fd, open_checkpoint, read_entry)
-from kvstore.index import DirectoryIndex
+from kvstore.index import DirectoryIndex, TieredLookup
 from kvstore.policy import Options
 from kvstore.writer import BackgroundWriter
 
@@ -46,20 +44,20 @@ log = logging.getLogger("kvstore")
 DEFAULT_BUDGET_MB = 4096
 
 LOCK_NAME = ".kvstore.lock"
-QUARANTINE_DIR = ".quarantine"
 
-# A temporary file is "<40 hex>.kv.tmp.<pid>.<random>".  One whose writer is
-# gone is debris of a crash; one older than this is removed even if its pid
-# is alive again (pid reuse, or a writer on another host of a shared mount).
-_TMP_RE = re.compile(r"^[0-9a-fA-F]{40}\.kv\.tmp\.(\d+)\.[0-9a-f]+$")
-STALE_TMP_AGE_S = 24 * 3600
+# Openers of remote tiers by URL scheme ("s3"), registered by the tier's own
+# package (kvstore.remote) so that this module never imports a room above it.
+_REMOTE_OPENERS = {}
 
-_WRITE_FLAGS = (os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                | getattr(os, "O_CLOEXEC", 0))
-_RDWR_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
-# wipe() overwrites in blocks of this size before unlinking.
-_WIPE_BLOCK = 1 << 20
+def register_remote(scheme, opener):
+    """Makes KVStore(remote="<scheme>://...") open a tier with opener.
+
+    Args:
+        scheme: the URL scheme, such as "s3".
+        opener: callable(url, store, options) returning the tier object.
+    """
+    _REMOTE_OPENERS[scheme] = opener
 
 
 @dataclasses.dataclass
@@ -74,34 +72,12 @@ class Checkpoint:
     trailers: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
-def _short(name):
-    return name[:12] + "…kv" if len(name) > 12 else name
-
-
 def _as_bytes(text):
     if isinstance(text, str):
         return text.encode("utf-8")
     if isinstance(text, (bytes, bytearray, memoryview)):
         return bytes(text)
     raise TypeError(f"prompt text must be str or bytes, not {type(text).__name__}")
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class KVStore:
@@ -164,7 +140,9 @@ class KVStore:
                            corrupt=0, consumed=0)
         self._open_dir()
         self._index = DirectoryIndex(self.path, self._eligible)
-        self._remove_stale_tmp()
+        self._lookup = TieredLookup(self._index)
+        for name in files.remove_stale_temps(self.path):
+            log.info("kvstore: stale_tmp_removed file=%s", short_name(name))
         self.evict()            # lists the directory (the first index refresh) and applies the budget
         self.model_identity = model_identity
         self.remote = None
@@ -186,32 +164,13 @@ class KVStore:
         if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
             raise CheckpointOSError(errno.EACCES, "store directory is not readable and writable", self.path)
 
-    def _remove_stale_tmp(self):
-        now = time.time()
-        with os.scandir(self.path) as it:
-            for de in it:
-                m = _TMP_RE.match(de.name)
-                if not m:
-                    continue
-                try:
-                    age = now - de.stat(follow_symlinks=False).st_mtime
-                except OSError:
-                    continue
-                if not _pid_alive(int(m.group(1))) or age > STALE_TMP_AGE_S:
-                    try:
-                        os.unlink(de.path)
-                        log.info("kvstore: stale_tmp_removed file=%s", _short(de.name))
-                    except OSError:
-                        pass
-
     def _open_remote(self, url, options):
-        from kvstore import remote as remote_mod        # boto3 only when a remote is asked for
-        if self.model_identity is None:
-            log.warning("kvstore: remote_model_identity_unset model_id=%d (every model with this id "
-                        "shares one key prefix; pass model_identity=)", self.model_id)
-        fp = remote_mod.model_fingerprint(self.model_id, self.quant_bits, self.reject_different_quant,
-                                          self.model_identity)
-        return remote_mod.RemoteTier(url, self.path, fp, options)
+        scheme = url.partition("://")[0] if isinstance(url, str) else None
+        opener = _REMOTE_OPENERS.get(scheme)
+        if opener is None:
+            raise ValueError(f"remote={url!r}: no remote tier for this scheme "
+                             f"(known: {', '.join(sorted(_REMOTE_OPENERS)) or 'none'})")
+        return opener(url, self, options)
 
     def _check_open(self):
         if self._closed:
@@ -219,13 +178,20 @@ class KVStore:
 
     # -- lookup (section 4) ------------------------------------------------
 
+    def misfit(self, entry, ctx_size=None):
+        """Why this store cannot load a checkpoint, or None when it fits (kvstore.policy.misfit).
+
+        Args:
+            entry: an Entry.
+            ctx_size: the context to judge against (default: the store's).
+        """
+        ctx = self.ctx_size if ctx_size is None else ctx_size
+        return policy.misfit(entry, self.model_id, ctx, self.quant_bits, self.reject_different_quant)
+
     def _eligible(self, e, min_tokens=None):
         if min_tokens is None:
             min_tokens = self.options.min_tokens
-        return (e.model_id == self.model_id and e.payload_abi in LOADABLE_ABIS
-                and e.tokens >= min_tokens
-                and (self.ctx_size is None or e.ctx_size <= self.ctx_size)
-                and (not self.reject_different_quant or e.quant_bits == self.quant_bits))
+        return e.tokens >= min_tokens and self.misfit(e) is None
 
     def find(self, prompt):
         """The entry with the longest stored text that is a byte prefix of prompt.
@@ -240,12 +206,11 @@ class KVStore:
         data = _as_bytes(prompt)
         with self._lock:
             self._index.refresh()
-            if self.remote is not None:
-                # Both tiers in one SHA1 pass, from memory; a remote hit only
-                # when longer than the best local one.
-                e = self.remote.longest_prefix(data, self._index)
-            else:
-                e = self._index.longest_prefix(data)
+            # Both tiers in one SHA1 pass, from memory; a remote hit only
+            # when longer than the best local one.
+            e, sha = self._lookup.longest_prefix(data, self.remote.searchable() if self.remote else None)
+            if sha is not None:
+                e = self.remote.entry(sha)
             if e is not None:
                 return dataclasses.replace(e, query=data)
             self._stats["misses"] += 1
@@ -282,16 +247,16 @@ class KVStore:
         try:
             fd, st = open_checkpoint(entry.path)
         except CheckpointMissing:
-            log.info("kvstore: miss reason=vanished file=%s", _short(entry.name))
+            log.info("kvstore: miss reason=vanished file=%s", short_name(entry.name))
             return self._miss(entry)
         except CheckpointOSError as e:
-            log.warning("kvstore: miss reason=unreadable file=%s errno=%s", _short(entry.name), e.errno)
+            log.warning("kvstore: miss reason=unreadable file=%s errno=%s", short_name(entry.name), e.errno)
             return self._miss(entry)
         try:
             cur = entry_from_fd(fd, st, entry.path)
             if not self._eligible(cur, min_tokens):
                 # Rewritten since the lookup (another model, context, ABI...).
-                log.info("kvstore: miss reason=not_eligible abi=%d file=%s", cur.payload_abi, _short(entry.name))
+                log.info("kvstore: miss reason=not_eligible abi=%d file=%s", cur.payload_abi, short_name(entry.name))
                 return self._miss(entry)
             text = os.pread(fd, cur.text_bytes, PREFIX_SIZE)
             if len(text) != cur.text_bytes:
@@ -300,7 +265,7 @@ class KVStore:
                 raise CorruptCheckpoint("text_hash", entry.path, "stored text does not hash to the file name")
             if entry.query is not None and entry.query[:len(text)] != text:
                 # A SHA1 collision: the digests matched, the bytes do not.
-                log.warning("kvstore: miss reason=text_mismatch file=%s", _short(entry.name))
+                log.warning("kvstore: miss reason=text_mismatch file=%s", short_name(entry.name))
                 return self._miss(entry)
             manifest = payload.read_manifest(fd, cur)
             tokens = payload.read_tokens(fd, cur, manifest, self.verify)
@@ -314,7 +279,7 @@ class KVStore:
                 trailer_values, _, _ = trailer_mod.parse_trailer(raw, cur.path, log)
             # With fd still open the inode cannot be reused: the hit goes to
             # the file just read, never to a newer one renamed over its name.
-            hits = _record_hit(entry.path, st, cur.hits)
+            hits = files.record_hit(entry.path, st, cur.hits)
         except CorruptCheckpoint as e:
             self._discard_corrupt(entry.path, st, e.reason)
             return self._miss(entry)
@@ -332,7 +297,7 @@ class KVStore:
             self._stats["bytes_loaded"] += cur.file_size
             self._stats["load_s"] += dt
         log.info("kvstore: hit tokens=%d text=%d load_ms=%.1f file=%s", cur.tokens, cur.text_bytes,
-                 dt * 1e3, _short(entry.name))
+                 dt * 1e3, short_name(entry.name))
         cur = dataclasses.replace(cur, hits=hits)
         return Checkpoint(entry=cur, tokens=tokens, tensors=tensors, meta=manifest.meta,
                           text_bytes=text, trailers=trailer_values)
@@ -366,16 +331,11 @@ class KVStore:
 
     def _unlink_if_same(self, path, st):
         """Unlinks path only if it is still the file we opened (not a newer save)."""
-        try:
-            now = os.stat(path, follow_symlinks=False)
-            if now.st_ino == st.st_ino and now.st_dev == st.st_dev:
-                os.unlink(path)
-                with self._lock:
-                    self._index.discard(os.path.basename(path))
-                return True
-        except FileNotFoundError:
-            pass
-        return False
+        if not files.unlink_if_same(path, st):
+            return False
+        with self._lock:
+            self._index.discard(os.path.basename(path))
+        return True
 
     def discard(self, entry, reason):
         """Removes (or quarantines) a checkpoint found unusable by a caller.
@@ -401,10 +361,8 @@ class KVStore:
         with self._lock:
             self._stats["corrupt"] += 1
         if self.quarantine:
-            qdir = os.path.join(self.path, QUARANTINE_DIR)
             try:
-                os.makedirs(qdir, mode=0o700, exist_ok=True)
-                move_aside(path, qdir)
+                files.quarantine(path, self.path)
                 with self._lock:
                     self._index.discard(name)
                 action = "quarantined"
@@ -412,7 +370,7 @@ class KVStore:
                 action = "kept"
         else:
             action = "removed" if self._unlink_if_same(path, st) else "kept"
-        log.warning("kvstore: corrupt reason=%s action=%s file=%s", reason, action, _short(name))
+        log.warning("kvstore: corrupt reason=%s action=%s file=%s", reason, action, short_name(name))
 
     # -- save (section 6) --------------------------------------------------
 
@@ -481,7 +439,7 @@ class KVStore:
             with self._lock:
                 self._stats["save_errors"] += 1
             log.warning("kvstore: save_failed errno=%s error=%s file=%s", e.errno,
-                        errno.errorcode.get(e.errno, "?"), _short(name))
+                        errno.errorcode.get(e.errno, "?"), short_name(name))
             return None
         dt = time.perf_counter() - t0
         with self._lock:
@@ -490,16 +448,11 @@ class KVStore:
             self._stats["save_s"] += dt
             self._index.add(entry)
         log.info("kvstore: saved reason=%s tokens=%d text=%d bytes=%d save_ms=%.1f file=%s",
-                 Reason(reason).name.lower(), n, len(text), entry.file_size, dt * 1e3, _short(name))
+                 Reason(reason).name.lower(), n, len(text), entry.file_size, dt * 1e3, short_name(name))
         if self.remote is not None:
             self.remote.enqueue(entry)       # never blocks: a background thread uploads
         self.evict(protect=entry, incoming_text=text)
         return entry
-
-    def _compatible(self, e, ctx):
-        return (e.model_id == self.model_id and e.payload_abi in LOADABLE_ABIS
-                and (ctx is None or e.ctx_size <= ctx)
-                and (not self.reject_different_quant or e.quant_bits == self.quant_bits))
 
     def _keep_existing(self, path, text, ctx, values, reason):
         """SPEC 6.2: a compatible file with the same name is kept; only its trailer changes.
@@ -510,14 +463,14 @@ class KVStore:
         is never demoted by a later automatic save.
         """
         try:
-            fd, st = open_checkpoint(path, _RDWR_FLAGS)
+            fd, st = open_checkpoint(path, RDWR_FLAGS)
         except CheckpointMissing:
             return None
         except UnsafePath:
             return None              # a planted symlink: the rename replaces the name
         try:
             e = entry_from_fd(fd, st, path)
-            if not self._compatible(e, ctx) or os.pread(fd, e.text_bytes, PREFIX_SIZE) != text:
+            if self.misfit(e, ctx) is not None or os.pread(fd, e.text_bytes, PREFIX_SIZE) != text:
                 return None
             if values:
                 e = self._rewrite_trailer(fd, e, values)
@@ -528,7 +481,7 @@ class KVStore:
                 e = entry_from_fd(fd, os.fstat(fd), e.path)
             with self._lock:
                 self._index.add(e)
-            log.info("kvstore: save_kept file=%s", _short(e.name))
+            log.info("kvstore: save_kept file=%s", short_name(e.name))
             return e
         except CorruptCheckpoint:
             # Corrupt, or made so under us (another process wiping it): not
@@ -573,38 +526,23 @@ class KVStore:
 
     def _publish(self, path, header, text, plan, trailer_raw):
         """Writes a temporary file and renames it into place (crash-safe)."""
-        tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, _WRITE_FLAGS, 0o600)
         size = PREFIX_SIZE + len(text) + plan.payload_bytes + len(trailer_raw)
-        try:
-            os.fchmod(fd, 0o600)
+        with files.TempFile(path) as tmp:
             # All blocks at once: faster writes, and no room fails here.
-            _native.preallocate(fd, size, tmp)
+            _native.preallocate(tmp.fd, size, tmp.path)
             head = header.pack() + len(text).to_bytes(4, "little")
-            _native.pwrite_from(fd, head + text, 0, tmp)
-            plan.write(fd, tmp)
+            _native.pwrite_from(tmp.fd, head + text, 0, tmp.path)
+            plan.write(tmp.fd, tmp.path)
             if trailer_raw:
-                _native.pwrite_from(fd, trailer_raw, PREFIX_SIZE + len(text) + plan.payload_bytes, tmp)
+                _native.pwrite_from(tmp.fd, trailer_raw, PREFIX_SIZE + len(text) + plan.payload_bytes, tmp.path)
             # A zero-byte last block sits at an aligned offset past the last
             # byte written: without a trailer (or the preallocation) the file
             # would end short of payload_bytes and read back as truncated.
-            os.ftruncate(fd, size)
-            if self.durable:
-                os.fsync(fd)
+            os.ftruncate(tmp.fd, size)
             # Read back before the rename: once visible, the file may be
             # wiped (zeroed) by another process at once.
-            entry = entry_from_fd(fd, os.fstat(fd), path)
-            os.rename(tmp, path)
-        except BaseException:
-            os.close(fd)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        os.close(fd)
-        if self.durable:
-            _fsync_dir(self.path)
+            entry = entry_from_fd(tmp.fd, os.fstat(tmp.fd), path)
+            tmp.publish(self.durable)
         return entry
 
     def save_async(self, text, tokens, tensors, **kwargs):
@@ -620,7 +558,7 @@ class KVStore:
         tokens = np.array(_token_array(tokens), copy=True)
         captured = {}
         for k, a in tensors.items():
-            if payload._is_mlx(a):
+            if payload.is_mlx_array(a):
                 # A new array object over the same buffer: the caller's object
                 # may be rebound by an in-place update (cache[..., i:j] = x)
                 # before the writer gets to it; the view keeps today's data.
@@ -694,18 +632,13 @@ class KVStore:
                 try:
                     fresh.append(read_entry(e.path))
                 except KVStoreError:
-                    total -= e.file_size
+                    pass
             superseded = self._superseded(fresh, protect, incoming_text)
             protected = frozenset([protect.sha]) if protect is not None else frozenset()
-            while total > self.budget_bytes and fresh:
-                victim = policy.pick_victim(fresh, now, superseded=superseded, protected=protected,
-                                            half_life_s=self.options.hit_half_life_s)
-                if victim is None:
-                    break
-                fresh.remove(victim)
+            for victim in policy.select_victims(fresh, self.budget_bytes, now, superseded, protected,
+                                                self.options.hit_half_life_s):
                 if self._delete(victim, "budget"):
                     evicted.append(victim)
-                total -= victim.file_size
         finally:
             os.close(lock_fd)      # releases the lock
         return evicted
@@ -714,10 +647,12 @@ class KVStore:
         """Shas of continued waypoints that the incoming checkpoint supersedes."""
         if incoming is None or text is None:
             return frozenset()
+        # At least as widely reusable: the incoming checkpoint fits every
+        # engine that the waypoint fits.
         cands = [e for e in entries
                  if e.reason == Reason.CONTINUED and e.sha and e.text_bytes < len(text)
-                 and e.model_id == incoming.model_id and incoming.ctx_size <= e.ctx_size
-                 and (not self.reject_different_quant or e.quant_bits == incoming.quant_bits)]
+                 and policy.misfit(incoming, e.model_id, e.ctx_size, e.quant_bits,
+                                   self.reject_different_quant) is None]
         if not cands:
             return frozenset()
         digests = _native.sha1_prefixes(text, [e.text_bytes for e in cands])
@@ -732,7 +667,7 @@ class KVStore:
             self._index.discard(e.name)
             self._stats["evictions"] += 1
         log.info("kvstore: evicted reason=%s tokens=%d bytes=%d file=%s", why, e.tokens, e.file_size,
-                 _short(e.name))
+                 short_name(e.name))
         return True
 
     # -- listing, stats, wipe, close ---------------------------------------
@@ -771,7 +706,7 @@ class KVStore:
         targets = [entry] if entry is not None else self.entries()
         n = 0
         for e in targets:
-            st = _overwrite(e.path)
+            st = files.overwrite(e.path)
             if st is not None and self._unlink_if_same(e.path, st):
                 n += 1
         return n
@@ -800,210 +735,9 @@ def _last_activity(e):
     return e.last_used or e.created_at or e.mtime_ns // 10**9
 
 
-def move_aside(path, qdir):
-    """Renames path into the directory qdir, never through a symlink at qdir.
-
-    The file holds prompt text: a symlink planted as the quarantine would
-    move it out of the store's 0700 directory.  Raises OSError (ELOOP for a
-    symlink) instead.
-    """
-    qfd = os.open(qdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
-                  | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.rename(path, os.path.basename(path), dst_dir_fd=qfd)
-    finally:
-        os.close(qfd)
-
-
-def _record_hit(path, st, hits):
-    """hits + 1 and last_used = now on the file at path if it is still the one
-    stat'ed as st (open by the caller, so its inode is not reused).
-
-    Returns:
-        the new hit count, or hits when the name is gone or holds another
-        file (deleted or replaced meanwhile: the load stands, uncounted).
-    """
-    try:
-        fd, now = open_checkpoint(path, _RDWR_FLAGS)
-    except KVStoreError:
-        return hits
-    try:
-        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            return hits
-        return _native.touch_fd(fd, int(time.time()), path)
-    except KVStoreError:
-        return hits
-    finally:
-        os.close(fd)
-
-
-def _overwrite(path):
-    """Zeroes a file in place and syncs it; returns its stat, or None if it cannot be opened."""
-    try:
-        fd, st = open_checkpoint(path, _RDWR_FLAGS)
-    except KVStoreError:
-        return None
-    try:
-        zero = bytes(min(_WIPE_BLOCK, st.st_size))
-        for off in range(0, st.st_size, _WIPE_BLOCK):
-            os.pwrite(fd, zero[:min(_WIPE_BLOCK, st.st_size - off)], off)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return st
-
-
-def wipe_file(path):
-    """Overwrites then unlinks one file that KVStore.wipe does not see.
-
-    For files that hold prompt text without being valid checkpoints: a bad
-    envelope, a file moved to .quarantine.  Symlinks are refused, and the
-    name is unlinked only if it is still the file that was overwritten.
-
-    Returns:
-        True when the file was wiped.
-    """
-    st = _overwrite(path)
-    if st is None:
-        return False
-    try:
-        now = os.stat(path, follow_symlinks=False)
-        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
-            return False
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 def _token_array(tokens):
     """tokens as a 1-D array (no copy) of fewer than 2**32 ids, or ValueError."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or tokens.size >= 2**32:
         raise ValueError(f"tokens must be a 1-D sequence of < 2**32 ids, got shape {tokens.shape}")
     return tokens
-
-
-# -- offline checks (the `kvstore verify` and `inspect` commands) -----------
-
-# verify_file streams every block through one buffer of this size, so checking
-# a file of any size costs a few MiB of memory, far inside the 64 MiB that
-# SPEC 5.1 allows a load on top of its arrays.
-VERIFY_CHUNK = 4 << 20
-
-
-def _reason_line(e):
-    return f"{e.reason}: {e.detail}" if getattr(e, "detail", "") else e.reason
-
-
-def verify_file(path, progress=None, name=None):
-    """Checks one checkpoint file as load() would, without keeping any array.
-
-    Checked: the envelope (SPEC section 2), the stored text against the file
-    name, the payload header and manifest, and the CRC32C of the token block
-    and of every tensor (section 3).  Blocks stream through one reused buffer
-    of VERIFY_CHUNK bytes, so memory stays bounded whatever the file size.
-    A file whose payload ABI this build cannot load is a valid envelope: its
-    payload is not checked.  The trailer is not checked either: a section
-    whose CRC fails is dropped on load and the checkpoint stays usable.
-
-    Args:
-        path: the .kv file.
-        progress: optional callable(nbytes), called as bytes are read.
-        name: the checkpoint name to check the text against, for a file not
-            (yet) under its name (a download in a temporary file).
-
-    Returns:
-        None when the file is sound, else a one-line reason such as
-        ``"crc: tensor 'k.0' CRC mismatch"`` (never prompt text).
-
-    Raises:
-        CheckpointMissing: the file does not exist (or vanished meanwhile).
-    """
-    def advance(n):
-        if progress is not None and n:
-            progress(n)
-
-    try:
-        fd, st = open_checkpoint(path)
-    except CheckpointMissing:
-        raise
-    except UnsafePath:
-        return "unsafe_path: not a regular file (kvstore never follows symlinks)"
-    except CheckpointOSError as e:
-        return f"unreadable: {os.strerror(e.errno) if e.errno else e}"
-    buf = None
-    try:
-        e = entry_from_fd(fd, st, path if name is None else os.path.join(os.path.dirname(path), name))
-        advance(PREFIX_SIZE)
-        if not e.loadable:
-            return None
-        buf = bytearray(min(VERIFY_CHUNK, max(e.text_bytes, e.payload_bytes, 1)))
-        mv = memoryview(buf)
-        h = hashlib.sha1()
-        for off in range(0, e.text_bytes, len(buf)):
-            k = min(len(buf), e.text_bytes - off)
-            _native.pread_into(fd, mv[:k], PREFIX_SIZE + off, e.path)
-            h.update(mv[:k])
-            advance(k)
-        if e.sha and h.hexdigest() != e.sha:
-            return "text_hash: stored text does not hash to the file name"
-        manifest = payload.read_manifest(fd, e)
-        blocks = [(manifest.tokens[0], 4 * e.tokens, manifest.tokens[2], "tokens")]
-        blocks += [(off, n, crc, f"tensor {name!r}") for name, _, _, off, n, crc in manifest.tensors]
-        for off, n, want, what in blocks:
-            crc = 0
-            for at in range(0, n, len(buf)):
-                k = min(len(buf), n - at)
-                crc = _native.pread_into(fd, mv[:k], e.payload_offset + off + at, e.path, crc)
-                advance(k)
-            if crc != want:
-                return f"crc: {what} CRC mismatch"
-        return None
-    except CorruptCheckpoint as err:
-        return _reason_line(err)
-    except CheckpointMissing:
-        raise
-    except (CheckpointOSError, OSError) as err:
-        return f"unreadable: {os.strerror(err.errno) if err.errno else err}"
-    finally:
-        os.close(fd)
-
-
-def trailer_sections(fd, entry):
-    """The framing of a checkpoint's trailer, read header by header.
-
-    Only the 16-byte section headers are read, never the bodies, so a large
-    trailer costs nothing to walk.  Parsing stops where parse_trailer stops:
-    at a truncated section header or body.
-
-    Args:
-        fd: the open checkpoint.
-        entry: its Entry (from read_entry or entry_from_fd).
-
-    Yields:
-        (bit, body offset in the file, body length, CRC32C the header records);
-        a bit above 7 is yielded as read (parse_trailer drops such sections).
-    """
-    hdr = trailer_mod.SECTION_HEADER.size
-    at, end = entry.trailer_offset, entry.file_size
-    while end - at >= hdr:
-        raw = os.pread(fd, hdr, at)
-        if len(raw) < hdr:
-            return
-        bit, length, crc = trailer_mod.SECTION_HEADER.unpack(raw)
-        if length > end - at - hdr:
-            return
-        yield bit, at + hdr, length, crc
-        at += hdr + length
-
-
-def section_crc(fd, offset, length, path=None, chunk=VERIFY_CHUNK):
-    """CRC32C of length bytes of fd at offset, read through one bounded buffer."""
-    buf = bytearray(min(chunk, max(length, 1)))
-    mv = memoryview(buf)
-    crc = 0
-    for at in range(0, length, len(buf)):
-        k = min(len(buf), length - at)
-        crc = _native.pread_into(fd, mv[:k], offset + at, path, crc)
-    return crc

@@ -322,3 +322,31 @@ def parse_trailer(buf, path=None, log=_log):
             sections.append(Section(bit, body))
             flags |= 1 << bit
     return values, sections, flags
+
+
+def trailer_sections(fd, entry):
+    """The framing of a checkpoint's trailer, read header by header.
+
+    Only the 16-byte section headers are read, never the bodies, so a large
+    trailer costs nothing to walk.  Parsing stops where parse_trailer stops:
+    at a truncated section header or body.
+
+    Args:
+        fd: the open checkpoint.
+        entry: its Entry (from read_entry or entry_from_fd).
+
+    Yields:
+        (bit, body offset in the file, body length, CRC32C the header records);
+        a bit above 7 is yielded as read (parse_trailer drops such sections).
+    """
+    hdr = SECTION_HEADER.size
+    at, end = entry.trailer_offset, entry.file_size
+    while end - at >= hdr:
+        raw = os.pread(fd, hdr, at)
+        if len(raw) < hdr:
+            return
+        bit, length, crc = SECTION_HEADER.unpack(raw)
+        if length > end - at - hdr:
+            return
+        yield bit, at + hdr, length, crc
+        at += hdr + length

@@ -19,7 +19,7 @@ import pytest
 
 import kvstore
 from kvstore import cli, policy, sessions
-from kvstore import store as store_mod
+from kvstore import files
 from kvstore.errors import CheckpointMissing
 from kvstore.format import Reason, read_entry
 
@@ -147,7 +147,7 @@ def test_ls_table_rows_totals_and_foreign_marker(cache, cwd):
     assert rows[roles["session"].sha[:12]].rstrip().endswith("fix the io path")
     assert "never" in rows[roles["cold"].sha[:12]]
     total = sum(os.path.getsize(os.path.join(d, n)) for n in names(d))
-    assert f"6 checkpoints, {cli._size(total)} of 1.0 MiB budget ({100 * total / 2**20:.1f}%)" in p.stdout
+    assert f"6 checkpoints, {cli.text.size(total)} of 1.0 MiB budget ({100 * total / 2**20:.1f}%)" in p.stdout
     assert "1 with a foreign payload ABI" in p.stdout
 
 
@@ -276,18 +276,18 @@ def test_verify_quarantine_moves_bad_files_aside(cache, cwd):
 
 def test_verify_file_streams_through_a_small_buffer(cache, monkeypatch):
     d, roles = cache
-    monkeypatch.setattr(store_mod, "VERIFY_CHUNK", 100)   # every block spans many chunks
+    monkeypatch.setattr(files, "VERIFY_CHUNK", 100)   # every block spans many chunks
     seen = []
-    assert store_mod.verify_file(roles["cold"].path, seen.append) is None
+    assert files.verify_file(roles["cold"].path, seen.append) is None
     assert max(seen) <= 100 and sum(seen) >= roles["cold"].payload_bytes - 4096
-    assert store_mod.verify_file(roles["corrupt"].path) == "crc: tensor 'layers.0.v' CRC mismatch"
-    assert store_mod.verify_file(roles["ds4"]) is None    # foreign payload: envelope only
+    assert files.verify_file(roles["corrupt"].path) == "crc: tensor 'layers.0.v' CRC mismatch"
+    assert files.verify_file(roles["ds4"]) is None    # foreign payload: envelope only
     flip(roles["hot"].path, roles["hot"].payload_offset + 30)   # inside the manifest
-    assert store_mod.verify_file(roles["hot"].path).startswith("crc: manifest")
+    assert files.verify_file(roles["hot"].path).startswith("crc: manifest")
     flip(roles["cold"].path, 60)                          # the stored text
-    assert store_mod.verify_file(roles["cold"].path).startswith("text_hash")
+    assert files.verify_file(roles["cold"].path).startswith("text_hash")
     with pytest.raises(CheckpointMissing):
-        store_mod.verify_file(os.path.join(d, "00" * 20 + ".kv"))
+        files.verify_file(os.path.join(d, "00" * 20 + ".kv"))
 
 
 # ---- evict ----------------------------------------------------------------------
@@ -427,16 +427,9 @@ def test_main_in_process_and_read_only_listing(cache, capsys):
     assert out.err.strip().splitlines() == [f"kvstore: error: {d}-missing: no such directory"]
 
 
-def test_demo_hook_is_optional(monkeypatch):
-    monkeypatch.setitem(sys.modules, "kvstore.demo", None)       # import fails
-    monkeypatch.delattr(kvstore, "demo", raising=False)
-    sub = cli.build_parser()._subparsers._group_actions[0]
-    assert "demo" not in sub.choices
-
-    def add_parser(subparsers):
-        subparsers.add_parser("demo").set_defaults(func=lambda args: 0)
-    monkeypatch.setitem(sys.modules, "kvstore.demo", types.SimpleNamespace(add_parser=add_parser))
-    monkeypatch.setattr(kvstore, "demo", sys.modules["kvstore.demo"], raising=False)
-    sub = cli.build_parser()._subparsers._group_actions[0]
-    assert "demo" in sub.choices
-    assert cli.main(["demo"]) == 0
+def test_demo_without_its_dependencies_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)        # the import fails
+    assert cli.main(["demo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvstore: error: kvstore demo needs MLX, mlx-lm and tokenizers (tokenizers is missing): "
+                   "pip install 'kvstore[demo]'"]

@@ -37,7 +37,7 @@ from kvstore import KVStore, Options
 from kvstore import payload
 from kvstore.errors import KVStoreError
 from kvstore.format import entry_from_fd, open_checkpoint
-from kvstore.store import verify_file
+from kvstore.files import verify_file
 
 CTX = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 

@@ -36,7 +36,7 @@ import pytest
 
 import kvstore
 from kvstore import KVStore, Options, Reason
-from kvstore.store import verify_file
+from kvstore.files import verify_file
 
 CTX = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore.store import QUARANTINE_DIR
+from kvstore.files import QUARANTINE_DIR
 from kvhelpers import make_store, flip
 
 try:

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 import kvstore
 from kvstore import payload
-from kvstore import store as store_mod
+from kvstore import files
 from kvstore.errors import CorruptCheckpoint
 from kvstore.format import read_entry
 
@@ -85,7 +85,7 @@ def bounded_check(target, blob, expect_original=False, name=None):
             e = read_entry(path)
         except kvstore.KVStoreError:
             e = None
-        store_mod.verify_file(path)
+        files.verify_file(path)
         if e is not None and e.loadable and e.model_id == 0:
             target.store.load(e)
         peak = tracemalloc.get_traced_memory()[1] - base

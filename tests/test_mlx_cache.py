@@ -1,4 +1,4 @@
-"""mlx-lm caches <-> kvstore payloads (kvstore/mlx_cache.py).
+"""mlx-lm caches <-> kvstore payloads (kvstore/mlx/codecs.py).
 
 Every supported cache class goes through a real KVStore and back; caches
 that a model fills are then continued with the original and the restored
@@ -17,8 +17,8 @@ pytest.importorskip("mlx_lm")
 import kvstore  # noqa: E402
 from mlx_lm.models import cache as mlc  # noqa: E402
 
-from kvstore import mlx_cache  # noqa: E402
-from kvstore.mlx_cache import (CACHE_CLASSES, cache_to_tensors, load_prompt_cache,  # noqa: E402
+from kvstore import mlx as kvmlx  # noqa: E402
+from kvstore.mlx import (CACHE_CLASSES, cache_to_tensors, load_prompt_cache,  # noqa: E402
                                save_prompt_cache, tensors_to_cache)
 
 import mlx_model  # noqa: E402
@@ -339,8 +339,8 @@ def test_token_count_must_match_offsets(store):
 
 def test_unsupported_class_is_a_type_error(store):
     c = mlc.BatchKVCache([0])
-    assert not mlx_cache.supported([c])
-    assert mlx_cache.supported([mlc.KVCache()])
+    assert not kvmlx.supported([c])
+    assert kvmlx.supported([mlc.KVCache()])
     with pytest.raises(TypeError, match="BatchKVCache"):
         save_prompt_cache(store, b"abc", [1], [c])
 

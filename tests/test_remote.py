@@ -139,7 +139,7 @@ def wait_for(cond, timeout, what):
 # ---- without a server -----------------------------------------------------------------
 
 def test_key_layout_and_fingerprint():
-    fp = remote_mod.model_fingerprint(model_id=3, quant_bits=4, model_identity="org/model@rev1")
+    fp = remote_mod.key_fingerprint(model_id=3, quant_bits=4, model_identity="org/model@rev1")
     assert len(fp) == 32 and all(c in "0123456789abcdef" for c in fp)
     sha = "ab" * 20
     assert remote_mod.object_key("team/cache", fp, sha, 1234) == f"team/cache/v1/{fp}/000000001234/{sha}.kv"
@@ -147,12 +147,12 @@ def test_key_layout_and_fingerprint():
     assert remote_mod.parse_key(f"team/cache/v1/{fp}/000000001234/{sha}.kv", f"team/cache/v1/{fp}/") == (1234, sha)
     assert remote_mod.parse_key(f"team/cache/v1/{fp}/1234/{sha}.kv", f"team/cache/v1/{fp}/") is None
     # The identity, the model id and the ABI always count; quant only when it is part of the match.
-    assert remote_mod.model_fingerprint(3, 4, False, "org/model@rev2") != fp
-    assert remote_mod.model_fingerprint(4, 4, False, "org/model@rev1") != fp
-    assert remote_mod.model_fingerprint(3, 8, False, "org/model@rev1") == fp
-    assert remote_mod.model_fingerprint(3, 4, True, "org/model@rev1") != \
-        remote_mod.model_fingerprint(3, 8, True, "org/model@rev1")
-    assert remote_mod.model_fingerprint(3, 4, False, "org/model@rev1", payload_abi=2) != fp
+    assert remote_mod.key_fingerprint(3, 4, False, "org/model@rev2") != fp
+    assert remote_mod.key_fingerprint(4, 4, False, "org/model@rev1") != fp
+    assert remote_mod.key_fingerprint(3, 8, False, "org/model@rev1") == fp
+    assert remote_mod.key_fingerprint(3, 4, True, "org/model@rev1") != \
+        remote_mod.key_fingerprint(3, 8, True, "org/model@rev1")
+    assert remote_mod.key_fingerprint(3, 4, False, "org/model@rev1", payload_abi=2) != fp
     assert remote_mod.parse_url("s3://my-bucket/a/b/") == ("my-bucket", "a/b")
     assert remote_mod.parse_url("s3://my-bucket") == ("my-bucket", "")
     for bad in ("http://x/y", "s3://", "s3://Bad_Bucket!/x", "s3://bucket/a//b", "s3://bucket/../x"):
@@ -543,7 +543,7 @@ def test_janitor_shrinks_bucket_while_reader_sees_clean_misses(s3, tmp_path):
 def test_serve_with_remote_shares_across_cache_directories(s3, tmp_path):
     """`kvstore serve --remote`: a prefix one server stored is a hit for a server on another disk."""
     pytest.importorskip("mlx_lm")
-    from kvstore.demo_model import write_model_dir
+    from kvstore.demo.model import write_model_dir
     from test_serve import SYSTEM_PROMPT, _conversation, kvstore_server
 
     model = str(tmp_path / "model")

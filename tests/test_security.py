@@ -42,7 +42,8 @@ import pytest
 
 import kvstore
 from kvstore import KVStore, Options, sessions
-from kvstore.store import LOCK_NAME, QUARANTINE_DIR, verify_file, wipe_file
+from kvstore.files import QUARANTINE_DIR, verify_file, wipe_file
+from kvstore.store import LOCK_NAME
 
 from kvhelpers import flip, make_store
 

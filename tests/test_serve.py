@@ -24,9 +24,9 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from kvstore import KVStore, Reason, read_entry
-from kvstore.demo_model import prose, write_model_dir
+from kvstore.demo.model import prose, write_model_dir
 from kvstore.serve import split_at_waypoints
-from kvstore.store import verify_file
+from kvstore.files import verify_file
 
 STARTUP_S = 90
 SYSTEM_PROMPT = prose(["json", "csv", "logging"])[:4000]      # about 1600 tokens

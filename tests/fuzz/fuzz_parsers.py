@@ -44,7 +44,7 @@ with _instrumented:
 
     import kvstore
     from kvstore import _reference, payload, trailers
-    from kvstore import store as store_mod
+    from kvstore import files
     from kvstore.errors import CorruptCheckpoint, KVStoreError
     from kvstore.format import PREFIX_SIZE, Entry, Header, read_entry
 
@@ -208,7 +208,7 @@ def _check_path(target, path, blob, text, expect_original):
         entry = read_entry(path)
     except KVStoreError:
         entry = None
-    verdict = store_mod.verify_file(path)
+    verdict = files.verify_file(path)
     if entry is None:
         assert verdict is not None
         return "refused"
@@ -216,7 +216,7 @@ def _check_path(target, path, blob, text, expect_original):
     manifest = None
     with open(path, "rb") as f:
         fd = f.fileno()
-        for bit, at, n, crc in store_mod.trailer_sections(fd, entry):
+        for bit, at, n, crc in trailers.trailer_sections(fd, entry):
             assert entry.trailer_offset <= at and at + n <= len(blob)
         if entry.loadable:
             try:

@@ -27,7 +27,7 @@ from mlx_lm.models import cache as mlc
 from mlx_lm.models import llama
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from kvstore.mlx import _bytes_to_unicode
+from kvstore.mlx import bytes_to_unicode
 
 VOCAB_SIZE = 2000
 SPECIAL_TOKENS = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
@@ -126,7 +126,7 @@ def _trained_json(vocab_size):
 @functools.lru_cache(maxsize=None)
 def _byte_decoder():
     """GPT-2's byte <-> printable-character table, inverted (char -> byte)."""
-    return {c: b for b, c in _bytes_to_unicode().items()}
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class Tokenizer:

@@ -1,4 +1,4 @@
-"""mlx-lm prompt caches <-> kvstore payloads.
+"""mlx-lm prompt caches <-> kvstore payloads: the cache codecs.
 
 This module owns the mapping between a list of mlx-lm cache objects (one per
 layer: KVCache, RotatingKVCache, QuantizedKVCache, ArraysCache, ...) and a

@@ -9,12 +9,14 @@ as `shutdown`) and a new process reopens the directory: the checkpoints
 survive, and the users' next turns are disk hits.  One user switches back to
 an earlier agent session by its hash.
 
-With no arguments the model is an embedded random-weight llama and a byte-
-level BPE tokenizer trained on the spot (kvstore.demo_model): nothing is
-downloaded.  `--model PATH` uses a local mlx-lm model directory instead.
+With no model path the model is an embedded random-weight llama and a byte-
+level BPE tokenizer trained on the spot (kvstore.demo.model): nothing is
+downloaded.  A local mlx-lm model directory can be used instead.
+
+The command line (`kvstore demo`, in kvstore.cli) parses the options and
+draws the progress bars; this module runs the workload and prints its rows.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -114,7 +116,7 @@ class Chat:
             self.name = os.path.basename(os.path.normpath(model_path))
             self.markers = {}
         else:
-            from kvstore import demo_model
+            from kvstore.demo import model as demo_model
             self.tokenizer = demo_model.make_tokenizer(os.path.join(workdir, "tokenizer"))
             self.model = demo_model.make_model(vocab=self.tokenizer.vocab_size, **DEMO_MODEL)
             self.name = "embedded random-weight llama ({layers} layers, hidden {hidden})".format(**DEMO_MODEL)
@@ -138,29 +140,6 @@ def conversation(user, turns, reply=REPLY):
 
 # ---- output ------------------------------------------------------------------
 
-class Progress:
-    """A one-line prefill progress bar on stderr (only when it is a terminal)."""
-
-    def __init__(self, enabled):
-        self.enabled = enabled
-        self.shown = False
-
-    def __call__(self, done, total):
-        if not self.enabled or total < 2 * PREFILL_STEP:
-            return
-        width = 30
-        fill = int(width * done / total)
-        sys.stderr.write(f"\r  prefill [{'#' * fill}{'.' * (width - fill)}] {done}/{total} tokens")
-        sys.stderr.flush()
-        self.shown = True
-
-    def clear(self):
-        if self.shown:
-            sys.stderr.write("\r" + " " * 70 + "\r")
-            sys.stderr.flush()
-            self.shown = False
-
-
 HEADER = f"{'user':<6} {'turn':>4}  {'cache':<7} {'reused':>7} {'prefilled':>9} {'TTFT ms':>9}  stored"
 
 
@@ -172,8 +151,14 @@ def print_row(row):
 
 # ---- one phase of the workload -----------------------------------------------
 
-def run_phase(phase, directory, model_path, workdir, progress):
-    """Runs the requests of one phase; returns their rows."""
+def run_phase(phase, directory, model_path, workdir, progress=None):
+    """Runs the requests of one phase; returns their rows.
+
+    Args:
+        progress: optional factory of a prefill progress callback: each
+            request gets progress() -> callable(done, total) with a clear()
+            method, shown for prompts of at least two prefill chunks.
+    """
     import kvstore
     from kvstore import sessions
     from kvstore.mlx import MLXEngine
@@ -202,10 +187,12 @@ def run_phase(phase, directory, model_path, workdir, progress):
                 {"role": "user", "content": "(chloe) " + USERS["chloe"][2]}])
         else:
             prompt = chat.render(conversation(user, turn))
-        bar = Progress(progress)
-        _, report = engine.generate(server, prompt, max_tokens=GENERATE_TOKENS, progress=bar,
-                                    keep_generated=False)
-        bar.clear()
+        bar = progress() if progress is not None else None
+        _, report = engine.generate(server, prompt, max_tokens=GENERATE_TOKENS, keep_generated=False,
+                                    progress=None if bar is None else
+                                    lambda done, total: bar(done, total) if total >= 2 * PREFILL_STEP else None)
+        if bar is not None:
+            bar.clear()
         row = dict(report, user=user, turn=turn)
         rows.append(row)
         print_row(row)
@@ -240,47 +227,30 @@ def summary(rows, directory):
           f"({', '.join(f'{k} {v}' for k, v in sorted(by_reason.items()))})")
 
 
-# ---- entry points -------------------------------------------------------------
+# ---- the whole demo ------------------------------------------------------------
 
-def add_parser(subparsers):
-    """Adds `kvstore demo` to the command line (kvstore.cli)."""
-    p = subparsers.add_parser("demo", help="run the scripted agent workload (the main job)",
-                              description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    p.set_defaults(func=main)
-    return p
+def run(directory=None, model_path=None, progress=None, show_progress=False):
+    """Runs both phases, the second in a new process; prints rows and a summary.
 
+    Args:
+        directory: the cache directory (default: a new temporary one).
+        model_path: a local mlx-lm model directory (default: the embedded model).
+        progress: prefill progress factory for this process (see run_phase).
+        show_progress: ask the restarted process for progress bars too.
 
-def add_arguments(parser):
-    parser.add_argument("--dir", help="cache directory (default: a new temporary one)")
-    parser.add_argument("--model", help="a local mlx-lm model directory (default: the embedded model)")
-    parser.add_argument("--progress", action="store_true", help="always show the prefill progress bar")
-    parser.add_argument("--phase", type=int, choices=(1, 2), help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", help=argparse.SUPPRESS)
-    parser.add_argument("--rows", help=argparse.SUPPRESS)
-
-
-def main(args):
-    """Runs the demo; returns the exit status."""
-    progress = args.progress or sys.stderr.isatty()
-    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
-        print(f"kvstore: error: {args.model}: not an mlx-lm model directory (no config.json)", file=sys.stderr)
-        return 2
-    if args.phase == 2:
-        rows = run_phase(2, args.dir, args.model, args.workdir, progress)
-        with open(args.rows, "w") as f:
-            json.dump(rows, f)
-        return 0
+    Returns:
+        the exit status.
+    """
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as tmp:
-        directory = os.path.abspath(args.dir) if args.dir else os.path.join(tmp, "cache")
-        rows = run_phase(1, directory, args.model, tmp, progress)
+        directory = os.path.abspath(directory) if directory else os.path.join(tmp, "cache")
+        rows = run_phase(1, directory, model_path, tmp, progress)
         print(f"\n-- restart: the server stops; a new process opens {os.path.basename(directory)}/ --\n",
               flush=True)
         rows_file = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, "-m", "kvstore", "demo", "--phase", "2", "--dir", directory,
-               "--workdir", tmp, "--rows", rows_file] + (["--model", args.model] if args.model else []) \
-            + (["--progress"] if progress else [])
+               "--workdir", tmp, "--rows", rows_file] + (["--model", model_path] if model_path else []) \
+            + (["--progress"] if show_progress else [])
         rc = subprocess.call(cmd, cwd=tmp)
         if rc != 0:
             print(f"kvstore: error: the restarted process failed (exit {rc})", file=sys.stderr)
@@ -289,4 +259,12 @@ def main(args):
             rows += json.load(f)
         summary(rows, directory)
     print(f"demo finished in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def run_restarted(directory, model_path, workdir, rows_file, progress=None):
+    """The second phase, in the restarted process: runs it and writes its rows to rows_file."""
+    rows = run_phase(2, directory, model_path, workdir, progress)
+    with open(rows_file, "w") as f:
+        json.dump(rows, f)
     return 0

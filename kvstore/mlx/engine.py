@@ -1,13 +1,11 @@
-"""kvstore for MLX: mlx-lm prompt caches on disk and an engine for PromptCache.
+"""MLXEngine: the PromptCache engine protocol for any mlx-lm model.
 
-    import kvstore, kvstore.mlx
-    store = kvstore.KVStore("~/.cache/kvstore")
     engine = kvstore.mlx.MLXEngine(model, tokenizer)
     server = kvstore.PromptCache(store, engine)
     text, report = engine.generate(server, prompt, max_tokens=64)
 
-save_prompt_cache / load_prompt_cache store and restore any mlx-lm prompt
-cache (a list of per-layer caches) under the prompt text it belongs to.
+Also here: the exact bytes a tokenizer's ids render to (a checkpoint's key
+is bytes, the engine's state is token ids).
 """
 
 import time
@@ -15,17 +13,15 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from kvstore.mlx_cache import (CACHE_CLASSES, cache_to_tensors, load_prompt_cache,
-                               save_prompt_cache, tensors_to_cache)
+from kvstore.mlx.codecs import cache_to_tensors, tensors_to_cache
 
-__all__ = ["MLXEngine", "save_prompt_cache", "load_prompt_cache", "cache_to_tensors",
-           "tensors_to_cache", "CACHE_CLASSES", "token_bytes_function"]
+__all__ = ["MLXEngine", "token_bytes_function", "bytes_to_unicode", "DEFAULT_CTX_SIZE"]
 
 # A context size for models whose config names none.
 DEFAULT_CTX_SIZE = 32768
 
 
-def _bytes_to_unicode():
+def bytes_to_unicode():
     """GPT-2's reversible byte <-> printable-character table (byte-level BPE)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
@@ -52,7 +48,7 @@ def token_bytes_function(tokenizer):
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     convert = getattr(hf, "convert_ids_to_tokens", None)
     if convert is not None:
-        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        byte_of = {c: b for b, c in bytes_to_unicode().items()}
         specials = set(getattr(hf, "all_special_ids", []) or [])
 
         def piece_bytes(i, piece):

@@ -1,0 +1,478 @@
+"""The local commands: ls, inspect, verify, evict, stats, wipe, session list.
+
+The listing commands (ls, inspect, stats, session list, verify without
+--quarantine, evict --dry-run) never write to the directory: they read the
+envelopes themselves (kvstore.files.scan_directory) instead of opening a
+KVStore, whose constructor evicts down to its budget and removes stale
+temporary files.  The rules stay where they live: the eviction order in
+kvstore.policy, the file checks in kvstore.files, sessions in
+kvstore.sessions.
+
+The prompt text in each file is prompt content (docs/format.md §12): only
+`inspect --text` prints it.
+"""
+
+import collections
+import json
+import os
+import sys
+import time
+
+from kvstore import files, policy, sessions, trailers
+from kvstore import remote
+from kvstore.cli import text
+from kvstore.cli.remote import cmd_remote_ls
+from kvstore.cli.text import PROG, UsageError
+from kvstore.errors import CheckpointMissing, CorruptCheckpoint, KVStoreError, UnsafePath
+from kvstore.files import QUARANTINE_DIR, checkpoint_names, describe_error, scan_directory
+from kvstore.format import ExtFlag, entry_from_fd, open_checkpoint, read_entry
+from kvstore.payload import read_manifest
+from kvstore.store import DEFAULT_BUDGET_MB, KVStore
+
+
+def _directory(path):
+    """The directory argument, checked: UsageError if it is not an existing directory."""
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such directory")
+    if not os.path.isdir(path):
+        raise UsageError(f"{path}: not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise UsageError(f"{path}: permission denied")
+    return path
+
+
+def _match(names, prefix, where):
+    """The one name starting with a hex prefix (4+ digits); UsageError otherwise."""
+    p = prefix.lower()
+    if not (sessions.MIN_PREFIX <= len(p) <= 40 and all(c in "0123456789abcdef" for c in p)):
+        raise UsageError(f"{prefix!r} is not a file and not a hash prefix "
+                         f"({sessions.MIN_PREFIX} to 40 hex digits)")
+    found = sorted(n for n in names if n.lower().startswith(p))
+    if not found:
+        raise UsageError(f"no checkpoint in {where} starts with {p!r}")
+    if len(found) > 1:
+        raise UsageError(f"prefix {p!r} is ambiguous in {where}: it matches "
+                         + ", ".join(n[:12] for n in found[:8])
+                         + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+                         + "; give more digits")
+    return found[0]
+
+
+def _rank(entries, now):
+    """(score, entry), the best kept first: eviction's own order, reversed (the next victim last)."""
+    return [(policy.eviction_score(e, now), e) for e in reversed(policy.eviction_order(entries, now))]
+
+
+# ---- commands -----------------------------------------------------------------
+
+def cmd_ls(args):
+    if args.remote:
+        if args.dir is not None:
+            raise UsageError("ls takes DIR or --remote, not both")
+        return cmd_remote_ls(args)
+    if args.dir is None:
+        raise UsageError("ls needs DIR (or --remote s3://BUCKET/PREFIX)")
+    d = _directory(args.dir)
+    entries, bad = scan_directory(d)
+    now = int(time.time())
+    ranked = _rank(entries, now)
+    titles = {e.name: sessions.read_title(e) for e in entries}
+    if args.json:
+        out = [{
+            "sha": e.sha, "prefix": e.sha[:12], "reason": text.reason_name(e.reason),
+            "tokens": e.tokens, "hits": e.hits, "ctx_size": e.ctx_size, "quant_bits": e.quant_bits,
+            "model_id": e.model_id, "payload_abi": e.payload_abi, "loadable": e.loadable,
+            "file_size": e.file_size, "created_at": e.created_at, "last_used": e.last_used,
+            "age_s": max(0, now - e.created_at) if e.created_at else None,
+            "idle_s": max(0, now - e.last_used) if e.last_used else None,
+            "title": titles[e.name], "score": score,
+        } for score, e in ranked]
+        print(json.dumps(out, indent=2, ensure_ascii=False))
+        return 0
+    budget = text.mib_bytes(args.budget_mb)
+    if ranked:
+        rows = [(e.sha[:12], text.reason_name(e.reason), e.tokens, e.hits, e.ctx_size, e.quant_bits,
+                 e.model_id, text.abi(e), text.size(e.file_size), text.age(e.created_at, now), text.used(e, now),
+                 text.printable(titles[e.name], text.TITLE_COLUMN))
+                for _, e in ranked]
+        print(text.table(rows, ("SHA", "REASON", "TOKENS", "HITS", "CTX", "QUANT", "MODEL", "ABI",
+                            "SIZE", "AGE", "USED", "TITLE"), right={2, 3, 4, 5, 6, 8}))
+    else:
+        print(f"no checkpoints in {d}")
+    total = sum(e.file_size for e in entries)
+    foreign = sum(1 for e in entries if not e.loadable)
+    print(f"{len(entries)} checkpoint{'s' if len(entries) != 1 else ''}, {text.budget_line(total, budget)}")
+    if foreign:
+        print(f"{foreign} with a foreign payload ABI: listed and counted in the budget, not loadable")
+    if bad:
+        print(f"{len(bad)} file{'s' if len(bad) != 1 else ''} with a bad envelope "
+              f"(not counted; see `kvstore verify`)")
+    return 0
+
+
+def _inspect_target(args):
+    target = args.target
+    if os.path.lexists(target):
+        if os.path.isdir(target):
+            raise UsageError(f"{target}: is a directory (give a .kv file or a hash prefix)")
+        return target
+    if os.sep in target or target.endswith(".kv"):
+        raise UsageError(f"{target}: no such file")
+    d = _directory(args.dir)
+    return os.path.join(d, _match(checkpoint_names(d), target, d))
+
+
+def cmd_inspect(args):
+    path = _inspect_target(args)
+    now = int(time.time())
+    try:
+        fd, st = open_checkpoint(path)
+    except CheckpointMissing:
+        raise UsageError(f"{path}: no such file") from None
+    except UnsafePath:
+        raise UsageError(f"{path}: not a regular file (kvstore never follows symlinks)") from None
+    status = 0
+    try:
+        try:
+            e = entry_from_fd(fd, st, path)
+        except CorruptCheckpoint as err:
+            print(f"{PROG}: error: {os.path.basename(path)}: corrupt envelope: {describe_error(err)}",
+                  file=sys.stderr)
+            return 1
+        flags = text.flag_names(e.ext_flags)
+        rows = [
+            ("file", path),
+            ("sha", e.sha or "-  (the file name is not 40 hex + .kv)"),
+            ("version", 1),
+            ("quant bits", e.quant_bits),
+            ("reason", f"{text.reason_name(e.reason)} ({int(e.reason)})"),
+            ("ext flags", f"0x{int(e.ext_flags):02x}" + (f" ({', '.join(flags)})" if flags else "")),
+            ("model id", e.model_id),
+            ("tokens", e.tokens),
+            ("hits", e.hits),
+            ("ctx size", e.ctx_size),
+            ("payload abi", f"{e.payload_abi} (loadable)" if e.loadable
+             else f"{e.payload_abi} (foreign: listed and counted, not loadable by this build)"),
+            ("created", text.stamp(e.created_at, now)),
+            ("last used", text.stamp(e.last_used, now) if e.last_used else "never"),
+            ("text", f"{e.text_bytes} bytes"),
+            ("payload", f"{e.payload_bytes} bytes"),
+            ("trailer", f"{e.file_size - e.trailer_offset} bytes"),
+            ("file size", f"{e.file_size} bytes ({text.size(e.file_size)})"),
+        ]
+        w = max(len(k) for k, _ in rows)
+        for k, v in rows:
+            print(f"{k.ljust(w)}  {v}")
+        if e.loadable:
+            try:
+                m = read_manifest(fd, e)
+            except CorruptCheckpoint as err:
+                print(f"manifest: corrupt ({describe_error(err)})")
+                status = 1
+            else:
+                print("manifest:")
+                print(f"  tokens: count={e.tokens} bytes={4 * e.tokens} offset={m.tokens[0]} "
+                      f"crc32c=0x{m.tokens[2]:08x}")
+                trows = [(text.printable(name), dtype, "(" + ", ".join(str(x) for x in shape)
+                          + ("," if len(shape) == 1 else "") + ")", n)
+                         for name, dtype, shape, _, n, _ in m.tensors]
+                print(f"  tensors ({len(trows)}):")
+                if trows:
+                    print("\n".join("    " + line for line in
+                                    text.table(trows, ("NAME", "DTYPE", "SHAPE", "BYTES"), right={3}).split("\n")))
+                print(f"  meta keys: {', '.join(text.printable(k) for k in sorted(m.meta)) or '-'}")
+        sections = list(trailers.trailer_sections(fd, e))
+        print(f"trailer sections ({len(sections)}):")
+        for bit, off, length, crc in sections:
+            name = ExtFlag(1 << bit).name.lower().replace("_", "-") if bit < 4 else "unknown"
+            ok = files.crc_range(fd, off, length, path) == crc
+            print(f"  bit {bit} ({name})  length {length}  crc {'ok' if ok else 'BAD (dropped on load)'}")
+        title = sessions.read_title(e)
+        if title is not None:
+            print(f"title: {text.printable(title)}")
+        if args.text:
+            print("text:")
+            sys.stdout.flush()
+            _copy_text(fd, e, sys.stdout.buffer)
+            sys.stdout.buffer.write(b"\n")
+            sys.stdout.buffer.flush()
+    finally:
+        os.close(fd)
+    return status
+
+
+def _copy_text(fd, e, out, chunk=1 << 20):
+    """Writes the stored prompt text to out, a bounded chunk at a time."""
+    for off in range(0, e.text_bytes, chunk):
+        data = os.pread(fd, min(chunk, e.text_bytes - off), e.text_offset + off)
+        if not data:
+            break
+        out.write(data)
+
+
+def cmd_verify(args):
+    d = _directory(args.dir)
+    names = checkpoint_names(d)
+    sizes = {}
+    for name in names:
+        try:
+            sizes[name] = os.lstat(os.path.join(d, name)).st_size
+        except FileNotFoundError:
+            pass
+    show = args.progress or sys.stderr.isatty()
+    bar = text.Progress(sum(sizes.values()), "verify", show)
+    checked = ok = foreign = 0
+    bad = []
+    moved = 0
+    done = 0
+    for name in names:
+        if name not in sizes:
+            continue
+        bar.reach(done)
+        done += sizes[name]
+        path = os.path.join(d, name)
+        try:
+            before = os.lstat(path)
+            try:
+                e = read_entry(path)
+            except CheckpointMissing:
+                raise
+            except (KVStoreError, OSError) as err:
+                reason = describe_error(err)
+            else:
+                reason = None if not e.loadable else files.verify_file(path, bar.advance)
+        except (CheckpointMissing, FileNotFoundError):
+            continue                    # deleted while we checked: nothing to verify
+        checked += 1
+        bar.files = checked
+        if reason is None:
+            if e.loadable:
+                ok += 1
+            else:
+                foreign += 1
+            continue
+        bad.append(name)
+        note = ""
+        if args.quarantine:
+            done, what = _quarantine(d, path, before)
+            moved += done
+            note = f"  ({what})"
+        bar.clear()
+        print(f"{name}: {reason}{note}", flush=True)
+    bar.close()
+    parts = [f"{ok} ok"]
+    if foreign:
+        parts.append(f"{foreign} foreign payload ABI (envelope only)")
+    parts.append(f"{len(bad)} corrupt")
+    print(f"verified {checked} file{'s' if checked != 1 else ''} in {d}: " + ", ".join(parts))
+    if args.quarantine and bad:
+        print(f"moved {moved} to {os.path.join(d, QUARANTINE_DIR)}")
+    return 1 if bad else 0
+
+
+def _quarantine(d, path, before):
+    """Moves a bad file aside, unless it was replaced since it was checked.
+
+    Returns:
+        (moved, what happened in a few words).
+    """
+    try:
+        if not files.same_file(path, before):
+            if not os.path.lexists(path):
+                return False, "gone meanwhile"
+            return False, "kept: replaced while it was checked"
+        files.quarantine(path, d)               # never into a planted symlink
+    except FileNotFoundError:
+        return False, "gone meanwhile"
+    except OSError as e:
+        return False, f"kept: {os.strerror(e.errno) if e.errno else e}"
+    return True, f"moved to {QUARANTINE_DIR}/"
+
+
+def _open_store(d):
+    """A KVStore over d that evicts nothing on open (budget 0 = unlimited)."""
+    try:
+        return KVStore(d, budget_mb=0)
+    except UnsafePath:
+        raise UsageError(f"{d}: not a directory (kvstore never follows symlinks)") from None
+
+
+def cmd_evict(args):
+    d = _directory(args.dir)
+    if args.budget_mb <= 0:
+        raise UsageError("evict --budget-mb must be > 0 (to remove every checkpoint use `kvstore wipe`)")
+    budget = text.mib_bytes(args.budget_mb)
+    entries, _ = scan_directory(d)
+    before = sum(e.file_size for e in entries)
+    now = int(time.time())
+    if args.dry_run:
+        # KVStore.evict's choice, deleting nothing: the same victims in the same order.
+        victims = policy.select_victims(entries, budget, now)
+        total = before - sum(v.file_size for v in victims)
+        verb = "would evict"
+    else:
+        store = _open_store(d)
+        # Opened with no budget so that the constructor deletes nothing; the
+        # explicit pass below evicts to the given one and reports its victims.
+        store.budget_bytes = budget
+        try:
+            victims = store.evict()
+            total = store.stats()["bytes"]
+        finally:
+            store.close()
+        verb = "evicted"
+    for v in victims:
+        print(f"{verb} {v.sha[:12] or v.name}  {text.reason_name(v.reason)}  tokens {v.tokens}  "
+              f"hits {v.hits}  {text.size(v.file_size)}")
+    freed = sum(v.file_size for v in victims)
+    print(f"{verb} {len(victims)} checkpoint{'s' if len(victims) != 1 else ''} ({text.size(freed)}); "
+          f"{'would leave' if args.dry_run else 'now'} {text.budget_line(total, budget)}"
+          f" (was {text.size(before)})")
+    return 0
+
+
+def cmd_stats(args):
+    d = _directory(args.dir)
+    entries, bad = scan_directory(d)
+    now = int(time.time())
+    budget = text.mib_bytes(args.budget_mb)
+    total = sum(e.file_size for e in entries)
+    by_reason = collections.Counter(text.reason_name(e.reason) for e in entries)
+    times = [e.created_at for e in entries if e.created_at]
+    out = {
+        "dir": os.path.abspath(d),
+        "entries": len(entries),
+        "bytes": total,
+        "budget_bytes": budget,
+        "budget_use": (total / budget) if budget else None,
+        "by_reason": {r: by_reason[r] for r in sorted(by_reason)},
+        "hits": sum(e.hits for e in entries),
+        "tokens": sum(e.tokens for e in entries),
+        "not_loadable": sum(1 for e in entries if not e.loadable),
+        "bad_envelopes": len(bad),
+        "oldest": min(times) if times else None,
+        "newest": max(times) if times else None,
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    rows = [
+        ("entries", f"{out['entries']}" + (f" ({out['not_loadable']} with a foreign payload ABI)"
+                                           if out["not_loadable"] else "")),
+        ("bytes", text.budget_line(total, budget)),
+        ("by reason", ", ".join(f"{r} {n}" for r, n in out["by_reason"].items()) or "-"),
+        ("hits", out["hits"]),
+        ("tokens", out["tokens"]),
+        ("oldest", text.stamp(out["oldest"], now)),
+        ("newest", text.stamp(out["newest"], now)),
+    ]
+    if bad:
+        rows.append(("bad envelopes", f"{len(bad)} (see `kvstore verify`)"))
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k.ljust(w)}  {v}")
+    return 0
+
+
+def cmd_wipe(args):
+    """Valid checkpoints go through KVStore.wipe; a full wipe also takes the
+    files that hold prompt text without being valid checkpoints (a bad
+    envelope, the quarantine), since wiping is about that text."""
+    d = _directory(args.dir)
+    names = checkpoint_names(d)
+    qdir = os.path.join(d, QUARANTINE_DIR)
+    quarantined = []
+    if args.prefix is not None:
+        targets = [os.path.join(d, _match(names, args.prefix, d))]
+        what = f"checkpoint {os.path.basename(targets[0])[:12]}"
+    else:
+        targets = [os.path.join(d, n) for n in names]
+        if os.path.isdir(qdir) and not os.path.islink(qdir):
+            quarantined = [os.path.join(qdir, n) for n in checkpoint_names(qdir)]
+        what = f"all {len(targets)} checkpoint file{'s' if len(targets) != 1 else ''}"
+        if quarantined:
+            what += f" and {len(quarantined)} in {QUARANTINE_DIR}"
+    if not args.yes:
+        raise UsageError(f"wipe overwrites and deletes {what} in {d}; add --yes to confirm")
+    store = _open_store(d)
+    try:
+        valid = {e.name: e for e in store.entries()}
+        n = 0
+        for path in targets:
+            e = valid.get(os.path.basename(path))
+            n += store.wipe(e) if e is not None else files.wipe_file(path)
+    finally:
+        store.close()
+    q = sum(files.wipe_file(path) for path in quarantined)
+    print(f"wiped {n} checkpoint file{'s' if n != 1 else ''} in {d}"
+          + (f" and {q} in {QUARANTINE_DIR}" if quarantined else ""))
+    return 0
+
+
+def cmd_session_list(args):
+    d = _directory(args.dir)
+    found = sessions.from_entries(scan_directory(d)[0])
+    now = int(time.time())
+    if args.json:
+        print(json.dumps([{
+            "sha": s.sha, "prefix": s.prefix, "title": s.title, "tokens": s.tokens, "hits": s.hits,
+            "created_at": s.created_at, "last_used": s.last_used, "model_id": s.model_id,
+            "file_size": s.file_size,
+        } for s in found], indent=2, ensure_ascii=False))
+        return 0
+    if not found:
+        print(f"no agent sessions in {d}")
+        return 0
+    rows = [(s.prefix, text.printable(s.title, text.TITLE_COLUMN) or "-", s.tokens, s.hits,
+             "never" if not s.last_used else text.span(now - s.last_used) + " ago",
+             text.age(s.created_at, now)) for s in found]
+    print(text.table(rows, ("SHA", "TITLE", "TOKENS", "HITS", "USED", "AGE"), right={2, 3}))
+    return 0
+
+
+def add_parsers(sub):
+    """The local commands' subparsers."""
+    s = sub.add_parser("ls", help="list checkpoints, best kept first (or a bucket's, with --remote)")
+    s.add_argument("dir", metavar="DIR", nargs="?")
+    s.add_argument("--json", action="store_true", help="a JSON list of objects")
+    s.add_argument("--budget-mb", type=text.megabytes, default=DEFAULT_BUDGET_MB,
+                   help=f"budget shown against the total (default {DEFAULT_BUDGET_MB}; 0: none)")
+    remote.add_arguments(s)
+    s.set_defaults(func=cmd_ls)
+
+    s = sub.add_parser("inspect", help="show one checkpoint's header, manifest and trailer")
+    s.add_argument("target", metavar="FILE|SHA-PREFIX")
+    s.add_argument("--dir", default=".", help="directory to search for a hash prefix (default: .)")
+    s.add_argument("--text", action="store_true", help="also print the stored prompt text")
+    s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("verify", help="check every envelope and payload CRC")
+    s.add_argument("dir", metavar="DIR")
+    s.add_argument("--quarantine", action="store_true", help=f"move bad files to DIR/{QUARANTINE_DIR}")
+    s.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
+    s.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("evict", help="delete lowest-score checkpoints until DIR fits a budget")
+    s.add_argument("dir", metavar="DIR")
+    s.add_argument("--budget-mb", type=text.megabytes, required=True)
+    s.add_argument("--dry-run", action="store_true", help="print what would go, delete nothing")
+    s.set_defaults(func=cmd_evict)
+
+    s = sub.add_parser("stats", help="totals: entries, bytes, reasons, hits, ages")
+    s.add_argument("dir", metavar="DIR")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--budget-mb", type=text.megabytes, default=DEFAULT_BUDGET_MB)
+    s.set_defaults(func=cmd_stats)
+
+    s = sub.add_parser("wipe", help="overwrite then delete one checkpoint, or all")
+    s.add_argument("dir", metavar="DIR")
+    s.add_argument("prefix", metavar="SHA-PREFIX", nargs="?")
+    s.add_argument("--yes", action="store_true", help="really do it")
+    s.set_defaults(func=cmd_wipe)
+
+    s = sub.add_parser("session", help="agent sessions")
+    ss = s.add_subparsers(dest="session_command", metavar="SUBCOMMAND", required=True)
+    s = ss.add_parser("list", help="saved agent sessions, newest first")
+    s.add_argument("dir", metavar="DIR")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_session_list)

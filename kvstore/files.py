@@ -1,0 +1,367 @@
+"""File helpers shared by the store, the remote tier and the command line.
+
+Everything here acts on one file (or one directory listing) and knows
+nothing of lookups, budgets or models:
+
+- TempFile: a new file under a temporary name, published by rename
+  (fsync the file, rename into place, fsync the directory);
+- unlink_if_same, move_aside / quarantine, overwrite / wipe_file: changes
+  that act only on the very file a caller opened, never on a newer one that
+  took its name, and never through a planted symlink;
+- record_hit: the in-place hit count of the file a load just read;
+- crc_range, verify_file: the checks of a load without keeping any array;
+- scan_directory: the valid envelopes of a directory and the bad ones.
+
+See docs/format.md §6 (save), §11 (durability) and §12 (privacy).
+"""
+
+import hashlib
+import os
+import re
+import secrets
+import time
+
+from kvstore import _native, payload
+from kvstore.errors import CheckpointMissing, CheckpointOSError, CorruptCheckpoint, KVStoreError, UnsafePath
+from kvstore.format import PREFIX_SIZE, entry_from_fd, is_checkpoint_name, open_checkpoint, read_entry
+
+# Flags of every open kvstore makes: never through a symlink, never inherited
+# by a child process.
+_SAFE = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | _SAFE
+RDWR_FLAGS = os.O_RDWR | _SAFE
+READ_FLAGS = os.O_RDONLY | _SAFE
+
+QUARANTINE_DIR = ".quarantine"
+
+# A temporary file is "<40 hex>.kv.tmp.<pid>.<random>".  One whose writer is
+# gone is debris of a crash; one older than this is removed even if its pid
+# is alive again (pid reuse, or a writer on another host of a shared mount).
+TMP_RE = re.compile(r"^[0-9a-fA-F]{40}\.kv\.tmp\.(\d+)\.[0-9a-f]+$")
+STALE_TMP_AGE_S = 24 * 3600
+
+# wipe overwrites in blocks of this size before unlinking.
+WIPE_BLOCK = 1 << 20
+
+# verify_file and crc_range stream every block through one buffer of this
+# size, so checking a file of any size costs a few MiB of memory, far inside
+# the 64 MiB a load may use on top of its arrays (docs/format.md §5).
+VERIFY_CHUNK = 4 << 20
+
+
+def short_name(name):
+    """A checkpoint name cut for a log line: ``3f9c0a1b2c3d…kv``."""
+    return name[:12] + "…kv" if len(name) > 12 else name
+
+
+def describe_error(err):
+    """One line naming what is wrong with a file (never prompt text)."""
+    if isinstance(err, CorruptCheckpoint):
+        return f"{err.reason}: {err.detail}" if err.detail else err.reason
+    if isinstance(err, UnsafePath):
+        return "unsafe_path: not a regular file (kvstore never follows symlinks)"
+    if isinstance(err, OSError) and err.errno:
+        return f"unreadable: {os.strerror(err.errno)}"
+    return f"unreadable: {err}"
+
+
+def fsync_dir(path):
+    """Makes a rename or unlink in the directory at path durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def same_file(path, st):
+    """True while path names the file stat'ed as st (not a newer one, not a symlink)."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)
+
+
+# ---- publishing a new file ---------------------------------------------------
+
+class TempFile:
+    """A new file at ``<final>.tmp.<pid>.<random>`` (0600, created exclusively).
+
+    Use as a context manager: write through ``fd``, then ``publish()``; on
+    any exit without a publish the temporary file is removed.  A crash
+    leaves only the temporary name, which remove_stale_temps clears.
+
+    Raises:
+        OSError: the file cannot be created.
+    """
+
+    def __init__(self, final):
+        self.final = os.fspath(final)
+        self.path = f"{self.final}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+        self.fd = os.open(self.path, CREATE_FLAGS, 0o600)
+        self.published = False
+        try:
+            os.fchmod(self.fd, 0o600)       # whatever the umask
+        except BaseException:
+            self.close()
+            raise
+
+    def publish(self, durable):
+        """fsync the data (durable), rename into place, fsync the directory (durable)."""
+        if durable:
+            os.fsync(self.fd)
+        os.rename(self.path, self.final)
+        self.published = True
+        if durable:
+            fsync_dir(os.path.dirname(self.final) or ".")
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if not self.published:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(directory, now=None):
+    """Removes temporary files whose writer is gone (or that are over a day old).
+
+    Returns:
+        the names removed.
+    """
+    now = time.time() if now is None else now
+    removed = []
+    with os.scandir(directory) as it:
+        for de in it:
+            m = TMP_RE.match(de.name)
+            if not m:
+                continue
+            try:
+                age = now - de.stat(follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+            if not _pid_alive(int(m.group(1))) or age > STALE_TMP_AGE_S:
+                try:
+                    os.unlink(de.path)
+                    removed.append(de.name)
+                except OSError:
+                    pass
+    return removed
+
+
+# ---- changing or removing the file one opened ---------------------------------
+
+def unlink_if_same(path, st):
+    """Unlinks path only if it is still the file stat'ed as st; True when it did."""
+    if not same_file(path, st):
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def move_aside(path, qdir):
+    """Renames path into the directory qdir, never through a symlink at qdir.
+
+    The file holds prompt text: a symlink planted as the quarantine would
+    move it out of the store's 0700 directory.  Raises OSError (ELOOP for a
+    symlink) instead.
+    """
+    qfd = os.open(qdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _SAFE)
+    try:
+        os.rename(path, os.path.basename(path), dst_dir_fd=qfd)
+    finally:
+        os.close(qfd)
+
+
+def quarantine(path, directory):
+    """Moves path into <directory>/.quarantine (created 0700); OSError if it cannot."""
+    qdir = os.path.join(directory, QUARANTINE_DIR)
+    os.makedirs(qdir, mode=0o700, exist_ok=True)
+    move_aside(path, qdir)
+
+
+def record_hit(path, st, hits):
+    """hits + 1 and last_used = now on the file at path if it is still the one
+    stat'ed as st (open by the caller, so its inode is not reused).
+
+    Returns:
+        the new hit count, or hits when the name is gone or holds another
+        file (deleted or replaced meanwhile: the load stands, uncounted).
+    """
+    try:
+        fd, now = open_checkpoint(path, RDWR_FLAGS)
+    except KVStoreError:
+        return hits
+    try:
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return hits
+        return _native.touch_fd(fd, int(time.time()), path)
+    except KVStoreError:
+        return hits
+    finally:
+        os.close(fd)
+
+
+def overwrite(path):
+    """Zeroes a file in place and syncs it; returns its stat, or None if it cannot be opened."""
+    try:
+        fd, st = open_checkpoint(path, RDWR_FLAGS)
+    except KVStoreError:
+        return None
+    try:
+        zero = bytes(min(WIPE_BLOCK, st.st_size))
+        for off in range(0, st.st_size, WIPE_BLOCK):
+            os.pwrite(fd, zero[:min(WIPE_BLOCK, st.st_size - off)], off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return st
+
+
+def wipe_file(path):
+    """Overwrites then unlinks one file (a checkpoint, a bad envelope, a quarantined file).
+
+    Symlinks are refused, and the name is unlinked only if it is still the
+    file that was overwritten.
+
+    Returns:
+        True when the file was wiped.
+    """
+    st = overwrite(path)
+    return st is not None and unlink_if_same(path, st)
+
+
+# ---- checking a file ------------------------------------------------------------
+
+def crc_range(fd, offset, length, path=None, buf=None, progress=None):
+    """CRC32C of length bytes of fd at offset, read through one bounded buffer.
+
+    Args:
+        buf: a reusable bytearray (default: one of at most VERIFY_CHUNK bytes).
+        progress: optional callable(nbytes), called as bytes are read.
+    """
+    if buf is None:
+        buf = bytearray(min(VERIFY_CHUNK, max(length, 1)))
+    mv = memoryview(buf)
+    crc = 0
+    for at in range(0, length, len(buf)):
+        k = min(len(buf), length - at)
+        crc = _native.pread_into(fd, mv[:k], offset + at, path, crc)
+        if progress is not None:
+            progress(k)
+    return crc
+
+
+def verify_file(path, progress=None, name=None):
+    """Checks one checkpoint file as a load would, without keeping any array.
+
+    Checked: the envelope, the stored text against the file name, the
+    payload header and manifest, and the CRC32C of the token block and of
+    every tensor.  Blocks stream through one reused buffer of VERIFY_CHUNK
+    bytes, so memory stays bounded whatever the file size.  A file whose
+    payload ABI this build cannot load is a valid envelope: its payload is
+    not checked.  The trailer is not checked either: a section whose CRC
+    fails is dropped on load and the checkpoint stays usable.
+
+    Args:
+        path: the .kv file.
+        progress: optional callable(nbytes), called as bytes are read.
+        name: the checkpoint name to check the text against, for a file not
+            (yet) under its name (a download in a temporary file).
+
+    Returns:
+        None when the file is sound, else a one-line reason such as
+        ``"crc: tensor 'k.0' CRC mismatch"`` (never prompt text).
+
+    Raises:
+        CheckpointMissing: the file does not exist (or vanished meanwhile).
+    """
+    try:
+        fd, st = open_checkpoint(path)
+    except CheckpointMissing:
+        raise
+    except CheckpointOSError as e:
+        return describe_error(e)
+    try:
+        e = entry_from_fd(fd, st, path if name is None else os.path.join(os.path.dirname(path), name))
+        if progress is not None:
+            progress(PREFIX_SIZE)
+        if not e.loadable:
+            return None
+        buf = bytearray(min(VERIFY_CHUNK, max(e.text_bytes, e.payload_bytes, 1)))
+        mv = memoryview(buf)
+        h = hashlib.sha1()
+        for off in range(0, e.text_bytes, len(buf)):
+            k = min(len(buf), e.text_bytes - off)
+            _native.pread_into(fd, mv[:k], PREFIX_SIZE + off, e.path)
+            h.update(mv[:k])
+            if progress is not None:
+                progress(k)
+        if e.sha and h.hexdigest() != e.sha:
+            return "text_hash: stored text does not hash to the file name"
+        manifest = payload.read_manifest(fd, e)
+        blocks = [(manifest.tokens[0], 4 * e.tokens, manifest.tokens[2], "tokens")]
+        blocks += [(off, n, crc, f"tensor {tname!r}") for tname, _, _, off, n, crc in manifest.tensors]
+        for off, n, want, what in blocks:
+            if crc_range(fd, e.payload_offset + off, n, e.path, buf, progress) != want:
+                return f"crc: {what} CRC mismatch"
+        return None
+    except CheckpointMissing:
+        raise
+    except (KVStoreError, OSError) as err:
+        return describe_error(err)
+    finally:
+        os.close(fd)
+
+
+def scan_directory(directory):
+    """Reads every envelope of a directory without opening a store (which evicts).
+
+    Returns:
+        (valid entries sorted by name, [(name, one-line reason)] for files
+        named like checkpoints whose envelope is bad).
+    """
+    entries, bad = [], []
+    for name in checkpoint_names(directory):
+        try:
+            entries.append(read_entry(os.path.join(directory, name)))
+        except CheckpointMissing:
+            continue                    # deleted while we listed
+        except (KVStoreError, OSError) as e:
+            bad.append((name, describe_error(e)))
+    return entries, bad
+
+
+def checkpoint_names(directory):
+    """The names in directory that look like checkpoints, sorted."""
+    with os.scandir(directory) as it:
+        return sorted(de.name for de in it if is_checkpoint_name(de.name))
+
+
+__all__ = ["TempFile", "fsync_dir", "same_file", "unlink_if_same", "move_aside", "quarantine",
+           "record_hit", "overwrite", "wipe_file", "crc_range", "verify_file", "scan_directory",
+           "checkpoint_names", "remove_stale_temps", "short_name", "describe_error",
+           "QUARANTINE_DIR", "CREATE_FLAGS", "RDWR_FLAGS", "READ_FLAGS"]

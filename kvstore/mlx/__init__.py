@@ -1,0 +1,22 @@
+"""kvstore for MLX: mlx-lm prompt caches on disk and an engine for PromptCache.
+
+    import kvstore, kvstore.mlx
+    store = kvstore.KVStore("~/.cache/kvstore")
+    engine = kvstore.mlx.MLXEngine(model, tokenizer)
+    server = kvstore.PromptCache(store, engine)
+    text, report = engine.generate(server, prompt, max_tokens=64)
+
+save_prompt_cache / load_prompt_cache store and restore any mlx-lm prompt
+cache (a list of per-layer caches) under the prompt text it belongs to.
+
+Rooms: codecs (each mlx-lm cache class <-> named arrays and a JSON meta, and
+the store calls on top), engine (MLXEngine, token bytes).
+"""
+
+from kvstore.mlx.codecs import (CACHE_CLASSES, cache_from_checkpoint, cache_to_tensors, checked_tensors,
+                                load_prompt_cache, save_prompt_cache, supported, tensors_to_cache)
+from kvstore.mlx.engine import DEFAULT_CTX_SIZE, MLXEngine, bytes_to_unicode, token_bytes_function
+
+__all__ = ["MLXEngine", "save_prompt_cache", "load_prompt_cache", "cache_to_tensors", "tensors_to_cache",
+           "checked_tensors", "cache_from_checkpoint", "supported", "CACHE_CLASSES", "token_bytes_function",
+           "bytes_to_unicode", "DEFAULT_CTX_SIZE"]

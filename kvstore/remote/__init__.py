@@ -1,0 +1,44 @@
+"""The remote tier: one bucket on any S3-compatible object store, shared by many hosts.
+
+    store = kvstore.KVStore(path, remote="s3://bucket/prefix",
+                            remote_options={"endpoint_url": ...}, model_identity="...")
+
+Rooms: options (defaults, key layout, argparse wiring), s3 (the S3 calls and
+their failure kinds), breaker (circuit breaker and health counters), index
+(the bucket listing in memory), uploads (the upload queue), tier
+(RemoteTier: what KVStore calls), janitor (`kvstore remote gc`).  See
+docs/format.md §13.
+"""
+
+import logging
+
+from kvstore.errors import RemoteError
+from kvstore.remote.breaker import CircuitBreaker, Health
+from kvstore.remote.index import RemoteIndex
+from kvstore.remote.janitor import (GC_MIN_AGE_S, GC_THREADS, RemoteObject, abort_stale_uploads, gc,
+                                    list_objects, read_header)
+from kvstore.remote.options import (add_arguments, key_fingerprint, layout_prefix, object_key,
+                                    options_from_args, parse_key, parse_url, resolve_options, store_kwargs)
+from kvstore.remote.s3 import CONFLICT, DENIED, ERROR, MISSING, UNAVAILABLE, Bucket, Failure, classify
+from kvstore.remote.tier import RemoteTier
+from kvstore.store import register_remote
+
+log = logging.getLogger("kvstore")
+
+
+def open_tier(url, store, options=None):
+    """The RemoteTier behind a KVStore (registered for ``s3://`` URLs)."""
+    if store.model_identity is None:
+        log.warning("kvstore: remote_model_identity_unset model_id=%d (every model with this id "
+                    "shares one key prefix; pass model_identity=)", store.model_id)
+    fp = key_fingerprint(store.model_id, store.quant_bits, store.reject_different_quant, store.model_identity)
+    return RemoteTier(url, store.path, fp, options)
+
+
+register_remote("s3", open_tier)
+
+__all__ = ["RemoteTier", "Bucket", "CircuitBreaker", "Health", "RemoteIndex", "RemoteObject", "RemoteError",
+           "Failure", "classify", "UNAVAILABLE", "DENIED", "MISSING", "CONFLICT", "ERROR",
+           "parse_url", "parse_key", "object_key", "layout_prefix", "key_fingerprint", "resolve_options",
+           "add_arguments", "options_from_args", "store_kwargs", "list_objects", "read_header", "gc",
+           "abort_stale_uploads", "open_tier", "GC_MIN_AGE_S", "GC_THREADS"]

@@ -1,0 +1,88 @@
+"""The bucket's objects as the last listing saw them: the remote half of a lookup."""
+
+import threading
+import time
+
+import numpy as np
+
+class RemoteIndex:
+    """The model's objects as the last listing (plus this process's uploads) saw them.
+
+    Lookups read one immutable snapshot (shas sorted by text length, their
+    lengths, their digests joined), replaced whole on every change, so a
+    lookup takes no lock.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._objects = {}          # sha -> (text length, size)
+        self._rejected = set()      # shas this process found unusable (not eligible, corrupt)
+        self._listing = False
+        self._added = {}            # during a listing: objects added meanwhile
+        self._dropped = set()       # during a listing: objects found gone meanwhile
+        self.generation = 0
+        self.listed_at = None       # time.time() of the last complete listing
+        self.snapshot = ((), np.zeros(0, dtype=np.uint64), b"")
+
+    def __len__(self):
+        return len(self._objects)
+
+    def __contains__(self, sha):
+        return sha in self._objects
+
+    def get(self, sha):
+        """(text length, object size) of a listed object; (0, 0) if unknown."""
+        return self._objects.get(sha, (0, 0))
+
+    def text_bytes(self, sha):
+        return self._objects.get(sha, (0, 0))[0]
+
+    def begin_listing(self):
+        with self._lock:
+            self._listing = True
+            self._added, self._dropped = {}, set()
+
+    def finish_listing(self, objects):
+        """Replaces the index with a complete listing, keeping what changed meanwhile."""
+        with self._lock:
+            objects = dict(objects)
+            objects.update(self._added)
+            for sha in self._dropped:
+                objects.pop(sha, None)
+            self._listing = False
+            changed = objects != self._objects
+            self._objects = objects
+            self.listed_at = time.time()
+            if changed:
+                self._rebuild()
+
+    def abort_listing(self):
+        with self._lock:
+            self._listing = False
+
+    def add(self, sha, text_bytes, size):
+        with self._lock:
+            if self._listing:
+                self._added[sha] = (text_bytes, size)
+                self._dropped.discard(sha)
+            if self._objects.get(sha) != (text_bytes, size):
+                self._objects[sha] = (text_bytes, size)
+                self._rebuild()
+
+    def discard(self, sha, reject=False):
+        with self._lock:
+            if reject:
+                self._rejected.add(sha)
+            if self._listing:
+                self._dropped.add(sha)
+                self._added.pop(sha, None)
+            if self._objects.pop(sha, None) is not None or reject:
+                self._rebuild()
+
+    def _rebuild(self):
+        live = sorted(((n, sha) for sha, (n, _) in self._objects.items() if sha not in self._rejected))
+        shas = tuple(sha for _, sha in live)
+        lengths = np.fromiter((n for n, _ in live), dtype=np.uint64, count=len(live))
+        digests = b"".join(bytes.fromhex(sha) for sha in shas)
+        self.snapshot = (shas, lengths, digests)
+        self.generation += 1

@@ -1,0 +1,182 @@
+"""The package's rooms: imports run one way, no cycles, no private names across modules.
+
+Data flows prompt -> index -> store -> prompt cache -> engine -> writer ->
+directory (-> remote tier), and imports follow the same direction: a lower
+room never imports a higher one, not even inside a function.  These tests
+parse every module of the package (imports inside functions included) and
+fail on any cycle, any upward import, and any private name (``_x``) taken
+from another module.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvstore"
+
+# Rooms from the bottom up.  A module may import its own room and the ones
+# below; the package root (kvstore/__init__.py, public names only) sits
+# between the libraries and the applications built on them.
+LAYERS = [
+    ["kvstore._native", "kvstore._reference", "kvstore.errors"],
+    ["kvstore.format", "kvstore.payload", "kvstore.index", "kvstore.policy", "kvstore.trailers",
+     "kvstore.files", "kvstore.writer"],
+    ["kvstore.store"],
+    ["kvstore.remote", "kvstore.mlx", "kvstore.prompt_cache", "kvstore.sessions"],
+    ["kvstore"],
+    ["kvstore.serve", "kvstore.demo"],
+    ["kvstore.cli", "kvstore.__main__"],
+]
+
+
+def module_names():
+    """Every module of the package: dotted name -> path."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    for path in PACKAGE.glob("*.pyx"):
+        out["kvstore." + path.stem] = path
+    return out
+
+
+MODULES = module_names()
+
+
+def room(name):
+    """The layer index of a module: its longest listed prefix."""
+    best, best_len = None, -1
+    for i, layer in enumerate(LAYERS):
+        for r in layer:
+            if (name == r or name.startswith(r + ".")) and len(r) > best_len:
+                best, best_len = i, len(r)
+    return best
+
+
+def resolve(importer, node):
+    """(module imported, [names imported from it]) for every kvstore import in an AST node."""
+    out = []
+    if isinstance(node, ast.Import):
+        for a in node.names:
+            if a.name == "kvstore" or a.name.startswith("kvstore."):
+                out.append((a.name, []))
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:
+            base = importer.split(".")
+            if not MODULES.get(importer, pathlib.Path()).name == "__init__.py":
+                base = base[:-1]
+            base = base[:len(base) - (node.level - 1)]
+            mod = ".".join(base + ([node.module] if node.module else []))
+        else:
+            mod = node.module or ""
+        if mod == "kvstore" or mod.startswith("kvstore."):
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                if sub in MODULES:
+                    out.append((sub, []))        # a submodule, imported by name
+                else:
+                    out.append((mod, [a.name]))
+    return out
+
+
+def imports():
+    """importer -> [(imported module, names, line)], for every import statement anywhere."""
+    graph = {}
+    for name, path in MODULES.items():
+        if path.suffix != ".py":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges = []
+        for node in ast.walk(tree):
+            for mod, names in resolve(name, node):
+                edges.append((mod, names, node.lineno))
+        graph[name] = edges
+    return graph
+
+
+GRAPH = imports()
+
+
+def test_every_module_has_a_room():
+    missing = [m for m in MODULES if room(m) is None]
+    assert not missing, f"modules outside every room of LAYERS: {missing}"
+
+
+def test_no_upward_import():
+    bad = []
+    for importer, edges in GRAPH.items():
+        for mod, _, line in edges:
+            if mod == importer or mod.startswith(importer + "."):
+                continue                       # a package's own submodules
+            if room(mod) > room(importer):
+                bad.append(f"{MODULES[importer].relative_to(PACKAGE.parent)}:{line} imports {mod} "
+                           f"(room {room(mod)} above {room(importer)})")
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle():
+    # Module-level graph (a package's __init__ counts as a module; a package
+    # importing its own submodules is not a cycle through itself).
+    edges = {m: sorted({mod for mod, _, _ in e if mod in MODULES and mod != m}) for m, e in GRAPH.items()}
+    state, stack, cycles = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in edges.get(m, ()):
+            if n.startswith(m + "."):
+                continue
+            if state.get(n) == "open":
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in edges:
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_private_name_across_modules():
+    bad = []
+    for importer, edges in GRAPH.items():
+        for mod, names, line in edges:
+            for n in names:
+                if n.startswith("_") and not n.startswith("__"):
+                    bad.append(f"{MODULES[importer].relative_to(PACKAGE.parent)}:{line} imports {mod}.{n}")
+    # mod._name attribute use on an imported kvstore module.
+    for importer, path in MODULES.items():
+        if path.suffix != ".py":
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for mod, names in resolve(importer, node):
+                    if not names:
+                        for a in node.names:
+                            aliases[a.asname or a.name.split(".")[-1]] = mod
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and aliases[node.value.id] != importer
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} uses "
+                           f"{aliases[node.value.id]}.{node.attr}")
+    assert not bad, "private names used across modules:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("importer,target,expect", [
+    ("kvstore.store", "kvstore.remote.tier", "upward"),
+    ("kvstore.format", "kvstore.policy", "same room"),
+    ("kvstore.cli.local", "kvstore.store", "downward"),
+])
+def test_rooms_rank_as_documented(importer, target, expect):
+    # The check itself: a store importing the remote tier would be upward.
+    a, b = room(importer), room(target)
+    assert {"upward": b > a, "same room": a == b, "downward": b < a}[expect]
