@@ -46,7 +46,7 @@ SHA1_MIN_THROUGHPUT_RATIO = 0.95
 PREFIXES_MAX_TIME_RATIO = 1.3
 CRC32C_MIN_THROUGHPUT_RATIO = 3.0
 
-_HEADER = struct.Struct("<3sBBBBBIIIB3xQQQ")   # SPEC section 2, 48 bytes
+_HEADER = struct.Struct("<3sBBBBBIIIB3xQQQ")   # docs/format.md §2, 48 bytes
 
 
 # ---------------------------------------------------------------- measuring

@@ -12,19 +12,19 @@ sample by sample (A, B, B, A, ...), after a warm-up wherever a call costs less
 than seconds; cells are median / min and targets are judged on the ratio of
 the medians:
 
-1. Lookup (SPEC section 4): ``store.find(prompt)`` on a directory of N = 10 ..
+1. Lookup (docs/format.md §4): ``store.find(prompt)`` on a directory of N = 10 ..
    10,000 checkpoints against a Python port of ds4's
    ``ds4_kvstore_find_text_prefix`` (hashlib SHA1 of the prompt prefix for
    every candidate, ds4's skip rules, directory listing order), and against one
    hashlib.sha1 of the whole prompt.
-2. Load (SPEC section 5) of a 0.5 GiB KV state, first load in a fresh process
+2. Load (docs/format.md §5) of a 0.5 GiB KV state, first load in a fresh process
    with a warm page cache and a second one in the same process, against
    mlx-lm's ``load_prompt_cache``, ``mx.load`` of the same safetensors,
    ``np.load`` of the tensors as .npy and a raw sequential read of the .kv
    file: every sample is a new ``python -c`` child timed after its imports,
    and a child that exits non-zero or aborts ("terminate called ...") is
    reported.
-3. Save (SPEC section 6) of the same state, durable and not, against mlx-lm's
+3. Save (docs/format.md §6) of the same state, durable and not, against mlx-lm's
    ``save_prompt_cache``, ``mx.save_safetensors`` and ``np.save``; the file
    sizes against mlx-lm's.
 
@@ -97,7 +97,7 @@ CHILD_SETTLE_S = 0.2             # after the imports, before the first timed loa
 
 LOAD_MAX_TIME_RATIO = 1.0        # kvstore first load vs mlx-lm load_prompt_cache
 SAVE_MAX_TIME_RATIO = 1.0        # kvstore save (durable=False) vs mlx-lm save_prompt_cache
-RSS_SLACK_MIB = 64               # SPEC section 5: peak RSS above the arrays themselves
+RSS_SLACK_MIB = 64               # docs/format.md §5: peak RSS above the arrays themselves
 
 MiB = 1024 * 1024
 
@@ -700,7 +700,7 @@ def bench_load(report, tmp, rng, tensors, quick):
                     f"{statistics.median(rss('kv_numpy')):.0f} MiB; mx.load: "
                     f"{statistics.median(rss('mx_load')):.0f} MiB",
                passed=statistics.median(kv_rss) <= KV_BYTES / MiB + RSS_SLACK_MIB,
-               passed_target=f"kvstore ≤ arrays + {RSS_SLACK_MIB} MiB (SPEC §5)")
+               passed_target=f"kvstore ≤ arrays + {RSS_SLACK_MIB} MiB (docs/format.md §5)")
     report.add("file size: .kv (prompt text + token ids + tensors + CRCs) vs mlx_lm save_prompt_cache",
                {"bytes": kv_size}, {"bytes": st_size}, None,
                note=f".npy stream of the tensors: {os.path.getsize(npy_path):,} B")

@@ -95,7 +95,7 @@ def test_header_unpack(benchmark):
     assert benchmark(kvstore.Header.unpack, buf) == HEADER
 
 
-# Peer: the same 48-byte layout with struct alone, no validation (SPEC section 2).
+# Peer: the same 48-byte layout with struct alone, no validation (docs/format.md §2).
 _STRUCT = struct.Struct("<3sBBBBBIIIB3xQQQ")
 
 

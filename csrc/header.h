@@ -1,4 +1,4 @@
-/* header.h: the 48-byte KVC envelope header (SPEC section 2), byte-compatible
+/* header.h: the 48-byte KVC envelope header (docs/format.md §2), byte-compatible
  * with ds4's .kv files, and the in-place hit update.
  *
  * This file owns the byte layout and the structural rules that make a header

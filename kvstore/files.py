@@ -3,8 +3,10 @@
 Everything here acts on one file (or one directory listing) and knows
 nothing of lookups, budgets or models:
 
+- sync_fd, sync_dir: the one place that makes a write durable, with the
+  platform's primitive (F_FULLFSYNC on macOS, fsync elsewhere);
 - TempFile: a new file under a temporary name, published by rename
-  (fsync the file, rename into place, fsync the directory);
+  (sync the file, rename into place, sync the directory);
 - unlink_if_same, move_aside / quarantine, overwrite / wipe_file: changes
   that act only on the very file a caller opened, never on a newer one that
   took its name, and never through a planted symlink;
@@ -15,10 +17,13 @@ nothing of lookups, budgets or models:
 See docs/format.md §6 (save), §11 (durability) and §12 (privacy).
 """
 
+import errno
+import fcntl
 import hashlib
 import os
 import re
 import secrets
+import sys
 import time
 
 from kvstore import _native, payload
@@ -65,11 +70,81 @@ def describe_error(err):
     return f"unreadable: {err}"
 
 
-def fsync_dir(path):
+# ---- durability ---------------------------------------------------------------
+#
+# On macOS fsync(2) hands the data to the drive but does not make the drive
+# flush its own write cache, so a power loss can still lose or tear a file
+# that was "synced".  Apple's answer is fcntl(F_FULLFSYNC), which SQLite uses
+# when `PRAGMA fullfsync` is on; some filesystems (network mounts, FUSE)
+# refuse it, and then fsync is the best there is.  On Linux fsync reaches
+# the platter (or the drive's flush), and fdatasync suffices for a change
+# that does not need the file's metadata (an in-place byte of a header).
+
+# errno values that mean "this filesystem does not do F_FULLFSYNC".
+_FULLFSYNC_REFUSED = frozenset(getattr(errno, n) for n in ("ENOTSUP", "EOPNOTSUPP", "EINVAL", "ENOTTY")
+                               if hasattr(errno, n))
+
+_sync_fallbacks = 0
+
+
+def sync_primitive(platform=None):
+    """The primitive a durable write uses on a platform: "F_FULLFSYNC" on macOS, else "fsync".
+
+    Args:
+        platform: a ``sys.platform`` value (default: this one's).
+    """
+    platform = sys.platform if platform is None else platform
+    return "F_FULLFSYNC" if platform == "darwin" else "fsync"
+
+
+SYNC_PRIMITIVE = sync_primitive()
+
+
+def sync_fd(fd, data_only=False, primitive=None):
+    """Makes what was written to fd durable: the one place kvstore syncs.
+
+    Args:
+        fd: an open file or directory.
+        data_only: the change needs no metadata to be found again (a byte
+            rewritten in place): fdatasync where the platform has it.
+        primitive: "F_FULLFSYNC" or "fsync" (default: SYNC_PRIMITIVE).
+
+    Returns:
+        the primitive that took effect: "F_FULLFSYNC", "fsync" or
+        "fdatasync" (F_FULLFSYNC falls back to fsync where the filesystem
+        refuses it, or the platform has no such call).
+    """
+    global _sync_fallbacks
+    primitive = SYNC_PRIMITIVE if primitive is None else primitive
+    if primitive == "F_FULLFSYNC":
+        op = getattr(fcntl, "F_FULLFSYNC", None)
+        if op is not None:
+            try:
+                fcntl.fcntl(fd, op)
+                return "F_FULLFSYNC"
+            except OSError as e:
+                if e.errno not in _FULLFSYNC_REFUSED:
+                    raise
+        _sync_fallbacks += 1
+        os.fsync(fd)
+        return "fsync"
+    if data_only and hasattr(os, "fdatasync"):
+        os.fdatasync(fd)
+        return "fdatasync"
+    os.fsync(fd)
+    return "fsync"
+
+
+def sync_fallbacks():
+    """How many times this process fell back from F_FULLFSYNC to fsync."""
+    return _sync_fallbacks
+
+
+def sync_dir(path):
     """Makes a rename or unlink in the directory at path durable."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        os.fsync(fd)
+        sync_fd(fd)
     finally:
         os.close(fd)
 
@@ -108,13 +183,13 @@ class TempFile:
             raise
 
     def publish(self, durable):
-        """fsync the data (durable), rename into place, fsync the directory (durable)."""
+        """Sync the data (durable), rename into place, sync the directory (durable)."""
         if durable:
-            os.fsync(self.fd)
+            sync_fd(self.fd)
         os.rename(self.path, self.final)
         self.published = True
         if durable:
-            fsync_dir(os.path.dirname(self.final) or ".")
+            sync_dir(os.path.dirname(self.final) or ".")
 
     def close(self):
         if self.fd is not None:
@@ -235,7 +310,7 @@ def overwrite(path):
         zero = bytes(min(WIPE_BLOCK, st.st_size))
         for off in range(0, st.st_size, WIPE_BLOCK):
             os.pwrite(fd, zero[:min(WIPE_BLOCK, st.st_size - off)], off)
-        os.fsync(fd)
+        sync_fd(fd)
     finally:
         os.close(fd)
     return st
@@ -361,7 +436,7 @@ def checkpoint_names(directory):
         return sorted(de.name for de in it if is_checkpoint_name(de.name))
 
 
-__all__ = ["TempFile", "fsync_dir", "same_file", "unlink_if_same", "move_aside", "quarantine",
+__all__ = ["TempFile", "sync_fd", "sync_dir", "sync_primitive", "sync_fallbacks", "SYNC_PRIMITIVE", "same_file", "unlink_if_same", "move_aside", "quarantine",
            "record_hit", "overwrite", "wipe_file", "crc_range", "verify_file", "scan_directory",
            "checkpoint_names", "remove_stale_temps", "short_name", "describe_error",
            "QUARANTINE_DIR", "CREATE_FLAGS", "RDWR_FLAGS", "READ_FLAGS"]

@@ -1,4 +1,4 @@
-"""The .kv envelope (SPEC section 2): header, reasons, flags, entries, touch.
+"""The .kv envelope (docs/format.md §2): header, reasons, flags, entries, touch.
 
 A checkpoint file is a 48-byte header, a u32 text length, the prompt text
 bytes, the payload and an optional trailer.  This module reads and writes the
@@ -26,7 +26,7 @@ FORMAT_VERSION = 1
 VALID_QUANT_BITS = frozenset({2, 3, 4, 5, 6, 8, 16})
 
 # Payload ABIs: 2 is ds4's own graph state (listed, never loaded here); 16 is
-# kvstore's tensor payload (SPEC section 3).
+# kvstore's tensor payload (docs/format.md §3).
 PAYLOAD_ABI_DS4 = 2
 PAYLOAD_ABI_TENSORS = 16
 LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS})
@@ -69,7 +69,7 @@ _RANGES = {
 
 @dataclasses.dataclass
 class Header:
-    """The 48-byte header.  ``pack()`` writes it; ``unpack()`` applies SPEC section 2."""
+    """The 48-byte header.  ``pack()`` writes it; ``unpack()`` applies docs/format.md §2."""
     quant_bits: int
     tokens: int
     ctx_size: int
@@ -88,7 +88,7 @@ class Header:
 
         Raises:
             ValueError: a field is out of its on-disk range, or tokens is 0 or
-                quant_bits is not one of VALID_QUANT_BITS (SPEC section 2).
+                quant_bits is not one of VALID_QUANT_BITS (docs/format.md §2).
         """
         for name, hi in _RANGES.items():
             v = int(getattr(self, name))
@@ -225,7 +225,7 @@ def read_entry(path):
         Entry.
 
     Raises:
-        CorruptCheckpoint: the envelope breaks a rule of SPEC section 2.
+        CorruptCheckpoint: the envelope breaks a rule of docs/format.md §2.
         UnsafePath: path is a symlink, a directory or not a regular file.
         CheckpointMissing / CheckpointOSError: the file cannot be opened.
     """

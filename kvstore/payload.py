@@ -1,4 +1,4 @@
-"""Payload ABI 16: the kvstore tensor payload, version 1 (SPEC section 3).
+"""Payload ABI 16: the kvstore tensor payload, version 1 (docs/format.md §3).
 
 Layout, offsets relative to the payload start P = 52 + text length:
 

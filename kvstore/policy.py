@@ -1,4 +1,4 @@
-"""Store and eviction policy (SPEC sections 7 and 8) as pure functions.
+"""Store and eviction policy (docs/format.md §7 and §8) as pure functions.
 
 This module owns the arithmetic a server uses to decide *what* to store and
 *what* to delete: the aligned store length, the chat anchor of a cold
@@ -9,8 +9,8 @@ waypoint and the clock, and passes them in.
 
 The numbers follow antirez's ds4 (``ds4_kvstore.c``; the eviction score as of
 upstream commit ec6a82a, which added the anchor factor and the superseded
-waypoint scale).  Where SPEC departs from ds4 the function says so in a
-comment; SPEC wins.
+waypoint scale).  Where kvstore departs from ds4 the function says so in a
+comment (docs/format.md §7 and §8 are the rules as implemented).
 """
 
 import dataclasses
@@ -61,7 +61,7 @@ SUPERSEDED_HIT_FACTOR = 0.45
 # pass deletes at once (ds4 kv_cache_budget_required: 1%, rounded up).
 BUDGET_SLACK_PERCENT = 1
 
-# Sizes in the envelope are u64 (SPEC section 2); ds4 refuses a file whose
+# Sizes in the envelope are u64 (docs/format.md §2); ds4 refuses a file whose
 # size does not fit, and so do we.
 _U64_MAX = 2**64 - 1
 
@@ -76,7 +76,7 @@ def _exp2(x):
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Store-policy knobs (SPEC section 7).  Defaults are ds4's.
+    """Store-policy knobs (docs/format.md §7).  Defaults are ds4's.
 
     Attributes:
         min_tokens: shortest checkpoint worth storing.
@@ -133,7 +133,7 @@ def _check_count(name, value):
         raise ValueError(f"{name}={value} must be >= 0")
 
 
-# --- Store policy (SPEC section 7)
+# --- Store policy (docs/format.md §7)
 
 def store_len(tokens, options=DEFAULT_OPTIONS):
     """How many tokens of a live prefix to store.
@@ -287,7 +287,7 @@ def continued_store_target(live_tokens, last_store_tokens, options=DEFAULT_OPTIO
     return live_tokens
 
 
-# --- Eviction and budget (SPEC section 8)
+# --- Eviction and budget (docs/format.md §8)
 
 def is_anchor(reason):
     """True for checkpoints kept on purpose: reasons cold, evict and shutdown.
@@ -359,7 +359,7 @@ def eviction_score(entry, now, superseded=False, protected=False,
         return 0.0
     if protected:
         # ds4 returned DBL_MAX for the just-renamed file; later ds4 evicts room
-        # *before* writing instead.  SPEC keeps the "never the victim" rule.
+        # *before* writing instead.  kvstore keeps the "never the victim" rule.
         return math.inf
     hits = effective_hits(entry.hits, entry.last_used, entry.created_at, now, half_life_s)
     score = (hits + 1.0) * float(entry.tokens) / float(entry.file_size)

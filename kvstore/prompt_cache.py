@@ -1,4 +1,4 @@
-"""PromptCache: the serving policy of SPEC section 7, for a server's request loop.
+"""PromptCache: the serving policy of docs/format.md §7, for a server's request loop.
 
 A server keeps one live session (the model state in memory) and a KVStore on
 disk.  For each request PromptCache decides where the prompt's prefix comes
@@ -160,7 +160,7 @@ class PromptCache:
 
     def _disk_hit(self, entry, text):
         if len(self.live_tokens) >= self.options.min_tokens:
-            # SPEC 7: the live session is about to be replaced; keep it.
+            # docs/format.md §7: the live session is about to be replaced; keep it.
             self._store_live(Reason.EVICT, None)
         t = time.perf_counter()
         ckpt = self.store.load(entry, into=self._load_into())
@@ -194,7 +194,7 @@ class PromptCache:
         """Prefills req.tokens beyond what is reused, storing checkpoints on the way.
 
         Chunks end at absolute multiples of prefill_step, at the cold anchor
-        and at the end of the prompt.  Waypoints (SPEC 7) are stored when the
+        and at the end of the prompt.  Waypoints (docs/format.md §7) are stored when the
         live count is an exact multiple of the continued step; a cold anchor
         on that frontier suppresses the waypoint, and a failed cold store
         restores it.
@@ -302,7 +302,7 @@ class PromptCache:
         """Makes a loaded checkpoint (an agent session, say) the live session.
 
         The live session it replaces is stored as `evict` first when it holds
-        at least min_tokens (SPEC 7).
+        at least min_tokens (docs/format.md §7).
         """
         if len(self.live_tokens) >= self.options.min_tokens:
             self._store_live(Reason.EVICT, None)

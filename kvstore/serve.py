@@ -11,7 +11,7 @@ TieredPromptCache, a subclass that adds a kvstore directory behind it:
                        loaded cache and prefills only the remaining tokens
     stored on disk (background writer; requests never wait for a write):
       cold      the system-prompt segment mlx-lm already cuts at the first
-                user turn (the SPEC 7 anchor: agent sessions share it)
+                user turn (the anchor of docs/format.md §7: agent sessions share it)
       continued waypoints every continued_step tokens of a long prefill
       evict     an entry mlx-lm's LRU drops, when worth keeping
       shutdown  every RAM entry, on SIGINT / SIGTERM
@@ -296,7 +296,7 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
 
     mlx-lm hands the cache to insert_cache at the end of each prompt
     segment; cutting a long segment at every multiple of the waypoint step
-    gives the disk tier the states SPEC 7 stores as `continued`.
+    gives the disk tier the states docs/format.md §7 stores as `continued`.
     """
 
     def __init__(self, model_provider, prompt_cache):

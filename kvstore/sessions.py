@@ -15,7 +15,7 @@ What differs from cache checkpoints, and why:
 
 - a session is saved and loaded at any length: min_tokens is a rule about
   which prompts are worth a lookup, and a session is asked for by name;
-- switching to a session does not consume it, however long it is (SPEC 5.6
+- switching to a session does not consume it, however long it is (docs/format.md §5
   deletes long cache hits because the live session takes the state over; a
   named session is something to come back to);
 - a session still counts towards the disk budget and can be evicted like

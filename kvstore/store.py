@@ -1,4 +1,4 @@
-"""KVStore: the directory cache (SPEC sections 4-8 and 11).
+"""KVStore: the directory cache (docs/format.md §4-§8 and §11).
 
 One directory of .kv files shared by any number of processes:
 
@@ -92,7 +92,8 @@ class KVStore:
             context are never loaded.  None: no limit (header gets 0).
         reject_different_quant: make quant part of the match.
         options: kvstore.Options (min_tokens, cold_max_tokens, ...).
-        durable: fsync file and directory on save (crash-safe publish).
+        durable: sync file and directory on save (crash-safe publish): fsync
+            on Linux, F_FULLFSYNC on macOS (kvstore.files.sync_fd).
         verify: check every payload CRC on load.
         quarantine: move corrupt files to <dir>/.quarantine instead of deleting.
         max_age_s: remove checkpoints not used for this long (None: keep).
@@ -229,7 +230,7 @@ class KVStore:
                 options.min_tokens).  Agent sessions, addressed by name rather
                 than found by lookup, load at any length.
             consume: delete a checkpoint of more than options.cold_max_tokens
-                after loading it (SPEC 5.6).  Agent sessions are kept: a
+                after loading it (docs/format.md §5).  Agent sessions are kept: a
                 session is switched back to, not taken over.
 
         Returns:
@@ -392,7 +393,7 @@ class KVStore:
             meta: engine JSON (dict) stored in the manifest.
             reason: kvstore.Reason.
             ctx_size: context size the state was made with (default: the store's).
-            trailers: dict ext-bit -> value for the trailer hooks (SPEC section 10).
+            trailers: dict ext-bit -> value for the trailer hooks (docs/format.md §10).
             min_tokens: refuse fewer tokens than this (default
                 options.min_tokens); agent sessions are saved at any length.
 
@@ -455,7 +456,7 @@ class KVStore:
         return entry
 
     def _keep_existing(self, path, text, ctx, values, reason):
-        """SPEC 6.2: a compatible file with the same name is kept; only its trailer changes.
+        """docs/format.md §6: a compatible file with the same name is kept; only its trailer changes.
 
         One header byte may change too: a file saved again as an agent session
         becomes one (reason byte 5), so that a named session whose text a
@@ -477,7 +478,7 @@ class KVStore:
             if reason == Reason.AGENT_SESSION and e.reason != Reason.AGENT_SESSION:
                 os.pwrite(fd, bytes([int(Reason.AGENT_SESSION)]), 5)
                 if self.durable:
-                    os.fsync(fd)
+                    files.sync_fd(fd, data_only=True)
                 e = entry_from_fd(fd, os.fstat(fd), e.path)
             with self._lock:
                 self._index.add(e)
@@ -494,7 +495,7 @@ class KVStore:
         """Merges values into the file's trailer in place; unknown sections stay.
 
         A crash half-way leaves a trailer section whose CRC fails: readers drop
-        that section and the checkpoint itself stays usable (SPEC section 10).
+        that section and the checkpoint itself stays usable (docs/format.md §10).
         """
         old_raw = os.pread(fd, e.file_size - e.trailer_offset, e.trailer_offset)
         old_values, sections, _ = trailer_mod.parse_trailer(old_raw, e.path, log)
@@ -521,7 +522,7 @@ class KVStore:
         flags = (int(e.ext_flags) & ~had & 0xFF) | ext
         os.pwrite(fd, bytes([flags]), 6)
         if self.durable:
-            os.fsync(fd)
+            files.sync_fd(fd)           # the size changed too: not data only
         return entry_from_fd(fd, os.fstat(fd), e.path)
 
     def _publish(self, path, header, text, plan, trailer_raw):
@@ -688,6 +689,9 @@ class KVStore:
             out["entries"] = len(self._index.entries)
             out["bytes"] = self._index.total_bytes()
             out["budget_bytes"] = self.budget_bytes
+        # How a durable save reaches the disk here (docs/format.md §11).
+        out["sync"] = files.SYNC_PRIMITIVE if self.durable else "none"
+        out["sync_fallbacks"] = files.sync_fallbacks()
         if self.remote is not None:
             out.update(self.remote.stats())
         return out

@@ -1,4 +1,4 @@
-"""Trailer sections after the payload (SPEC section 10).
+"""Trailer sections after the payload (docs/format.md §10).
 
 A checkpoint file may end with a trailer: a sequence of sections, each owned
 by one bit of the header's extension-flags byte.  Each section is framed as
@@ -41,11 +41,11 @@ __all__ = [
 SECTION_HEADER = struct.Struct("<B3xQI")   # 16 bytes: bit, reserved, body length, CRC32C
 _SECTION = struct.Struct("<B3sQI")         # the same framing, reserved bytes read (and ignored)
 
-# The header's extension-flags field is one byte (SPEC section 2), so a section
+# The header's extension-flags field is one byte (docs/format.md §2), so a section
 # can be owned by bits 0..7 only.
 MAX_BIT = 7
 
-# A session title is a label for `list` (SPEC section 9), not a document; 4 KiB
+# A session title is a label for `list` (docs/format.md §9), not a document; 4 KiB
 # is far past any title a person types and keeps a hostile file from turning
 # the listing into a dump of prompt text.
 TITLE_MAX_BYTES = 4096
@@ -145,7 +145,7 @@ def _check_str_map(value, exc):
 
 
 class TitleHook:
-    """Ext bit 3: the agent-session title (SPEC section 9), UTF-8, at most TITLE_MAX_BYTES."""
+    """Ext bit 3: the agent-session title (docs/format.md §9), UTF-8, at most TITLE_MAX_BYTES."""
     bit = ExtFlag.SESSION_TITLE.bit_length() - 1   # 3
 
     def encode(self, value):

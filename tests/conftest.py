@@ -1,14 +1,13 @@
-"""Shared fixtures: one run per compiled hashing path, and checkpoint files on disk."""
+"""Shared fixtures: one run per compiled hashing path, checkpoint files on disk, an open
+store and the MLX tests' tokenizer.  The plain helpers they use are in kvhelpers.py."""
 
-import hashlib
 import os
-import struct
 from dataclasses import dataclass
 
 import pytest
 
-import kvstore
 from kvstore import _native
+from kvhelpers import make_envelope, make_store, write_checkpoint
 
 _AVAILABLE = _native.available()
 # Every path name the build can run for either hot path, portable first.
@@ -48,42 +47,6 @@ def impl(request):
         _native.select(sha1=restore, crc32c=restore)
 
 
-def make_envelope(text=b"hello world", payload=b"\x00payload\xff", trailer=b"", *,
-                  header=None, text_len=None, **fields):
-    """The bytes of a .kv file: 48-byte header, u32 text length, text, payload, trailer.
-
-    Args:
-        header: raw 48 header bytes to use instead of packing ``fields`` (for
-            headers that Header.pack refuses to write).
-        text_len: the u32 written as the text length (default len(text)).
-        fields: kvstore.Header fields; defaults make a valid ABI-16 header
-            whose payload_bytes is len(payload).
-    """
-    if header is None:
-        values = dict(quant_bits=4, tokens=7, ctx_size=32768, payload_bytes=len(payload),
-                      reason=kvstore.Reason.COLD, created_at=1_700_000_000,
-                      last_used=1_700_000_100)
-        values.update(fields)
-        header = kvstore.Header(**values).pack()
-    assert len(header) == 48
-    tl = len(text) if text_len is None else text_len
-    return header + struct.pack("<I", tl) + text + payload + trailer
-
-
-def checkpoint_name(text):
-    """The file name SPEC section 2 gives the checkpoint of text."""
-    return hashlib.sha1(text).hexdigest() + ".kv"
-
-
-def write_checkpoint(directory, text=b"hello world", payload=b"\x00payload\xff", trailer=b"", *,
-                     name=None, **kw):
-    """Writes make_envelope(...) to directory/name (default sha1(text).kv); returns the path."""
-    path = os.path.join(os.fspath(directory), name or checkpoint_name(text))
-    with open(path, "wb") as f:
-        f.write(make_envelope(text, payload, trailer, **kw))
-    return path
-
-
 @pytest.fixture
 def checkpoint_file(tmp_path):
     """A factory: checkpoint_file(text=..., payload=..., trailer=..., name=..., **header_fields)
@@ -97,3 +60,26 @@ def checkpoint_file(tmp_path):
 def envelope():
     """make_envelope, for tests that need the bytes rather than a file."""
     return make_envelope
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "store_args(**kw): arguments the store fixture passes on to make_store")
+
+
+@pytest.fixture
+def store(request, tmp_path):
+    """An open make_store(tmp_path / "kv") (min_tokens=1, no fsync), closed after the test.
+
+    A module or test marked ``pytest.mark.store_args(**kw)`` gets make_store(..., **kw).
+    """
+    marker = request.node.get_closest_marker("store_args")
+    with make_store(tmp_path / "kv", **(marker.kwargs if marker else {})) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """The offline demo tokenizer (kvstore.demo.model), trained once per module."""
+    from kvstore.demo import model as mlx_model
+    return mlx_model.make_tokenizer(tmp_path_factory.mktemp("tok"))

@@ -6,6 +6,7 @@ payload byte flipped.  Every prompt text carries SECRET, and no command but
 `inspect --text` may print it.
 """
 
+import functools
 import json
 import os
 import stat
@@ -23,18 +24,15 @@ from kvstore import files
 from kvstore.errors import CheckpointMissing
 from kvstore.format import Reason, read_entry
 
-from conftest import write_checkpoint
 from kvhelpers import colliding_texts as _colliding_texts
-from kvhelpers import flip, make_store
+from kvhelpers import flip, make_store, make_tensors, write_checkpoint
 
 SECRET = "SECRET-PROMPT-7f3a"
 DS4_TEXT = f"<|begin|>{SECRET} ds4 system".encode()
 
 
-def tensors(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return {"layers.0.k": rng.standard_normal((2, n, 8)).astype(np.float16),
-            "layers.0.v": rng.standard_normal((2, n, 8)).astype(np.float32)}
+# This file's saves: layers.0.k (2, n, 8) float16 and layers.0.v (2, n, 8) float32.
+tensors = functools.partial(make_tensors, shape=(2, "n", 8), names=("layers.0.k", "layers.0.v"))
 
 
 def build_cache(d):

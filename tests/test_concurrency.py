@@ -23,7 +23,7 @@ replacements: a lookup whose file vanishes is a miss, never an exception.
 """
 
 import collections
-import multiprocessing
+import functools
 import os
 import random
 import time
@@ -33,15 +33,13 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import KVStore, Options
+from kvstore import KVStore
 from kvstore import payload
 from kvstore.errors import KVStoreError
 from kvstore.format import entry_from_fd, open_checkpoint
 from kvstore.files import verify_file
+from kvhelpers import CTX, OPTS, make_tensors
 
-CTX = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-
-OPTS = Options(min_tokens=1)
 N_GROUPS = 6
 # Texts of one group are prefixes of one another, so a lookup may land on a
 # shorter checkpoint than the prompt's own.
@@ -54,9 +52,8 @@ def tokens_for(seed):
     return (np.arange(40, dtype=np.uint32) + seed) % 60000
 
 
-def tensors_for(seed):
-    base = np.arange(ELEMS, dtype=np.uint32) * np.uint32(2654435761)
-    return {"k": (base ^ np.uint32(seed)).reshape(6, -1), "v": (base + np.uint32(seed)).reshape(-1, 8)}
+# tensors_for(seed=s): k (6, 1000) and v (750, 8), uint32, the data of seed s.
+tensors_for = functools.partial(make_tensors, shape=((6, ELEMS // 6), (ELEMS // 8, 8)), dtypes=("uint32", "uint32"))
 
 
 def check_checkpoint(ck, prompt):
@@ -65,7 +62,7 @@ def check_checkpoint(ck, prompt):
     assert ck.text_bytes == TEXTS[t].encode()
     assert prompt.startswith(ck.text_bytes)
     assert np.array_equal(ck.tokens, tokens_for(seed))
-    want = tensors_for(seed)
+    want = tensors_for(seed=seed)
     assert sorted(ck.tensors) == sorted(want)
     for k, v in want.items():
         assert np.array_equal(ck.tensors[k], v), k
@@ -119,10 +116,10 @@ def _worker(d, wid, n_ops, seed, out):
                     if rng.random() < 0.25:
                         kw["trailers"] = {3: f"title {i}"}
                     if op == "save":
-                        r = store.save(TEXTS[t], tokens_for(s), tensors_for(s), **kw)
+                        r = store.save(TEXTS[t], tokens_for(s), tensors_for(seed=s), **kw)
                         counts["save_" + ("ok" if r is not None else "none")] += 1
                     else:
-                        futures.append(store.save_async(TEXTS[t], tokens_for(s), tensors_for(s), **kw))
+                        futures.append(store.save_async(TEXTS[t], tokens_for(s), tensors_for(seed=s), **kw))
                 elif op == "find":
                     e = store.find(prompt)
                     counts["find_" + ("hit" if e is not None else "miss")] += 1
@@ -268,7 +265,7 @@ def _race_worker(role, d, seconds, seed, out):
 def _delete_step(store, d, rng, n):
     t = rng.randrange(len(RACE_TEXTS))
     s = rng.randrange(2**31)
-    e = store.save(RACE_TEXTS[t], tokens_for(s), tensors_for(s),
+    e = store.save(RACE_TEXTS[t], tokens_for(s), tensors_for(seed=s),
                    meta={"t": t, "seed": s, "uid": str(s)}, ctx_size=rng.choice([4096, 8192]))
     how = rng.choice(["unlink", "wipe", "evict", "replace"])
     n[how] += 1
@@ -304,7 +301,7 @@ def check_checkpoint_race(ck, prompt):
     t, s = ck.meta["t"], ck.meta["seed"]
     assert ck.text_bytes == RACE_TEXTS[t].encode() and prompt.startswith(ck.text_bytes)
     assert np.array_equal(ck.tokens, tokens_for(s))
-    assert all(np.array_equal(ck.tensors[k], v) for k, v in tensors_for(s).items())
+    assert all(np.array_equal(ck.tensors[k], v) for k, v in tensors_for(seed=s).items())
 
 
 def test_lookup_racing_deletion_is_a_miss(tmp_path):
@@ -339,7 +336,7 @@ def race(tmp_path, seconds):
 def _replacement_file(tmp_path, text, seed):
     """The bytes another process would rename over text's file: same name, other data."""
     with KVStore(tmp_path / "elsewhere", options=OPTS, durable=False) as other:
-        e = other.save(text, tokens_for(seed), tensors_for(seed), meta={"t": 0, "seed": seed, "uid": "new"},
+        e = other.save(text, tokens_for(seed), tensors_for(seed=seed), meta={"t": 0, "seed": seed, "uid": "new"},
                        ctx_size=1024)
         return e.path
 
@@ -361,7 +358,7 @@ def test_hit_counts_on_the_file_loaded_not_on_its_replacement(tmp_path, monkeypa
     text = TEXTS[0]
     new_path = _replacement_file(tmp_path, text, seed=2)
     with KVStore(tmp_path / "kv", options=OPTS, durable=False) as s:
-        old = s.save(text, tokens_for(1), tensors_for(1), meta={"t": 0, "seed": 1, "uid": "old"},
+        old = s.save(text, tokens_for(1), tensors_for(seed=1), meta={"t": 0, "seed": 1, "uid": "old"},
                      trailers={3: "a title"})
         found = s.find(text + "?")
         done = _run_once_inside(monkeypatch, lambda: os.replace(new_path, old.path))
@@ -377,7 +374,7 @@ def test_hit_counts_on_the_file_loaded_not_on_its_replacement(tmp_path, monkeypa
 def test_save_over_a_file_being_wiped_writes_a_fresh_one(tmp_path, monkeypatch):
     text = TEXTS[1]
     with KVStore(tmp_path / "kv", options=OPTS, durable=False) as s:
-        old = s.save(text, tokens_for(1), tensors_for(1), meta={"t": 1, "seed": 1, "uid": "old"},
+        old = s.save(text, tokens_for(1), tensors_for(seed=1), meta={"t": 1, "seed": 1, "uid": "old"},
                      trailers={3: "first"})
 
         def wipe_started():                                   # another process's wipe, half done
@@ -386,7 +383,7 @@ def test_save_over_a_file_being_wiped_writes_a_fresh_one(tmp_path, monkeypatch):
         done = _run_once_inside(monkeypatch, wipe_started)
         # Compatible, so save() starts rewriting the trailer in place; the
         # header turns to zeros under it.  Once this raised CorruptCheckpoint.
-        e = s.save(text, tokens_for(1), tensors_for(1), meta={"t": 1, "seed": 1, "uid": "fresh"},
+        e = s.save(text, tokens_for(1), tensors_for(seed=1), meta={"t": 1, "seed": 1, "uid": "fresh"},
                    trailers={3: "second"})
         assert done and e is not None
         ck = s.load(s.find(text + "?"))
@@ -407,7 +404,7 @@ def test_save_whose_file_is_wiped_as_soon_as_visible(tmp_path, monkeypatch):
                 f.write(bytes(os.path.getsize(dst)))
     with KVStore(tmp_path / "kv", options=OPTS, durable=True) as s:
         monkeypatch.setattr(os, "rename", rename_then_wipe)
-        e = s.save(TEXTS[2], tokens_for(3), tensors_for(3), meta={"t": 2, "seed": 3, "uid": "x"})
+        e = s.save(TEXTS[2], tokens_for(3), tensors_for(seed=3), meta={"t": 2, "seed": 3, "uid": "x"})
         monkeypatch.undo()
         assert e is not None and e.tokens == 40 and e.name == kvstore.sha1(TEXTS[2].encode()).hex() + ".kv"
         found = s.find(TEXTS[2] + "?")                         # the zeroed file is a miss

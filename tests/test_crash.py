@@ -23,7 +23,7 @@ calls; this is the same through the store.
 """
 
 import collections
-import multiprocessing
+import functools
 import os
 import platform
 import random
@@ -35,14 +35,12 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import KVStore, Options, Reason
+from kvstore import KVStore, Reason
 from kvstore.files import verify_file
-
-CTX = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+from kvhelpers import CTX, OPTS, make_tensors
 
 MB = 1 << 20
 CKPT_BYTES = 50 * MB
-OPTS = Options(min_tokens=1)
 CTX_SIZE = 8192
 KEEP_FILES = 3               # the parent deletes older checkpoints: disk use stays ~200 MB
 
@@ -371,9 +369,8 @@ def test_soak_sigkill_during_saves(tmp_path):
 SMALL_TEXT = "an agent session whose header is updated in place"
 
 
-def small_tensors():
-    rng = np.random.default_rng(3)
-    return {"k": rng.standard_normal((8, 512)).astype(np.float16)}
+# small_tensors(): k, (8, 512) float16, always the same.
+small_tensors = functools.partial(make_tensors, 512, 3, shape=(8, "n"), dtypes=("float16",), names=("k",))
 
 
 def _updater(d, counter):

@@ -26,16 +26,20 @@ import sys
 import numpy as np
 import pytest
 
+from kvhelpers import listing
+
 # The child: one store, one existing checkpoint to keep serving, then a
 # sweep of limits.  It prints one JSON object.
 CHILD = r"""
-import json, logging, os, resource, signal, sys
+import json, logging, resource, signal, sys
 import numpy as np
 import kvstore
 from kvstore import KVStore, Options, payload
 
 cfg = json.loads(sys.argv[1])
 d = cfg["dir"]
+sys.path.insert(0, cfg["helpers"])
+from kvhelpers import listing, make_tensors
 records = []
 
 class Grab(logging.Handler):
@@ -53,14 +57,8 @@ hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
 def limit(n):
     resource.setrlimit(resource.RLIMIT_FSIZE, (n, hard))
 
-def listing():
-    return sorted(n for n in os.listdir(d) if n != ".kvstore.lock")
-
-def tensors():
-    rng = np.random.default_rng(1)
-    return {"k": rng.standard_normal((8, 700)).astype(np.float16),
-            "v": rng.integers(0, 99, (3, 1000)).astype(np.uint32),
-            "empty": np.zeros((0, 4), np.float32)}
+TENSORS = make_tensors(seed=1, shape=((8, 700), (3, 1000), (0, 4)), dtypes=("float16", "uint32", "float32"),
+                       names=("k", "v", "empty"))
 
 out = {"cases": []}
 store = KVStore(d, options=Options(min_tokens=1), durable=True, budget_mb=0)
@@ -69,7 +67,7 @@ text = "a new prompt " + "t" * 3000
 trailers = {0: {"call_%d" % i: "x" * 200 for i in range(20)}, 3: "title"}
 
 # Where each stage of the new file starts (for the sweep to hit each one).
-e_plan = payload.Plan(len(text), np.arange(50), tensors(), {"m": 1})
+e_plan = payload.Plan(len(text), np.arange(50), TENSORS, {"m": 1})
 P = e_plan.payload_start
 raw_trailer, _ = kvstore.trailers.encode_trailer({0: trailers[0], 3: "title"})
 size = P + e_plan.payload_bytes + len(raw_trailer)
@@ -79,17 +77,17 @@ marks += [P + t["offset"] for t in [m["tokens"]] + m["tensors"]]
 limits = sorted({max(1, x + dx) for x in marks for dx in (-1, 0, 1)} | set(range(1, size + 2, 997)))
 out["size"] = size
 for L in limits:
-    before = listing()
+    before = listing(d)
     del records[:]
     limit(L)
     fut = store.save_async if cfg["use_async"] and L % 2 else None
     if fut is not None:
-        e = store.save_async(text, np.arange(50), tensors(), meta={"m": 1}, trailers=trailers).result()
+        e = store.save_async(text, np.arange(50), TENSORS, meta={"m": 1}, trailers=trailers).result()
     else:
-        e = store.save(text, np.arange(50), tensors(), meta={"m": 1}, trailers=trailers)
+        e = store.save(text, np.arange(50), TENSORS, meta={"m": 1}, trailers=trailers)
     limit(hard)
     case = {"limit": L, "ok": e is not None, "records": list(records),
-            "left": sorted(set(listing()) - set(before))}
+            "left": sorted(set(listing(d)) - set(before))}
     if e is not None:
         case["file_size"] = e.file_size
         store.wipe(e)
@@ -141,8 +139,9 @@ def check_sweep(out, error):
 
 
 def run_child(d, cwd, use_async):
-    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps({"dir": d, "old_text": "an old prompt",
-                                                                  "use_async": use_async})],
+    cfg = {"dir": d, "old_text": "an old prompt", "use_async": use_async,
+           "helpers": os.path.dirname(os.path.abspath(__file__))}     # where kvhelpers.py is
+    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)],
                        cwd=cwd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout)
@@ -222,9 +221,6 @@ def test_full_tmpfs_every_stage(tmpfs, tmp_path):
             finally:
                 os.close(fd)
 
-    def listing():
-        return sorted(x for x in os.listdir(d) if x != ".kvstore.lock")
-
     tensors = {"k": np.random.default_rng(1).standard_normal((8, 4000)).astype(np.float16),
                "v": np.arange(9000, dtype=np.uint32)}
     text = "a new prompt " + "t" * 6000
@@ -236,11 +232,11 @@ def test_full_tmpfs_every_stage(tmpfs, tmp_path):
             hits = 0
             for n in list(range(0, size + 3 * 4096, 4096)) + [size + 64 * 1024]:
                 room(n)
-                before = listing()
+                before = listing(d)
                 del records[:]
                 e = s.save(text, np.arange(50), tensors) if n % 8192 else \
                     s.save_async(text, np.arange(50), tensors).result()
-                cases.append((n, e is not None, list(records), sorted(set(listing()) - set(before))))
+                cases.append((n, e is not None, list(records), sorted(set(listing(d)) - set(before))))
                 if e is not None:
                     os.truncate(filler, 0)
                     assert s.wipe(e) == 1

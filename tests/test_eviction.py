@@ -4,9 +4,7 @@ evicting processes, and the maximum age."""
 
 import fcntl
 import hashlib
-import multiprocessing
 import os
-import re
 import struct
 import time
 
@@ -14,16 +12,10 @@ import numpy as np
 import pytest
 
 import kvstore
+from kvstore import Options
 from kvstore import store as store_mod
-from kvhelpers import make_store
+from kvhelpers import CTX, checkpoint_files, make_store
 
-try:
-    from kvstore import Options
-except ImportError:
-    from kvstore.policy import Options
-
-CTX = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-OPTS = Options(min_tokens=1)
 HALF_LIFE = Options().hit_half_life_s
 R = kvstore.Reason
 TENSORS = {"k": np.arange(4096, dtype=np.float32)}      # every test file: 16 KiB of data
@@ -31,10 +23,6 @@ TENSORS = {"k": np.arange(4096, dtype=np.float32)}      # every test file: 16 Ki
 
 def name_of(text):
     return hashlib.sha1(text.encode()).hexdigest() + ".kv"
-
-
-def checkpoint_files(directory):
-    return sorted(n for n in os.listdir(directory) if re.match(r"^[0-9a-fA-F]{40}\.kv$", n))
 
 
 def disk_bytes(directory):

@@ -3,9 +3,9 @@ read-only directories, a full disk, hostile names and impossible inputs.  A
 fault is a miss or a refusal, never an exception in the serving loop, and it
 never leaves a partial or corrupt visible file behind."""
 
+import functools
 import json
 import logging
-import multiprocessing
 import os
 import resource
 import shutil
@@ -19,35 +19,15 @@ import pytest
 
 import kvstore
 from kvstore.files import QUARANTINE_DIR
-from kvhelpers import make_store, flip
+from kvhelpers import CTX, flip, listing, make_store, make_tensors
 
-try:
-    from kvstore import Options
-except ImportError:
-    from kvstore.policy import Options
-
-CTX = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-OPTS = Options(min_tokens=1)
 PAYLOAD_HEAD = struct.Struct("<4sIQII")
 TEXT = "a system prompt and a user turn"
 PROMPT = TEXT + ", and the rest of the request"
 
 
-@pytest.fixture
-def store(tmp_path):
-    with make_store(tmp_path / "kv") as s:
-        yield s
-
-
-def tensors(seed=0):
-    rng = np.random.default_rng(seed)
-    return {"k": rng.standard_normal((4, 256)).astype(np.float16),
-            "v": rng.standard_normal((4, 256)).astype(np.float16)}
-
-
-def listing(directory):
-    """Every name but the lock file (tmp files and quarantine included)."""
-    return sorted(n for n in os.listdir(directory) if n != ".kvstore.lock")
+# This file's saves: k and v, (4, 256) float16 each.
+tensors = functools.partial(make_tensors, dtypes=("float16", "float16"))
 
 
 def tmp_names(directory):
@@ -154,10 +134,10 @@ def test_truncated_before_find(tmp_path):
         assert s.find(PROMPT) is None                      # an invalid envelope is not indexed
         assert s.entries() == []
         assert s.stats()["bytes"] == 0                     # nor counted
-        new = s.save(TEXT, [1, 2, 3], tensors(1))          # replaced, not "kept"
+        new = s.save(TEXT, [1, 2, 3], tensors(seed=1))     # replaced, not "kept"
         assert new.file_size == e.file_size
         ck = s.load(s.find(PROMPT))
-        assert np.array_equal(ck.tensors["k"], tensors(1)["k"])
+        assert np.array_equal(ck.tensors["k"], tensors(seed=1)["k"])
 
 
 def test_truncated_in_place_under_an_open_store(store):
@@ -168,7 +148,7 @@ def test_truncated_in_place_under_an_open_store(store):
     found = store.find(PROMPT)
     assert found is None or store.load(found) is None
     assert store.find(PROMPT) is None
-    assert store.save(TEXT, [1, 2, 3], tensors(1)) is not None
+    assert store.save(TEXT, [1, 2, 3], tensors(seed=1)) is not None
     assert store.load(store.find(PROMPT)) is not None
 
 
@@ -282,10 +262,10 @@ def test_hostile_names_and_types_are_ignored(store, tmp_path):
         kvstore.read_entry(good.path)
     # Saving replaces the symlink itself and never writes through it.
     before = elsewhere.read_bytes()
-    e = store.save(TEXT, [1, 2, 3], tensors(2))
+    e = store.save(TEXT, [1, 2, 3], tensors(seed=2))
     assert e is not None and not os.path.islink(e.path)
     assert elsewhere.read_bytes() == before
-    assert np.array_equal(store.load(store.find(PROMPT)).tensors["k"], tensors(2)["k"])
+    assert np.array_equal(store.load(store.find(PROMPT)).tensors["k"], tensors(seed=2)["k"])
 
 
 # ---- read-only directory ------------------------------------------------------------
@@ -369,10 +349,10 @@ def _full_disk_child(path, q):
             out["left_behind"] = sorted(set(listing(path)) - set(before))
             out["save_errors"] = s.stats()["save_errors"]
             out["logged"] = [m for m in lines if "save_failed" in m]
-            small = s.save("fits on the disk", [4, 5], tensors(3))
+            small = s.save("fits on the disk", [4, 5], tensors(seed=3))
             out["small"] = small is not None and small.file_size < LIMIT
             ck = s.load(s.find("fits on the disk!"))
-            out["small_load"] = ck is not None and np.array_equal(ck.tensors["v"], tensors(3)["v"])
+            out["small_load"] = ck is not None and np.array_equal(ck.tensors["v"], tensors(seed=3)["v"])
             ck = s.load(s.find(PROMPT))
             out["old_load"] = ck is not None and np.array_equal(ck.tensors["k"], tensors()["k"])
         q.put(out)

@@ -2,8 +2,8 @@
 index kept current across processes, and digests confirmed by the bytes."""
 
 import dataclasses
+import functools
 import hashlib
-import multiprocessing
 import os
 import shutil
 import struct
@@ -14,26 +14,12 @@ import pytest
 
 import kvstore
 from kvstore import index as index_mod
-from kvhelpers import make_store
-
-try:
-    from kvstore import Options
-except ImportError:
-    from kvstore.policy import Options
-
-CTX = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-OPTS = Options(min_tokens=1)
+from kvstore import Options
+from kvhelpers import CTX, make_store, make_tensors
 
 
-@pytest.fixture
-def store(tmp_path):
-    with make_store(tmp_path / "kv") as s:
-        yield s
-
-
-def tensors_for(text, n=16):
-    seed = int.from_bytes(hashlib.sha1(kvstore_bytes(text)).digest()[:4], "little")
-    return {"k": np.random.default_rng(seed).standard_normal(n).astype(np.float16)}
+# tensors_for(text): k, 16 float16 values of the text's own (seeded by its SHA1).
+tensors_for = functools.partial(make_tensors, 16, shape=("n",), dtypes=("float16",), names=("k",))
 
 
 def kvstore_bytes(text):

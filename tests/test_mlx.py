@@ -1,6 +1,6 @@
 """End to end with a real MLX model: MLXEngine + PromptCache + KVStore.
 
-The model is a random-weight mlx-lm llama (tests/mlx_model.py) and the
+The model is a random-weight mlx-lm llama (kvstore/demo/model.py) and the
 tokenizer a byte-level BPE with chat markers trained offline on Python's own
 docstrings, so merges are long and multi-byte characters split into byte
 tokens, as with real BPE vocabularies.  The model is tiny (2 layers, one KV
@@ -37,7 +37,8 @@ from kvstore import policy  # noqa: E402
 from kvstore.mlx import MLXEngine, save_prompt_cache  # noqa: E402
 from kvstore.prompt_cache import PromptCache  # noqa: E402
 
-import mlx_model  # noqa: E402
+from kvstore.demo import model as mlx_model  # noqa: E402
+from kvhelpers import make_store, stored  # noqa: E402
 
 # One model for the whole file.  Prefill cost on this CPU is dominated by the
 # attention, which grows with heads x head_dim: 2 query heads sharing one KV
@@ -54,11 +55,6 @@ GEN_TOKENS = 8
 
 
 # ---------------------------------------------------------------- fixtures and helpers
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return mlx_model.make_tokenizer(tmp_path_factory.mktemp("tok"))
-
 
 @pytest.fixture(scope="module")
 def model():
@@ -123,20 +119,12 @@ def same_steps(a, b):
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
-def stored(store):
-    return sorted((e.reason.name.lower(), e.tokens) for e in store.entries())
-
-
 def whole_chars(data):
     try:
         data.decode("utf-8")
         return True
     except UnicodeDecodeError:
         return False
-
-
-def open_store(path, options):
-    return kvstore.KVStore(path, options=options, durable=False)
 
 
 # ---------------------------------------------------------------- 1. restore equals recompute
@@ -162,7 +150,7 @@ def test_disk_hit_at_an_aligned_boundary_equals_a_cold_prefill(tok, model, prose
 
     # Cold: prefill everything, store the cold checkpoint at store_len.
     cold = RecordingEngine(model, tok)
-    with open_store(tmp_path / "kv", opts) as store:
+    with make_store(tmp_path / "kv", options=opts) as store:
         pc = PromptCache(store, cold, prefill_step=BIG_STEP)
         cold_out, rep = cold.generate(pc, prompt, max_tokens=32)
         assert rep["source"] == "none" and rep["reused_tokens"] == 0 and rep["prefilled_tokens"] == n
@@ -172,7 +160,7 @@ def test_disk_hit_at_an_aligned_boundary_equals_a_cold_prefill(tok, model, prose
 
     # A new process: new KVStore on the same directory, fresh engine.
     hit = RecordingEngine(model, tok)
-    with open_store(tmp_path / "kv", opts) as store:
+    with make_store(tmp_path / "kv", options=opts) as store:
         pc = PromptCache(store, hit, prefill_step=BIG_STEP)
         hit_out, rep = hit.generate(pc, prompt, max_tokens=32)
         assert rep["source"] == "disk" and rep["reused_tokens"] == cut
@@ -214,7 +202,7 @@ def test_stored_boundary_inside_a_merged_token(tok, model, prose, tmp_path, save
     c = drift_cut(tok, p, 300)
     prefix, suffix = p[:c], p[c:]
     prefix_tokens = tok.encode(prefix)
-    with open_store(tmp_path / "kv", SMALL) as store:
+    with make_store(tmp_path / "kv", options=SMALL) as store:
         if saved_by == "prompt_cache":
             # A session that prefilled exactly the prefix and stopped (the store
             # on close: its text is the prefix, its tokens prefix_tokens).
@@ -233,7 +221,7 @@ def test_stored_boundary_inside_a_merged_token(tok, model, prose, tmp_path, save
             assert save_prompt_cache(store, prefix, prefix_tokens, cache) is not None
 
     engine = MLXEngine(model, tok)
-    with open_store(tmp_path / "kv", SMALL) as store:
+    with make_store(tmp_path / "kv", options=SMALL) as store:
         pc = PromptCache(store, engine, prefill_step=STEP)
         req = pc.begin(p)
         assert req.source == "disk" and req.reused == len(prefix_tokens)
@@ -275,7 +263,7 @@ def test_multi_byte_characters_are_never_cut(tok, model, prose, tmp_path, caplog
     assert whole and cut, "the prompt must put some boundaries inside characters"
 
     caplog.set_level(logging.INFO, logger="kvstore")
-    with open_store(tmp_path / "kv", opts) as store:
+    with make_store(tmp_path / "kv", options=opts) as store:
         pc = PromptCache(store, MLXEngine(model, tok), prefill_step=STEP)
         pc.prefill(pc.begin(q))
         assert sorted(e.tokens for e in store.entries()) == whole
@@ -292,7 +280,7 @@ def test_multi_byte_characters_are_never_cut(tok, model, prose, tmp_path, caplog
     # text: a disk hit at the longest checkpoint, suffix tokenized on its own.
     q2 = q + "€😀 " + multi_byte_text(prose, 20000, 2)[:300]
     engine = MLXEngine(model, tok)
-    with open_store(tmp_path / "kv", opts) as store:
+    with make_store(tmp_path / "kv", options=opts) as store:
         pc = PromptCache(store, engine, prefill_step=STEP)
         req = pc.begin(q2)
         k = max(whole)
@@ -350,7 +338,7 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
 
     engine = RecordingEngine(model, tok, user_marker="<|user|>", assistant_marker="<|assistant|>")
     assert (engine.user_id, engine.assistant_id) == (tok.user_id, tok.assistant_id)
-    store = open_store(tmp_path / "kv", SMALL)
+    store = make_store(tmp_path / "kv", options=SMALL)
     pc = PromptCache(store, engine, prefill_step=STEP)
 
     def expected_stores(start, end, last, cold_target):
@@ -457,13 +445,13 @@ def test_model_directory_end_to_end(tok, tmp_path):
     anchor = policy.chat_anchor_pos(ids, built_tok.user_id, built_tok.assistant_id, SMALL)
     assert anchor > 0
 
-    with open_store(tmp_path / "kv", SMALL) as store:
+    with make_store(tmp_path / "kv", options=SMALL) as store:
         pc = PromptCache(store, engine, prefill_step=STEP)
         out1, rep1 = engine.generate(pc, first, max_tokens=GEN_TOKENS)
         assert rep1["source"] == "none" and ("cold", anchor) in rep1["stored"]
 
     engine2 = RecordingEngine(loaded, wrapper, **engine_kw)
-    with open_store(tmp_path / "kv", SMALL) as store:
+    with make_store(tmp_path / "kv", options=SMALL) as store:
         pc = PromptCache(store, engine2, prefill_step=STEP)
         out2, rep2 = engine2.generate(pc, second, max_tokens=GEN_TOKENS)
         assert rep2["source"] == "disk" and rep2["reused_tokens"] == anchor

@@ -21,18 +21,7 @@ from kvstore import mlx as kvmlx  # noqa: E402
 from kvstore.mlx import (CACHE_CLASSES, cache_to_tensors, load_prompt_cache,  # noqa: E402
                                save_prompt_cache, tensors_to_cache)
 
-import mlx_model  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return mlx_model.make_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture
-def store(tmp_path):
-    with kvstore.KVStore(tmp_path / "kv", options=kvstore.Options(min_tokens=1)) as s:
-        yield s
+from kvstore.demo import model as mlx_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

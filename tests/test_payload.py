@@ -4,7 +4,6 @@ byte layout of the file as written."""
 
 import hashlib
 import json
-import re
 import struct
 
 import numpy as np
@@ -12,29 +11,13 @@ import pytest
 
 from kvstore import _reference
 from kvstore.payload import DTYPES
-from kvstore.store import KVStore
-
-try:
-    from kvstore import Options
-except ImportError:                      # older trees export it from policy only
-    from kvstore.policy import Options
+from kvhelpers import checkpoint_files
 
 mx = pytest.importorskip("mlx.core")
 
 NUMPY_DTYPES = sorted(d for d in DTYPES if d != "bfloat16")   # NumPy has no bfloat16
 PAYLOAD_HEAD = struct.Struct("<4sIQII")
 HEADER = struct.Struct("<3sBBBBBIIIB3xQQQI")                   # 48-byte header + u32 text length
-
-
-@pytest.fixture
-def store(tmp_path):
-    with KVStore(tmp_path / "kv", options=Options(min_tokens=1), durable=False) as s:
-        yield s
-
-
-def checkpoint_files(directory):
-    """Checkpoints and temporaries in directory (not the lock file)."""
-    return sorted(p.name for p in directory.iterdir() if re.match(r"^[0-9a-f]{40}\.kv(\.tmp\..*)?$", p.name))
 
 
 def sample(dtype, shape, seed=0):
@@ -221,7 +204,7 @@ def test_meta_defaults_to_empty(store):
 def test_meta_that_is_not_json_object_is_refused(store, meta, tmp_path):
     with pytest.raises(ValueError):
         store.save("bad meta", [1, 2], {}, meta=meta)
-    assert checkpoint_files(tmp_path / "kv") == []
+    assert checkpoint_files(tmp_path / "kv", temporaries=True) == []
 
 
 @pytest.mark.parametrize("array", [np.zeros(3, dtype=object), np.array(["a", "b"]),
@@ -229,7 +212,7 @@ def test_meta_that_is_not_json_object_is_refused(store, meta, tmp_path):
 def test_unsupported_dtype_is_refused(store, tmp_path, array):
     with pytest.raises(ValueError, match="dtype"):
         store.save("bad dtype", [1], {"x": array})
-    assert checkpoint_files(tmp_path / "kv") == []
+    assert checkpoint_files(tmp_path / "kv", temporaries=True) == []
     assert store.find("bad dtype") is None
 
 

@@ -12,12 +12,16 @@ import pytest
 import kvstore
 from kvstore import policy
 from kvstore.prompt_cache import PromptCache
+from kvhelpers import stored
 
 USER, ASSISTANT = 1, 2
 
 OPTS = kvstore.Options(min_tokens=64, cold_max_tokens=5000, continued_interval_tokens=200,
                        boundary_trim_tokens=8, boundary_align_tokens=64)
 STEP = 64          # prefill step == alignment, as ds4 uses 2048 for both
+
+# The store fixture (conftest.py), with this file's options and a 64 MB budget.
+pytestmark = pytest.mark.store_args(options=OPTS, budget_mb=64)
 
 
 class ToyEngine:
@@ -68,16 +72,6 @@ def chat(system, *turns):
 def text(n, seed):
     rng = np.random.default_rng(seed)
     return bytes(rng.integers(32, 127, n, dtype=np.uint8))
-
-
-@pytest.fixture
-def store(tmp_path):
-    with kvstore.KVStore(tmp_path / "kv", options=OPTS, budget_mb=64) as s:
-        yield s
-
-
-def stored(store):
-    return sorted((e.reason.name.lower(), e.tokens) for e in store.entries())
 
 
 def check_invariants(pc, engine, req):

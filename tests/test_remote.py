@@ -9,6 +9,7 @@ S3: every call goes over HTTP to the server, which is stopped by its own
 PID at the end.
 """
 
+import functools
 import logging
 import os
 import socket
@@ -25,7 +26,7 @@ import kvstore
 from kvstore import remote as remote_mod
 from kvstore.format import Reason
 
-from kvhelpers import make_store
+from kvhelpers import conversation, kvstore_server, make_store, make_tensors, system_prompt
 from s3server import WeedServer, weed_binary
 
 BUCKET = "kvtest"
@@ -113,11 +114,9 @@ def get_object(server, key):
     return writer_client(server).get_object(Bucket=BUCKET, Key=key)["Body"].read()
 
 
-def tensors(nbytes, seed):
-    rng = np.random.default_rng(seed)
-    half = nbytes // 2
-    return {"layers.0.keys": rng.integers(0, 256, size=half, dtype=np.uint8).reshape(2, -1),
-            "layers.0.values": rng.standard_normal(half // 2).astype(np.float16)}
+# tensors(nbytes=, seed=): layers.0.keys (2, n) uint8 and layers.0.values (n,) float16, nbytes in all.
+tensors = functools.partial(make_tensors, shape=((2, "n"), ("n",)), dtypes=("uint8", "float16"),
+                            names=("layers.0.keys", "layers.0.values"))
 
 
 def same_file(a, b):
@@ -203,7 +202,7 @@ def test_remote_hit_in_a_second_store_loads_bit_identical(s3, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="kvstore")
     text = "<|system|>You are a careful assistant. " * 40
     extra = " <|user|>what is the capital of France?"
-    ts = tensors(3 << 20, seed=1)
+    ts = tensors(nbytes=3 << 20, seed=1)
     with open_store(s3, tmp_path / "a", "share") as a, open_store(s3, tmp_path / "b", "share") as b:
         ea = a.save(text, np.arange(700, dtype=np.uint32), ts, meta={"engine": "test"}, reason=Reason.COLD)
         assert a.remote.flush(30)
@@ -234,7 +233,7 @@ def test_remote_hit_in_a_second_store_loads_bit_identical(s3, tmp_path, caplog):
 
         # A remote hit is worth a transfer only when longer than the best local hit.
         longer = text + " <|user|>first question"
-        ea2 = a.save(longer, np.arange(720), tensors(1 << 20, seed=2))
+        ea2 = a.save(longer, np.arange(720), tensors(nbytes=1 << 20, seed=2))
         assert a.remote.flush(30) and b.remote.refresh()
         e3 = b.find(longer + " and more")
         assert e3.remote is not None and e3.sha == ea2.sha                # longer than b's local copy
@@ -249,8 +248,8 @@ def test_remote_hit_in_a_second_store_loads_bit_identical(s3, tmp_path, caplog):
 def test_remote_miss_is_clean_and_falls_back_to_local(s3, tmp_path):
     text = "shared prefix " * 30
     with open_store(s3, tmp_path / "a", "vanish") as a, open_store(s3, tmp_path / "b", "vanish") as b:
-        short = b.save(text[:120], np.arange(40), tensors(4096, 3))
-        ea = a.save(text, np.arange(90), tensors(1 << 20, 4))
+        short = b.save(text[:120], np.arange(40), tensors(nbytes=4096, seed=3))
+        ea = a.save(text, np.arange(90), tensors(nbytes=1 << 20, seed=4))
         assert a.remote.flush(30) and b.remote.refresh()
         e = b.find(text + "tail")
         assert e.remote is not None
@@ -262,7 +261,7 @@ def test_remote_miss_is_clean_and_falls_back_to_local(s3, tmp_path):
         assert not [n for n in os.listdir(b.path) if ".tmp." in n]
         # A store whose context is smaller than the checkpoint's never takes it.
         with open_store(s3, tmp_path / "c", "vanish", store_kw={"ctx_size": 10}) as c:
-            a2 = a.save(text + "x", np.arange(91), tensors(4096, 5), ctx_size=4096)
+            a2 = a.save(text + "x", np.arange(91), tensors(nbytes=4096, seed=5), ctx_size=4096)
             assert a.remote.flush(30) and c.remote.refresh()
             e = c.find(text + "xy")
             assert e is not None and e.remote is not None and e.sha == a2.sha
@@ -277,7 +276,7 @@ def test_eight_publishers_one_object(s3, tmp_path, size):
     """8 threads, each with its own store and client, publish the same checkpoint at once."""
     prefix = f"race{size}"
     text = "the same checkpoint " * 20
-    ts = tensors(size, 6)
+    ts = tensors(nbytes=size, seed=6)
     stores = [open_store(s3, tmp_path / f"s{i}", prefix, upload=False, part_size=5 << 20) for i in range(8)]
     try:
         entries = [s.save(text, np.arange(64), ts) for s in stores]
@@ -337,7 +336,7 @@ def test_big_round_trip_then_outage_and_recovery(own_server, tmp_path, caplog):
     b = open_store(srv, tmp_path / "b", "big", **opts)
     try:
         text = "a long document " * 200
-        big = tensors(200 << 20, 7)
+        big = tensors(nbytes=200 << 20, seed=7)
         t = time.perf_counter()
         ea = a.save(text, np.arange(4096), big)
         save_s = time.perf_counter() - t
@@ -431,7 +430,7 @@ def test_wrong_credentials_and_read_only_identity(s3, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="kvstore")
     text = "credentials matter " * 20
     with open_store(s3, tmp_path / "w", "auth") as w:
-        ew = w.save(text, np.arange(64), tensors(1 << 20, 8))
+        ew = w.save(text, np.arange(64), tensors(nbytes=1 << 20, seed=8))
         assert w.remote.flush(30) and w.stats()["remote_uploads"] == 1
 
     with open_store(s3, tmp_path / "bad", "auth", profile="kvwrong") as bad:
@@ -440,7 +439,7 @@ def test_wrong_credentials_and_read_only_identity(s3, tmp_path, caplog):
         assert st["remote_denied"] >= 1 and st["remote_last_error"] == "denied:SignatureDoesNotMatch"
         assert st["remote_breaker"] == "closed"            # the remote is up; the keys are wrong
         assert "remote_list_failed kind=denied code=SignatureDoesNotMatch status=403" in caplog.text
-        e = bad.save("local work " * 20, np.arange(64), tensors(4096, 9))
+        e = bad.save("local work " * 20, np.arange(64), tensors(nbytes=4096, seed=9))
         assert e is not None and bad.find("local work " * 20 + "?").sha == e.sha
         assert bad.load(bad.find("local work " * 20 + "?")) is not None
         assert bad.remote.flush(30)
@@ -451,7 +450,7 @@ def test_wrong_credentials_and_read_only_identity(s3, tmp_path, caplog):
         assert ro.remote.refresh()
         ck = ro.load(ro.find(text + "?"))                  # reading is allowed
         assert ck is not None and ck.entry.sha == ew.sha
-        mine = ro.save("written by the reader " * 10, np.arange(64), tensors(4096, 10))
+        mine = ro.save("written by the reader " * 10, np.arange(64), tensors(nbytes=4096, seed=10))
         assert mine is not None and os.path.exists(mine.path)
         assert ro.remote.flush(30)
         st = ro.stats()
@@ -480,7 +479,7 @@ def test_janitor_shrinks_bucket_while_reader_sees_clean_misses(s3, tmp_path):
     cwd.mkdir()                              # outside the repository (the source tree would shadow kvstore)
     prompts = [f"document {i}: " + "lorem ipsum " * 40 for i in range(12)]
     w = open_store(s3, tmp_path / "w", "gc", upload=False)
-    entries = [w.save(p, np.arange(64), tensors(1 << 20, 20 + i)) for i, p in enumerate(prompts)]
+    entries = [w.save(p, np.arange(64), tensors(nbytes=1 << 20, seed=20 + i)) for i, p in enumerate(prompts)]
     hot = {0, 5, 9}
     for i in hot:                            # hits recorded in the header before the upload
         for _ in range(20):
@@ -517,7 +516,8 @@ def test_janitor_shrinks_bucket_while_reader_sees_clean_misses(s3, tmp_path):
                 if ck is None:
                     outcomes.append((i, "miss"))
                     continue
-                assert ck.tensors["layers.0.keys"].tobytes() == tensors(1 << 20, 20 + i)["layers.0.keys"].tobytes()
+                want = tensors(nbytes=1 << 20, seed=20 + i)["layers.0.keys"]
+                assert ck.tensors["layers.0.keys"].tobytes() == want.tobytes()
                 outcomes.append((i, "hit"))
                 r.wipe(ck.entry)             # keep reading from the bucket
         while gc.poll() is None:
@@ -544,22 +544,21 @@ def test_serve_with_remote_shares_across_cache_directories(s3, tmp_path):
     """`kvstore serve --remote`: a prefix one server stored is a hit for a server on another disk."""
     pytest.importorskip("mlx_lm")
     from kvstore.demo.model import write_model_dir
-    from test_serve import SYSTEM_PROMPT, _conversation, kvstore_server
 
     model = str(tmp_path / "model")
     write_model_dir(model, seed=3)
     flags = ["--remote", f"s3://{BUCKET}/serve", "--endpoint-url", s3.endpoint, "--profile", "kvwriter"]
     a = kvstore_server(model, tmp_path / "cache-a", tmp_path, "remote-a", *flags)
     try:
-        _conversation(a, ["First user, first question."])
+        conversation(a, ["First user, first question."])
         wait_for(lambda: any(k.endswith(".kv") for k in bucket_objects(s3, "serve")), 30,
                  "the anchor uploaded")
     finally:
         assert a.stop() == 0
     b = kvstore_server(model, tmp_path / "cache-b", tmp_path, "remote-b", *flags)
     try:
-        _, _, usages = _conversation(b, ["Another user with another question."],
-                                     [{"role": "system", "content": SYSTEM_PROMPT}])
+        _, _, usages = conversation(b, ["Another user with another question."],
+                                    [{"role": "system", "content": system_prompt()}])
     finally:
         assert b.stop() == 0
     anchors = [e for e in map(kvstore.read_entry, (tmp_path / "cache-b").glob("*.kv"))

@@ -45,15 +45,7 @@ from kvstore import KVStore, Options, sessions
 from kvstore.files import QUARANTINE_DIR, verify_file, wipe_file
 from kvstore.store import LOCK_NAME
 
-from kvhelpers import flip, make_store
-
-OPTS = Options(min_tokens=1)
-
-
-def tensors(seed=0, n=256):
-    rng = np.random.default_rng(seed)
-    return {"k": rng.standard_normal((4, n)).astype(np.float16),
-            "v": rng.standard_normal((4, n)).astype(np.float32)}
+from kvhelpers import OPTS, flip, make_store, make_tensors
 
 
 def mode(path):
@@ -76,16 +68,16 @@ def test_every_path_the_store_creates_is_private(tmp_path, umask):
     try:
         d = tmp_path / "deep" / "kv"
         with KVStore(d, options=OPTS, quarantine=True, budget_mb=0.05) as s:
-            s.save("plain", [1, 2], tensors())
-            s.save_async("async", [1, 2], tensors(1)).result()
-            s.save("plain", [1, 2], tensors(), trailers={3: "retitled"})          # kept, rewritten
-            sessions.save(s, "a session", [1, 2, 3], tensors(2), title="t",
-                          system_text="a", system_tokens=[1], system_tensors=tensors(3))
-            bad = s.save("to be corrupted", [1, 2], tensors(4))
+            s.save("plain", [1, 2], make_tensors())
+            s.save_async("async", [1, 2], make_tensors(seed=1)).result()
+            s.save("plain", [1, 2], make_tensors(), trailers={3: "retitled"})     # kept, rewritten
+            sessions.save(s, "a session", [1, 2, 3], make_tensors(seed=2), title="t",
+                          system_text="a", system_tokens=[1], system_tensors=make_tensors(seed=3))
+            bad = s.save("to be corrupted", [1, 2], make_tensors(seed=4))
             flip(bad.path, bad.file_size - 2)
             assert s.load(s.find("to be corrupted!")) is None                     # quarantined
             for i in range(6):
-                s.save(f"filler {i}", [1, 2], tensors(i, n=2048))                 # evictions
+                s.save(f"filler {i}", [1, 2], make_tensors(seed=i, n=2048))       # evictions
         paths = walk(str(d))
         assert os.path.join(str(d), QUARANTINE_DIR) in paths and os.path.join(str(d), LOCK_NAME) in paths
         for p in paths:
@@ -107,7 +99,7 @@ def planted(tmp_path):
     Returns (store, entry found before the swap, outside path, outside bytes).
     """
     s = make_store(tmp_path / "kv", quarantine=True)
-    e = s.save(TEXT, [1, 2, 3], tensors(), trailers={3: "title"})
+    e = s.save(TEXT, [1, 2, 3], make_tensors(), trailers={3: "title"})
     found = s.find(TEXT + "!")
     outside = tmp_path / "outside.kv"
     shutil.copyfile(e.path, outside)
@@ -140,16 +132,16 @@ def test_planted_symlink_is_never_written_through(planted):
     assert open(outside, "rb").read() == before
     # Saving the same text (compatible, with a trailer: the kept-file path)
     # replaces the link itself.
-    e = s.save(TEXT, [1, 2, 3], tensors(), trailers={3: "new title"})
+    e = s.save(TEXT, [1, 2, 3], make_tensors(), trailers={3: "new title"})
     assert e is not None and stat.S_ISREG(os.lstat(e.path).st_mode)
     assert open(outside, "rb").read() == before
     os.unlink(e.path)
     os.symlink(outside, e.path)
-    e = s.save_async(TEXT, [1, 2, 3], tensors(5)).result()
+    e = s.save_async(TEXT, [1, 2, 3], make_tensors(seed=5)).result()
     assert e is not None and not os.path.islink(e.path)
     assert open(outside, "rb").read() == before
     ck = s.load(s.find(TEXT + "!"))
-    assert np.array_equal(ck.tensors["k"], tensors(5)["k"])
+    assert np.array_equal(ck.tensors["k"], make_tensors(seed=5)["k"])
     # discard() of the old entry: at most the link itself is moved aside.
     os.unlink(e.path)
     os.symlink(outside, e.path)
@@ -181,7 +173,7 @@ def test_planted_quarantine_symlink_is_not_followed(tmp_path):
     public.mkdir()
     with make_store(tmp_path / "kv", quarantine=True) as s:
         os.symlink(public, os.path.join(s.path, QUARANTINE_DIR))
-        e = s.save(TEXT, [1, 2, 3], tensors())
+        e = s.save(TEXT, [1, 2, 3], make_tensors())
         flip(e.path, e.file_size - 3)
         assert s.load(s.find(TEXT + "!")) is None
         assert os.listdir(public) == []
@@ -192,7 +184,7 @@ def test_cli_verify_quarantine_does_not_follow_a_planted_link(tmp_path):
     public = tmp_path / "public"
     public.mkdir()
     with make_store(tmp_path / "kv") as s:
-        e = s.save(TEXT, [1, 2, 3], tensors())
+        e = s.save(TEXT, [1, 2, 3], make_tensors())
         flip(e.path, e.file_size - 3)
         os.symlink(public, os.path.join(s.path, QUARANTINE_DIR))
     p = cli(tmp_path, "verify", tmp_path / "kv", "--quarantine")
@@ -222,7 +214,7 @@ def test_store_path_that_is_a_symlink_is_refused(tmp_path):
 
 def test_only_40_hex_names_are_checkpoints(tmp_path):
     with make_store(tmp_path / "kv", budget_mb=0) as s:
-        e = s.save(TEXT, [1, 2, 3], tensors())
+        e = s.save(TEXT, [1, 2, 3], make_tensors())
         sha = e.sha
         bad_names = ["abc.kv", sha[:39] + ".kv", sha + "0.kv", sha + ".KV", sha + ".kv.bak", "." + sha + ".kv",
                      sha + ".kvx", " " + sha + ".kv", "g" * 40 + ".kv", sha[:38] + "-_.kv", sha + ".kv~",
@@ -314,42 +306,42 @@ def test_no_prompt_text_anywhere(tmp_path, caplog, capfd):
     d = tmp_path / "kv"
     with make_store(d, options=Options(min_tokens=2, cold_max_tokens=40), budget_mb=0.25,
                     quarantine=True) as s:
-        attempt(s.save, PROMPTS[0], [1], tensors())                                 # refused: min_tokens
+        attempt(s.save, PROMPTS[0], [1], make_tensors())                            # refused: min_tokens
         attempt(s.save, PROMPTS[0], [1, 2], {"x": np.zeros(1 << 20, np.uint8)})    # refused: budget
-        attempt(s.save, PROMPTS[0], [-1, 2], tensors())                             # ValueError
+        attempt(s.save, PROMPTS[0], [-1, 2], make_tensors())                        # ValueError
         attempt(s.save, PROMPTS[0], [1, 2], {"": np.zeros(2)})                      # ValueError
-        attempt(s.save, PROMPTS[0], [1, 2], tensors(), meta={"f": object()})        # not JSON
-        attempt(s.save, PROMPTS[0], [1, 2], tensors(), trailers={3: 5})             # TypeError
-        e = s.save(PROMPTS[0], [1, 2], tensors(), trailers={0: {"call": PIECES[2]}, 3: "a title"})
-        s.save(PROMPTS[0], [1, 2], tensors(), trailers={3: "another title"})        # kept
+        attempt(s.save, PROMPTS[0], [1, 2], make_tensors(), meta={"f": object()})   # not JSON
+        attempt(s.save, PROMPTS[0], [1, 2], make_tensors(), trailers={3: 5})        # TypeError
+        e = s.save(PROMPTS[0], [1, 2], make_tensors(), trailers={0: {"call": PIECES[2]}, 3: "a title"})
+        s.save(PROMPTS[0], [1, 2], make_tensors(), trailers={3: "another title"})   # kept
         ck = s.load(s.find(PROMPTS[0] + " more"))                                   # hit
         s.find(PIECES[0])                                                           # miss
-        s.save_async(PROMPTS[1], list(range(50)), tensors(1)).result()              # consumed on load
+        s.save_async(PROMPTS[1], list(range(50)), make_tensors(seed=1)).result()    # consumed on load
         s.load(s.find(PROMPTS[1] + "!"))
-        sessions.save(s, PROMPTS[2], [1, 2, 3], tensors(2), title="work")
+        sessions.save(s, PROMPTS[2], [1, 2, 3], make_tensors(seed=2), title="work")
         info = sessions.list(s)
         attempt(sessions.switch, s, "zz")
         attempt(sessions.switch, s, "0123456789")
         sessions.switch(s, info[0].sha[:8])
         for i in range(8):                                                          # evictions
-            s.save(f"{PROMPTS[3]} filler {i}", [1, 2], tensors(i, n=4096))
-        bad = s.save(PROMPTS[3] + " corrupt", [1, 2], tensors())
+            s.save(f"{PROMPTS[3]} filler {i}", [1, 2], make_tensors(seed=i, n=4096))
+        bad = s.save(PROMPTS[3] + " corrupt", [1, 2], make_tensors())
         flip(bad.path, bad.file_size - 1)
         s.load(s.find(PROMPTS[3] + " corrupt!"))                                    # quarantined
         attempt(kvstore.read_entry, os.path.join(s.path, QUARANTINE_DIR, bad.name))
-        trunc = s.save(PROMPTS[3] + " truncated", [1, 2], tensors())
+        trunc = s.save(PROMPTS[3] + " truncated", [1, 2], make_tensors())
         os.truncate(trunc.path, 100)
         attempt(kvstore.read_entry, trunc.path)
         attempt(kvstore.touch, trunc.path)
         verify_file(trunc.path)
         reprs = [repr(x) for x in (e, ck, info, s.entries(), s.stats())]
-        survivor = s.save(PROMPTS[0] + " kept for the CLI", [1, 2], tensors(9))
+        survivor = s.save(PROMPTS[0] + " kept for the CLI", [1, 2], make_tensors(seed=9))
     with make_store(d, max_age_s=0) as s:                                          # max age on open
         pass
     with make_store(d) as s:
-        survivor = s.save(PROMPTS[0] + " kept for the CLI", [1, 2], tensors(9))
-        sessions.save(s, PROMPTS[2], [1, 2, 3], tensors(2), title="work")
-        other = s.save(PROMPTS[1] + " corrupt for verify", [1, 2], tensors())
+        survivor = s.save(PROMPTS[0] + " kept for the CLI", [1, 2], make_tensors(seed=9))
+        sessions.save(s, PROMPTS[2], [1, 2, 3], make_tensors(seed=2), title="work")
+        other = s.save(PROMPTS[1] + " corrupt for verify", [1, 2], make_tensors())
         flip(other.path, other.file_size - 1)
 
     outputs = []
@@ -388,7 +380,7 @@ def test_no_prompt_text_anywhere(tmp_path, caplog, capfd):
 
 def test_wipe_overwrites_every_byte_before_unlinking(tmp_path):
     with make_store(tmp_path / "kv") as s:
-        e = s.save(PROMPTS[0], [1, 2, 3], tensors(), trailers={0: {"id": PIECES[2]}, 3: "title"})
+        e = s.save(PROMPTS[0], [1, 2, 3], make_tensors(), trailers={0: {"id": PIECES[2]}, 3: "title"})
         fd = os.open(e.path, os.O_RDONLY)              # a reader of the blocks, from before the wipe
         try:
             assert PIECES[0].encode() in os.pread(fd, e.file_size, 0)
@@ -405,10 +397,10 @@ def test_cli_wipe_and_wipe_file_overwrite(tmp_path):
     witnesses = []
     with make_store(d, quarantine=True) as s:
         for i in range(3):
-            e = s.save(f"{PROMPTS[i]} to wipe", [1, 2], tensors(i))
+            e = s.save(f"{PROMPTS[i]} to wipe", [1, 2], make_tensors(seed=i))
             witnesses.append((tmp_path / f"w{i}", e.file_size))
             os.link(e.path, witnesses[-1][0])
-        bad = s.save(PROMPTS[3] + " quarantined", [1, 2], tensors())
+        bad = s.save(PROMPTS[3] + " quarantined", [1, 2], make_tensors())
         flip(bad.path, bad.file_size - 1)
         s.load(s.find(PROMPTS[3] + " quarantined!"))
         q = os.path.join(s.path, QUARANTINE_DIR, bad.name)
@@ -446,8 +438,8 @@ def test_max_age_on_every_eviction_pass(tmp_path):
     with make_store(d, max_age_s=3600) as s:
         # Another process writes checkpoints while this store is open.
         with make_store(d) as writer:
-            old = [writer.save(f"old {i}", [1, 2], tensors(i)) for i in range(4)]
-            fresh = writer.save("fresh", [1, 2], tensors(9))
+            old = [writer.save(f"old {i}", [1, 2], make_tensors(seed=i)) for i in range(4)]
+            fresh = writer.save("fresh", [1, 2], make_tensors(seed=9))
         for e in old:
             _age(e.path, 7200)
         assert s.find("old 0!") is not None                       # not yet: no pass since
@@ -455,14 +447,14 @@ def test_max_age_on_every_eviction_pass(tmp_path):
         assert not any(os.path.exists(e.path) for e in old)
         assert os.path.exists(fresh.path)
         # save(): the pass after it ages others out, never the new file.
-        again = s.save("old 0", [1, 2], tensors())
+        again = s.save("old 0", [1, 2], make_tensors())
         _age(again.path, 7200)
-        s.save("newer", [1, 2], tensors())
+        s.save("newer", [1, 2], make_tensors())
         assert not os.path.exists(again.path)
         # save_async(): the same, from the writer thread.
-        again = s.save("old 1", [1, 2], tensors())
+        again = s.save("old 1", [1, 2], make_tensors())
         _age(again.path, 7200)
-        s.save_async("newest", [1, 2], tensors()).result()
+        s.save_async("newest", [1, 2], make_tensors()).result()
         assert not os.path.exists(again.path)
         assert s.stats()["evictions"] >= 6
 
@@ -470,10 +462,10 @@ def test_max_age_on_every_eviction_pass(tmp_path):
 def test_max_age_on_open_and_without_timestamps(tmp_path):
     d = tmp_path / "kv"
     with make_store(d) as s:
-        stamped = s.save("stamped long ago", [1, 2], tensors())
-        bare = s.save("no timestamps at all", [1, 2], tensors())
-        recent_bare = s.save("no timestamps, new file", [1, 2], tensors())
-        keep = s.save("recent", [1, 2], tensors())
+        stamped = s.save("stamped long ago", [1, 2], make_tensors())
+        bare = s.save("no timestamps at all", [1, 2], make_tensors())
+        recent_bare = s.save("no timestamps, new file", [1, 2], make_tensors())
+        keep = s.save("recent", [1, 2], make_tensors())
     _age(stamped.path, 7200)
     _age(bare.path, None)                                          # created_at 0, last_used 0
     _age(recent_bare.path, None)

@@ -6,18 +6,12 @@ random-weight model directory written here (config, weights, an offline
 tokenizer and a chat template).
 """
 
-import contextlib
 import glob
-import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -27,10 +21,9 @@ from kvstore import KVStore, Reason, read_entry
 from kvstore.demo.model import prose, write_model_dir
 from kvstore.serve import split_at_waypoints
 from kvstore.files import verify_file
+from kvhelpers import USER_TURNS, conversation, free_port, kvstore_server, stock_server, system_prompt
 
-STARTUP_S = 90
-SYSTEM_PROMPT = prose(["json", "csv", "logging"])[:4000]      # about 1600 tokens
-USER_TURNS = ["Tell me about the json module.", "And csv?", "Which one logs?", "Summarise all three."]
+SYSTEM_PROMPT = system_prompt()      # about 1600 tokens
 
 
 @pytest.fixture(scope="module")
@@ -45,118 +38,12 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("serve-work")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One server child process and its log."""
-
-    def __init__(self, cmd, cwd, log_path):
-        self.port = _free_port()
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(self.port)],
-                                     cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.text()}")
-            try:
-                urllib.request.urlopen(self.url("/health"), timeout=2).read()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.kill()
-                    raise AssertionError(f"server not up after {STARTUP_S} s:\n{self.text()}")
-                time.sleep(0.2)
-
-    def url(self, path):
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def post(self, body, raw=None):
-        """(status, parsed JSON or None) of a POST to /v1/chat/completions."""
-        data = raw if raw is not None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url("/v1/chat/completions"), data=data,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return r.status, json.load(r)
-        except urllib.error.HTTPError as e:
-            body = e.read()
-            with contextlib.suppress(ValueError):
-                return e.code, json.loads(body)
-            return e.code, None
-
-    def chat(self, messages, max_tokens=8):
-        status, r = self.post({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-                               "logprobs": True, "top_logprobs": 3})
-        assert status == 200, r
-        return r
-
-    def text(self):
-        if not self.log.closed:
-            self.log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read().decode("utf-8", "replace")
-
-    def request_lines(self):
-        return [line.split("kvstore: ", 1)[1] for line in self.text().splitlines()
-                if "kvstore: request " in line]
-
-    def stop(self, sig=signal.SIGTERM):
-        self.proc.send_signal(sig)
-        try:
-            rc = self.proc.wait(60)
-        finally:
-            self.log.close()
-        return rc
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
-def kvstore_server(model_dir, cache_dir, workdir, name, *extra):
-    cmd = [sys.executable, "-m", "kvstore", "serve", "--model", model_dir,
-           "--cache-dir", str(cache_dir), *extra]
-    return Server(cmd, workdir, os.path.join(workdir, name + ".log"))
-
-
-def stock_server(model_dir, workdir, name):
-    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir]
-    return Server(cmd, workdir, os.path.join(workdir, name + ".log"))
-
-
-def _answer(r):
-    """What a greedy answer is made of: the text and every token's logprobs."""
-    choice = r["choices"][0]
-    return choice["message"]["content"], json.dumps(choice.get("logprobs"), sort_keys=True)
-
-
-def _conversation(server, turns, messages=None):
-    """Plays user turns on server; returns (messages, answers, usages)."""
-    messages = list(messages or [{"role": "system", "content": SYSTEM_PROMPT}])
-    answers, usages = [], []
-    for turn in turns:
-        messages.append({"role": "user", "content": turn})
-        r = server.chat(messages)
-        answers.append(_answer(r))
-        usages.append(r["usage"])
-        messages.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
-    return messages, answers, usages
-
-
 @pytest.fixture(scope="module")
 def stock(model_dir, workdir):
     """A stock mlx_lm.server that answered the four-turn conversation."""
     server = stock_server(model_dir, workdir, "stock")
     try:
-        _, answers, usages = _conversation(server, USER_TURNS)
+        _, answers, usages = conversation(server, USER_TURNS)
         yield server, answers, usages
     finally:
         server.kill()
@@ -168,12 +55,12 @@ def restarted(model_dir, workdir, stock):
     cache = os.path.join(workdir, "cache-restart")
     first = kvstore_server(model_dir, cache, workdir, "first")
     try:
-        messages, answers, _ = _conversation(first, USER_TURNS[:3])
+        messages, answers, _ = conversation(first, USER_TURNS[:3])
     finally:
         rc = first.stop()
     second = kvstore_server(model_dir, cache, workdir, "second")
     try:
-        _, last, usages = _conversation(second, USER_TURNS[3:], messages)
+        _, last, usages = conversation(second, USER_TURNS[3:], messages)
     finally:
         second.stop()
     return dict(cache=cache, first=first, second=second, rc=rc,
@@ -232,7 +119,7 @@ def test_corrupt_checkpoint_is_a_miss_and_is_removed(restarted, model_dir, workd
     server = kvstore_server(model_dir, cache, workdir, "corrupt")
     try:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}]
-        _, answers, usages = _conversation(server, USER_TURNS[:1], messages)
+        _, answers, usages = conversation(server, USER_TURNS[:1], messages)
     finally:
         server.stop()
     assert answers[0] == stock[1][0]
@@ -253,12 +140,12 @@ def test_two_servers_share_one_directory(model_dir, workdir):
         a.kill()
         raise
     try:
-        _conversation(a, ["First user, first question."])
+        conversation(a, ["First user, first question."])
         deadline = time.monotonic() + 30
         while not glob.glob(os.path.join(cache, "*.kv")) and time.monotonic() < deadline:
             time.sleep(0.1)      # the anchor is written by a's background writer
         anchor = read_entry(glob.glob(os.path.join(cache, "*.kv"))[0])
-        _, _, usages = _conversation(b, ["Another user with another question."])
+        _, _, usages = conversation(b, ["Another user with another question."])
         assert usages[0]["prompt_tokens_details"]["cached_tokens"] == anchor.tokens
         assert b.request_lines()[0].startswith(f"request source=disk reused={anchor.tokens} ")
     finally:
@@ -272,10 +159,10 @@ def test_long_prompts_store_waypoints_and_ram_drops_store_evict(model_dir, workd
                             "--waypoint-tokens", "2000")       # every 2048 tokens
     long_system = (prose(["argparse", "asyncio", "collections", "email", "logging"]) * 4)[:20000]
     try:
-        _, _, usages = _conversation(server, USER_TURNS[:1], [{"role": "system", "content": long_system}])
+        _, _, usages = conversation(server, USER_TURNS[:1], [{"role": "system", "content": long_system}])
         assert usages[0]["prompt_tokens"] > 2 * 2048
         # Another conversation: mlx-lm's LRU (one entry) drops the first one.
-        _conversation(server, USER_TURNS[1:2])
+        conversation(server, USER_TURNS[1:2])
     finally:
         assert server.stop() == 0
     text = server.text()
@@ -305,7 +192,7 @@ def test_bad_requests_answer_like_stock(model_dir, workdir, stock):
             got, want = server.post(body, raw), stock[0].post(body, raw)
             assert got[0] == want[0] and got[0] >= 400, (case, got, want)
         # The server and its cache stay usable after them.
-        _, answers, _ = _conversation(server, USER_TURNS[:1])
+        _, answers, _ = conversation(server, USER_TURNS[:1])
         assert answers[0] == stock[1][0]
     finally:
         assert server.stop() == 0
@@ -337,7 +224,7 @@ def test_a_model_that_does_not_load_stops_the_server_with_status_1(tmp_path, wor
     empty = tmp_path / "not-a-model"
     empty.mkdir()
     p = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--model", str(empty),
-                        "--cache-dir", str(tmp_path / "cache"), "--port", str(_free_port())],
+                        "--cache-dir", str(tmp_path / "cache"), "--port", str(free_port())],
                        cwd=workdir, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
     assert "kvstore: generation thread stopped; shutting down" in p.stderr

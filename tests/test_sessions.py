@@ -1,5 +1,6 @@
 """Agent sessions (SPEC section 9): save with a title, list, switch by hash prefix."""
 
+import functools
 import os
 
 import numpy as np
@@ -11,26 +12,16 @@ from kvstore.errors import AmbiguousSession, KVStoreError, SessionNotFound
 from kvstore.format import ExtFlag, Reason, read_entry
 from kvstore.policy import Options
 
-from kvhelpers import colliding_texts, flip, make_store
+from kvhelpers import colliding_texts, flip, make_store, make_tensors
 
-
-def tensors(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return {"k": rng.standard_normal((1, n, 4)).astype(np.float16),
-            "v": rng.standard_normal((1, n, 4)).astype(np.float32)}
+# This file's saves: k (1, n, 4) float16 and v (1, n, 4) float32.
+tensors = functools.partial(make_tensors, shape=(1, "n", 4))
 
 
 def set_created(path, t):
     with open(path, "r+b") as f:
         f.seek(24)
         f.write(int(t).to_bytes(8, "little"))
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = make_store(tmp_path / "kv")
-    yield s
-    s.close()
 
 
 def test_save_stores_session_with_title_and_system_checkpoint(store):

@@ -3,10 +3,10 @@ compatible files, hit updates, consumption, async saves, stats, permissions,
 stale temporaries, wipe, close, and no prompt text in the logs."""
 
 import concurrent.futures
+import functools
 import hashlib
 import logging
 import os
-import re
 import stat
 import subprocess
 import sys
@@ -16,38 +16,16 @@ import numpy as np
 import pytest
 
 import kvstore
-import kvhelpers
+from kvstore import Options
 from kvstore import trailers as trailer_mod
 from kvstore.store import KVStore
-from kvhelpers import make_store
+from kvhelpers import OPTS, checkpoint_files, flip, make_store, make_tensors
 
-try:
-    from kvstore import Options
-except ImportError:
-    from kvstore.policy import Options
-
-OPTS = Options(min_tokens=1)
 SECRET = "TOP-SECRET prompt ☂ 4242"      # must never reach a log line
 
 
-@pytest.fixture
-def store(tmp_path):
-    with make_store(tmp_path / "kv") as s:
-        yield s
-
-
-def small_tensors(seed=0, n=64):
-    rng = np.random.default_rng(seed)
-    return {"k": rng.standard_normal((2, n)).astype(np.float16),
-            "v": rng.integers(-100, 100, size=(n,)).astype(np.int32)}
-
-
-def checkpoint_files(directory):
-    return sorted(n for n in os.listdir(directory) if re.match(r"^[0-9a-fA-F]{40}\.kv(\.tmp\..*)?$", n))
-
-
-def flip(path, offset, mask=0x40):
-    kvhelpers.flip(path, offset, mask)
+# This file's saves: k (2, n) float16 and v (n,) int32.
+small_tensors = functools.partial(make_tensors, n=64, shape=((2, "n"), ("n",)), dtypes=("float16", "int32"))
 
 
 def trailer_of(path):
@@ -70,7 +48,7 @@ def test_refuses_too_few_tokens(tmp_path, caplog):
         assert s.save("short prompt", list(range(7)), small_tensors()) is None
         assert s.save("empty tokens", [], small_tensors()) is None
         assert s.stats()["refused"] == 2 and s.stats()["saves"] == 0
-        assert checkpoint_files(s.path) == []
+        assert checkpoint_files(s.path, temporaries=True) == []
         lines = [m for m in messages(caplog) if "save_refused" in m]
         assert len(lines) == 2
         assert "reason=min_tokens" in lines[0] and "tokens=7" in lines[0] and "min_tokens=8" in lines[0]
@@ -85,7 +63,7 @@ def test_refuses_over_budget(tmp_path, caplog):
     slack = -(-size // 100)                                         # 1 %, rounded up
     with make_store(tmp_path / "tight", budget_mb=(size + slack - 1) / 2**20) as s:
         assert s.save(text, tokens, tensors) is None
-        assert checkpoint_files(s.path) == []
+        assert checkpoint_files(s.path, temporaries=True) == []
         line = [m for m in messages(caplog) if "save_refused" in m][-1]
         assert "reason=budget" in line and f"budget={size + slack - 1}" in line
     with make_store(tmp_path / "fits", budget_mb=(size + slack) / 2**20) as s:
@@ -97,30 +75,30 @@ def test_refusal_leaves_existing_checkpoints(tmp_path):
     with make_store(tmp_path / "kv", budget_mb=1) as s:
         keep = s.save("kept", [1, 2], small_tensors())
         assert s.save("far too big", [1, 2], {"x": np.zeros(2 << 20, np.uint8)}) is None
-        assert checkpoint_files(s.path) == [keep.name]
+        assert checkpoint_files(s.path, temporaries=True) == [keep.name]
 
 
 # ---- an existing file (SPEC 6.2, 10) -------------------------------------------
 
 def test_compatible_existing_file_is_kept(store):
-    e1 = store.save("same text", [1, 2, 3], small_tensors(1))
+    e1 = store.save("same text", [1, 2, 3], small_tensors(seed=1))
     before = open(e1.path, "rb").read()
     ino = os.stat(e1.path).st_ino
-    e2 = store.save("same text", [1, 2, 3], small_tensors(2))       # no trailers: nothing to rewrite
+    e2 = store.save("same text", [1, 2, 3], small_tensors(seed=2))  # no trailers: nothing to rewrite
     assert e2 is not None and e2.sha == e1.sha
     assert os.stat(e1.path).st_ino == ino
     assert open(e1.path, "rb").read() == before
     ck = store.load(store.find("same text"))
-    assert np.array_equal(ck.tensors["k"], small_tensors(1)["k"])   # the first save's state
+    assert np.array_equal(ck.tensors["k"], small_tensors(seed=1)["k"])  # the first save's state
 
 
 def test_kept_file_gets_only_its_trailer_rewritten(store):
     tool_map = {"call_1": '{"name":"ls","arguments":{"path":"/"}}', "call_2": "ünïcode ✓"}
-    e1 = store.save("agent session", [5, 6, 7], small_tensors(3))
+    e1 = store.save("agent session", [5, 6, 7], small_tensors(seed=3))
     body_before = open(e1.path, "rb").read()[:e1.trailer_offset]
     ino = os.stat(e1.path).st_ino
 
-    e2 = store.save("agent session", [5, 6, 7], small_tensors(3),
+    e2 = store.save("agent session", [5, 6, 7], small_tensors(seed=3),
                     trailers={kvstore.ExtFlag.TOOL_MAP: tool_map, kvstore.ExtFlag.SESSION_TITLE: "fix the build"})
     assert e2 is not None
     assert os.stat(e1.path).st_ino == ino
@@ -174,10 +152,10 @@ def test_trailers_on_first_save(store):
 def test_incompatible_existing_file_is_replaced(tmp_path, first, second):
     d = tmp_path / "kv"
     with make_store(d, **first) as a:
-        e1 = a.save("contested text", [1, 2, 3], small_tensors(1))
+        e1 = a.save("contested text", [1, 2, 3], small_tensors(seed=1))
     ino = os.stat(e1.path).st_ino
     with make_store(d, **second) as b:
-        e2 = b.save("contested text", [1, 2, 3, 4], small_tensors(2))
+        e2 = b.save("contested text", [1, 2, 3, 4], small_tensors(seed=2))
         assert e2 is not None and e2.path == e1.path
         assert os.stat(e2.path).st_ino != ino
         h = kvstore.read_entry(e2.path)
@@ -186,17 +164,17 @@ def test_incompatible_existing_file_is_replaced(tmp_path, first, second):
         assert h.ctx_size == (second.get("ctx_size") or 0)
         assert h.quant_bits == second.get("quant_bits", 16)
         ck = b.load(b.find("contested text"))
-        assert np.array_equal(ck.tensors["k"], small_tensors(2)["k"])
-        assert checkpoint_files(d) == [e1.name]
+        assert np.array_equal(ck.tensors["k"], small_tensors(seed=2)["k"])
+        assert checkpoint_files(d, temporaries=True) == [e1.name]
 
 
 def test_smaller_context_file_is_kept_by_larger_store(tmp_path):
     d = tmp_path / "kv"
     with make_store(d, ctx_size=2048) as a:
-        e1 = a.save("context text", [1, 2], small_tensors(1))
+        e1 = a.save("context text", [1, 2], small_tensors(seed=1))
     ino = os.stat(e1.path).st_ino
     with make_store(d, ctx_size=8192) as b:
-        assert b.save("context text", [1, 2], small_tensors(2)) is not None
+        assert b.save("context text", [1, 2], small_tensors(seed=2)) is not None
         assert os.stat(e1.path).st_ino == ino
         assert kvstore.read_entry(e1.path).ctx_size == 2048
 
@@ -282,7 +260,7 @@ def test_flush_waits_for_queued_saves(tmp_path):
         futs = _async_batch(s, 6, "flush")
         s.flush()
         assert all(f.done() for f in futs)
-        assert len(checkpoint_files(s.path)) == 6
+        assert len(checkpoint_files(s.path, temporaries=True)) == 6
         assert [f.result().name for f in futs] == [
             hashlib.sha1(f"flush {i}".encode()).hexdigest() + ".kv" for i in range(6)]
 
@@ -292,7 +270,7 @@ def test_close_waits_for_queued_saves(tmp_path):
     futs = _async_batch(s, 6, "close")
     s.close()
     assert all(f.done() and f.result() is not None for f in futs)
-    assert len(checkpoint_files(tmp_path / "kv")) == 6
+    assert len(checkpoint_files(tmp_path / "kv", temporaries=True)) == 6
 
 
 # ---- stats ---------------------------------------------------------------------
@@ -312,14 +290,14 @@ def test_stats_counters(tmp_path):
 
         # Corrupt one tensor byte: a miss and a corrupt file.
         bad = s.save("corrupted", [1, 2], small_tensors(n=1024))
-        flip(bad.path, bad.file_size - 10)
+        flip(bad.path, bad.file_size - 10, 0x40)
         assert s.load(s.find("corrupted")) is None
         st = s.stats()
         assert st["corrupt"] == 1 and st["misses"] == 2 and st["hits"] == 1
 
         # Enough saves to exceed 100 KiB: evictions counted.
         for i in range(30):
-            s.save(f"filler {i}", [1, 2], small_tensors(i, n=1024))
+            s.save(f"filler {i}", [1, 2], small_tensors(seed=i, n=1024))
         st = s.stats()
         assert st["saves"] == 32
         assert st["evictions"] == 31 + 1 - st["entries"] - st["corrupt"]
@@ -336,7 +314,7 @@ def test_modes_whatever_the_umask(tmp_path, umask):
         with KVStore(tmp_path / "a" / "kv", options=OPTS, quarantine=True) as s:
             e = s.save("perm", [1, 2], small_tensors())
             e2 = s.save("perm2", [1, 2], small_tensors())
-            flip(e2.path, e2.file_size - 1)                  # corrupt: goes to .quarantine
+            flip(e2.path, e2.file_size - 1, 0x40)            # corrupt: goes to .quarantine
             assert s.load(s.find("perm2")) is None
             mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)
             assert mode(s.path) == 0o700
@@ -385,9 +363,9 @@ def test_stale_temporaries_removed_on_open(tmp_path):
 
 def test_wipe_overwrites_then_unlinks(tmp_path):
     with make_store(tmp_path / "kv") as s:
-        e1 = s.save(SECRET + " one", [1, 2], small_tensors(1))
-        e2 = s.save(SECRET + " two", [1, 2], small_tensors(2))
-        e3 = s.save("not wiped", [1, 2], small_tensors(3))
+        e1 = s.save(SECRET + " one", [1, 2], small_tensors(seed=1))
+        e2 = s.save(SECRET + " two", [1, 2], small_tensors(seed=2))
+        e3 = s.save("not wiped", [1, 2], small_tensors(seed=3))
         # Hard links see the inode's bytes after the name is gone.
         for e in (e1, e2):
             os.link(e.path, tmp_path / (e.name + ".witness"))
@@ -397,7 +375,7 @@ def test_wipe_overwrites_then_unlinks(tmp_path):
         assert len(w1) == e1.file_size and w1 == bytes(len(w1))
         assert SECRET.encode() not in w1
         assert s.wipe() == 2
-        assert checkpoint_files(s.path) == []
+        assert checkpoint_files(s.path, temporaries=True) == []
         w2 = (tmp_path / (e2.name + ".witness")).read_bytes()
         assert w2 == bytes(e2.file_size)
         assert s.find(SECRET + " two!") is None and s.find("not wiped") is None
@@ -445,7 +423,7 @@ def test_no_prompt_text_in_logs(tmp_path, caplog):
         s.save_async(secrets[1], list(range(9)), small_tensors()).result()   # consumed on load
         s.load(s.find(secrets[1] + " more"))
         for i in range(8):                                               # evictions
-            s.save(f"{secrets[2]} {i}", [1, 2], small_tensors(i, n=2048))
+            s.save(f"{secrets[2]} {i}", [1, 2], small_tensors(seed=i, n=2048))
         bad = s.save(secrets[1] + " corrupt", [1, 2], small_tensors())
         with open(bad.path, "r+b") as f:
             f.seek(bad.file_size - 3)

@@ -1,7 +1,6 @@
 """kvstore.touch: the atomic in-place hit update, with real processes for the
 concurrency and kill tests."""
 
-import multiprocessing
 import os
 import random
 import signal
@@ -11,9 +10,7 @@ import time
 import pytest
 
 import kvstore
-
-# fork is fast and needs nothing importable; spawn where fork does not exist.
-CTX = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+from kvhelpers import CTX
 
 TEXT = b"a prompt prefix"
 PAYLOAD = b"\x01\x02payload\xfe\xff" * 10

@@ -24,6 +24,7 @@ unexpected one.
 """
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -38,13 +39,12 @@ log = logging.getLogger("kvstore")
 
 def cmd_demo(args):
     """`kvstore demo`: the scripted agent workload (kvstore.demo)."""
-    try:
-        import mlx.core  # noqa: F401
-        import mlx_lm  # noqa: F401
-        import tokenizers  # noqa: F401
-    except ImportError as e:
-        raise UsageError(f"kvstore demo needs MLX, mlx-lm and tokenizers ({e.name} is missing): "
-                         "pip install 'kvstore[demo]'") from None
+    for name in ("mlx.core", "tokenizers", "mlx_lm"):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise UsageError(f"kvstore demo needs MLX, mlx-lm and tokenizers ({e.name or name} is missing): "
+                             "pip install 'kvstore[demo]'") from None
     from kvstore.demo import workload
     if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UsageError(f"{args.model}: not an mlx-lm model directory (no config.json)")

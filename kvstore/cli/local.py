@@ -352,6 +352,7 @@ def cmd_stats(args):
         "bad_envelopes": len(bad),
         "oldest": min(times) if times else None,
         "newest": max(times) if times else None,
+        "sync": files.SYNC_PRIMITIVE,
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -365,6 +366,7 @@ def cmd_stats(args):
         ("tokens", out["tokens"]),
         ("oldest", text.stamp(out["oldest"], now)),
         ("newest", text.stamp(out["newest"], now)),
+        ("sync", f"{out['sync']} (what a durable save calls on this platform)"),
     ]
     if bad:
         rows.append(("bad envelopes", f"{len(bad)} (see `kvstore verify`)"))

@@ -1,0 +1,149 @@
+"""Durable writes: one function picks the sync primitive (F_FULLFSYNC on macOS, fsync
+elsewhere), every durable path goes through it, and stats say which one is in use."""
+
+import ast
+import errno
+import fcntl
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore import files
+from kvstore.policy import Options
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("platform,expect", [("darwin", "F_FULLFSYNC"), ("linux", "fsync"),
+                                             ("freebsd14", "fsync")])
+def test_the_primitive_is_chosen_by_platform(platform, expect):
+    assert files.sync_primitive(platform) == expect
+
+
+def test_this_platform_uses_its_primitive():
+    assert files.SYNC_PRIMITIVE == files.sync_primitive(sys.platform)
+    assert files.SYNC_PRIMITIVE == ("F_FULLFSYNC" if sys.platform == "darwin" else "fsync")
+
+
+def test_fullfsync_where_the_platform_has_it_else_fsync(tmp_path):
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, b"x")
+        before = files.sync_fallbacks()
+        got = files.sync_fd(fd, primitive="F_FULLFSYNC")
+        if hasattr(fcntl, "F_FULLFSYNC"):
+            assert got in ("F_FULLFSYNC", "fsync")       # fsync where this filesystem refuses it
+        else:
+            assert got == "fsync"
+            assert files.sync_fallbacks() == before + 1
+    finally:
+        os.close(fd)
+
+
+def test_a_refused_fullfsync_falls_back_to_fsync(tmp_path, monkeypatch):
+    # An fcntl command the kernel does not know fails with EINVAL, as
+    # F_FULLFSYNC does on filesystems that refuse it: the sync still happens.
+    monkeypatch.setattr(fcntl, "F_FULLFSYNC", 0x7FFF, raising=False)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(OSError) as e:
+            fcntl.fcntl(fd, 0x7FFF)
+        assert e.value.errno in (errno.EINVAL, errno.ENOTTY)
+        before = files.sync_fallbacks()
+        assert files.sync_fd(fd, primitive="F_FULLFSYNC") == "fsync"
+        assert files.sync_fallbacks() == before + 1
+    finally:
+        os.close(fd)
+
+
+def test_other_errors_are_not_hidden(tmp_path, monkeypatch):
+    monkeypatch.setattr(fcntl, "F_FULLFSYNC", 0x7FFF, raising=False)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    os.close(fd)
+    with pytest.raises(OSError) as e:
+        files.sync_fd(fd, primitive="F_FULLFSYNC")       # a closed descriptor
+    assert e.value.errno == errno.EBADF
+
+
+@pytest.mark.skipif(not hasattr(os, "fdatasync"), reason="no fdatasync on this platform")
+def test_data_only_uses_fdatasync_outside_macos(tmp_path):
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert files.sync_fd(fd, data_only=True, primitive="fsync") == "fdatasync"
+        assert files.sync_fd(fd, primitive="fsync") == "fsync"
+    finally:
+        os.close(fd)
+
+
+def _sync_calls(tree):
+    """(line, what) of every direct sync call in a module's AST."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if name in ("fsync", "fdatasync", "sync"):
+            out.append((node.lineno, name))
+        if name == "fcntl" and any("FULLFSYNC" in ast.dump(a) for a in node.args):
+            out.append((node.lineno, "F_FULLFSYNC"))
+    return out
+
+
+def test_every_durable_path_goes_through_sync_fd():
+    stray = []
+    for path in sorted((ROOT / "kvstore").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        allowed = set()
+        if path.name == "files.py":
+            fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "sync_fd")
+            allowed = {line for line, _ in _sync_calls(fn)}
+        stray += [f"{path.relative_to(ROOT)}:{line} calls {what}" for line, what in _sync_calls(tree)
+                  if line not in allowed]
+    for path in sorted((ROOT / "csrc").glob("*.[ch]")):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("//")[0]
+            if re.search(r"\b(fsync|fdatasync|F_FULLFSYNC)\s*\(", code) and not code.lstrip().startswith("*"):
+                stray.append(f"{path.relative_to(ROOT)}:{i} calls a sync")
+    assert not stray, "syncs outside kvstore.files.sync_fd:\n" + "\n".join(stray)
+
+
+def test_a_durable_save_syncs_file_and_directory_through_sync_fd(tmp_path, monkeypatch):
+    calls = []
+    real = files.sync_fd
+
+    def spy(fd, data_only=False, primitive=None):
+        calls.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) if os.path.exists("/proc/self/fd")
+                     else fd)
+        return real(fd, data_only, primitive)
+    monkeypatch.setattr(files, "sync_fd", spy)
+    ts = {"k": np.arange(64, dtype=np.float16)}
+    with kvstore.KVStore(tmp_path / "d", options=Options(min_tokens=1)) as store:
+        e = store.save("durable text", [1, 2, 3], ts)
+        assert store.stats()["sync"] == files.SYNC_PRIMITIVE
+    assert len(calls) == 2                                 # the new file, then the directory
+    if os.path.exists("/proc/self/fd"):
+        assert calls[0].startswith(e.name + ".tmp.") and calls[1] == "d"
+    calls.clear()
+    with kvstore.KVStore(tmp_path / "n", options=Options(min_tokens=1), durable=False) as store:
+        store.save("not durable", [1, 2, 3], ts)
+        assert store.stats()["sync"] == "none"
+    assert calls == []
+
+
+def test_kvstore_stats_names_the_primitive(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    out = subprocess.run([sys.executable, "-m", "kvstore", "stats", str(d), "--json"], capture_output=True,
+                         text=True, check=True, cwd=tmp_path).stdout
+    assert json.loads(out)["sync"] == files.SYNC_PRIMITIVE
+    out = subprocess.run([sys.executable, "-m", "kvstore", "stats", str(d)], capture_output=True,
+                         text=True, check=True, cwd=tmp_path).stdout
+    assert re.search(rf"^sync\s+{files.SYNC_PRIMITIVE} ", out, re.M)
