@@ -91,6 +91,16 @@ int kvs_pread_full(int fd, uint8_t *buf, size_t len, uint64_t off, uint32_t *crc
     return 0;
 }
 
+int kvs_pread_strided(int fd, uint8_t *buf, size_t run, size_t count, size_t stride,
+                      uint64_t off, uint32_t *crc)
+{
+    for (size_t i = 0; i < count; i++) {
+        int rc = kvs_pread_full(fd, buf + i * stride, run, off + (uint64_t)i * run, crc);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 int kvs_pwrite_full(int fd, const uint8_t *buf, size_t len, uint64_t off, uint32_t *crc)
 {
     while (len) {

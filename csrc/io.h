@@ -30,6 +30,15 @@ int kvs_io_set_prefault(int on);
  * the CRC32C of the bytes read.  Returns 0, KVS_ESHORT or -errno. */
 int kvs_pread_full(int fd, uint8_t *buf, size_t len, uint64_t off, uint32_t *crc);
 
+/* Reads count runs of run bytes, consecutive in the file from offset off,
+ * into buf, buf + stride, buf + 2 * stride, ...: one block's slice of a
+ * tensor laid out [outer, tokens, inner], read straight into its place in
+ * the whole tensor.  *crc (if not NULL) covers the file bytes in order.
+ * The caller checks that (count - 1) * stride + run fits its buffer.
+ * Returns 0, KVS_ESHORT or -errno. */
+int kvs_pread_strided(int fd, uint8_t *buf, size_t run, size_t count, size_t stride,
+                      uint64_t off, uint32_t *crc);
+
 /* Allocates the first len bytes of a new file's blocks (the size becomes
  * len).  Returns 0 or -errno: -EOPNOTSUPP where the filesystem or system
  * cannot (the caller writes as usual), -ENOSPC, -EDQUOT or -EFBIG where the

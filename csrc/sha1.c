@@ -495,3 +495,70 @@ size_t kvs_sha1_prefixes(const uint8_t *data, size_t len,
             memcpy(out + KVS_SHA1_DIGEST * order[i], out + KVS_SHA1_DIGEST * order[i - 1], KVS_SHA1_DIGEST);
     return 0;
 }
+
+/* A binary min-heap of node indices keyed by their lengths. */
+static void heap_push(uint32_t *h, size_t *n, const uint64_t *key, uint32_t v)
+{
+    size_t i = (*n)++;
+    while (i > 0) {
+        size_t up = (i - 1) / 2;
+        if (key[h[up]] <= key[v]) break;
+        h[i] = h[up];
+        i = up;
+    }
+    h[i] = v;
+}
+
+static uint32_t heap_pop(uint32_t *h, size_t *n, const uint64_t *key)
+{
+    uint32_t top = h[0], last = h[--(*n)];
+    size_t i = 0;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= *n) break;
+        if (c + 1 < *n && key[h[c + 1]] < key[h[c]]) c++;
+        if (key[last] <= key[h[c]]) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (*n) h[i] = last;
+    return top;
+}
+
+size_t kvs_sha1_forest(const uint8_t *data, size_t len,
+                       const uint64_t *lengths, const uint8_t *digests, size_t n_nodes,
+                       const uint32_t *roots, size_t n_roots,
+                       const uint32_t *first, const uint32_t *count, const uint32_t *kids,
+                       uint32_t *heap, uint32_t *matched)
+{
+    kvs_sha1_ctx ctx;
+    uint8_t digest[KVS_SHA1_DIGEST];
+    uint64_t at = 0, digest_at = UINT64_MAX;
+    size_t nheap = 0, nmatched = 0;
+
+    for (size_t i = 0; i < n_roots && nheap < n_nodes; i++)
+        if (lengths[roots[i]] <= len) heap_push(heap, &nheap, lengths, roots[i]);
+    kvs_sha1_begin(&ctx);
+    while (nheap) {
+        uint32_t node = heap_pop(heap, &nheap, lengths);
+        uint64_t want = lengths[node];
+        if (want != digest_at) {
+            kvs_sha1_update(&ctx, data + at, (size_t)(want - at));
+            at = want;
+            kvs_sha1_digest(&ctx, digest);
+            digest_at = want;
+        }
+        if (memcmp(digest, digests + (size_t)KVS_SHA1_DIGEST * node, KVS_SHA1_DIGEST) != 0)
+            continue;
+        if (nmatched == n_nodes) break;      /* only with repeated kids: never overflow */
+        matched[nmatched++] = node;
+        for (uint32_t k = 0; k < count[node]; k++) {
+            uint32_t child = kids[first[node] + k];
+            /* Longer than the parent (so the pass never goes back) and
+             * within the data; never more nodes than the heap holds. */
+            if (lengths[child] > want && lengths[child] <= len && nheap < n_nodes)
+                heap_push(heap, &nheap, lengths, child);
+        }
+    }
+    return nmatched;
+}

@@ -43,6 +43,27 @@ size_t kvs_sha1_prefixes(const uint8_t *data, size_t len,
                          const uint64_t *lengths, size_t n,
                          size_t *order, uint8_t *out);
 
+/* Digest matches over a forest of prefixes, in one pass over data.
+ *
+ * Node i stands for "data's first lengths[i] bytes hash to digests[20*i]".
+ * A chain of checkpoint blocks is a path in the forest: a block's text
+ * extends its parent's, so a node can match only where its parent did,
+ * and is tried only then.  A lookup therefore hashes the prompt once, up
+ * to the longest node tried, and finishes one digest per node tried: the
+ * roots no longer than len plus the children of every match, however many
+ * nodes hang below the roots that did not match.
+ *
+ * roots[0..n_roots) are node indices; node i's children are
+ * kids[first[i] .. first[i] + count[i]).  A child no longer than its
+ * parent, or longer than len, is never tried.  heap is scratch for n_nodes
+ * indices; matched receives the matching nodes (at most n_nodes), shortest
+ * first.  Returns the number of matches. */
+size_t kvs_sha1_forest(const uint8_t *data, size_t len,
+                       const uint64_t *lengths, const uint8_t *digests, size_t n_nodes,
+                       const uint32_t *roots, size_t n_roots,
+                       const uint32_t *first, const uint32_t *count, const uint32_t *kids,
+                       uint32_t *heap, uint32_t *matched);
+
 /* The block function in use, for tests of each path in isolation. */
 void kvs_sha1_blocks(uint32_t state[5], const uint8_t *p, size_t nblocks);
 

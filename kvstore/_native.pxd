@@ -20,6 +20,10 @@ cdef extern from "sha1.h" nogil:
     void kvs_sha1(const uint8_t *data, size_t n, uint8_t *out)
     size_t kvs_sha1_prefixes(const uint8_t *data, size_t n, const uint64_t *lengths,
                              size_t count, size_t *order, uint8_t *out)
+    size_t kvs_sha1_forest(const uint8_t *data, size_t n, const uint64_t *lengths,
+                           const uint8_t *digests, size_t n_nodes, const uint32_t *roots, size_t n_roots,
+                           const uint32_t *first, const uint32_t *count, const uint32_t *kids,
+                           uint32_t *heap, uint32_t *matched)
 
 cdef extern from "crc32c.h" nogil:
     uint32_t kvs_crc32c(uint32_t crc, const uint8_t *data, size_t n)
@@ -59,4 +63,6 @@ cdef extern from "io.h" nogil:
     int kvs_io_set_prefault(int on)
     int kvs_preallocate(int fd, uint64_t len)
     int kvs_pread_full(int fd, uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)
+    int kvs_pread_strided(int fd, uint8_t *buf, size_t run, size_t count, size_t stride,
+                          uint64_t off, uint32_t *crc)
     int kvs_pwrite_full(int fd, const uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)

@@ -218,6 +218,78 @@ def sha1_prefix_matches(data, lengths, expected):
     return matches
 
 
+def sha1_forest_matches(data, lengths, digests, roots, first, count, kids):
+    """The nodes of a prefix forest whose digest matches data, in one pass (shortest first).
+
+    Node i claims sha1(data[:lengths[i]]) == digests[20*i:20*i+20]; a node is
+    tried only when its parent matched (roots always), so a lookup over
+    chains of checkpoint blocks costs one SHA1 pass plus one digest per node
+    tried, not per node stored.
+
+    Args:
+        data: any buffer-protocol object (the prompt).
+        lengths: C-contiguous uint64 buffer, one length per node.
+        digests: a buffer of 20 bytes per node.
+        roots: C-contiguous uint32 buffer of root node indices.
+        first, count: C-contiguous uint32 buffers, one per node: node i's
+            children are kids[first[i]:first[i] + count[i]].
+        kids: C-contiguous uint32 buffer of child node indices.
+
+    Returns:
+        list of matching node indices.
+
+    Raises:
+        ValueError: sizes disagree or an index is out of range.
+    """
+    cdef const uint64_t[::1] lens = lengths
+    cdef const uint32_t[::1] r = roots
+    cdef const uint32_t[::1] f = first
+    cdef const uint32_t[::1] c = count
+    cdef const uint32_t[::1] k = kids
+    cdef Py_ssize_t n = lens.shape[0], i
+    cdef size_t got = 0
+    cdef uint32_t *heap = NULL
+    cdef uint32_t *matched = NULL
+    cdef Py_buffer view, dig
+    cdef uint32_t dummy = 0
+    if n == 0 or r.shape[0] == 0:
+        return []
+    if f.shape[0] != n or c.shape[0] != n:
+        raise ValueError(f"first and count need one entry per node ({n})")
+    if n >= 0xFFFFFFFF:
+        raise ValueError(f"{n} nodes: too many for uint32 indices")
+    for i in range(r.shape[0]):
+        if r[i] >= n:
+            raise ValueError(f"root {r[i]} is not a node index (< {n})")
+    for i in range(n):
+        if <uint64_t>f[i] + c[i] > <uint64_t>k.shape[0]:
+            raise ValueError(f"children of node {i} run past the kids array")
+    for i in range(k.shape[0]):
+        if k[i] >= n:
+            raise ValueError(f"kid {k[i]} is not a node index (< {n})")
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        PyObject_GetBuffer(digests, &dig, PyBUF_SIMPLE)
+        try:
+            if dig.len != 20 * n:
+                raise ValueError(f"digests hold {dig.len} bytes, need 20 * {n}")
+            heap = <uint32_t *>malloc(n * sizeof(uint32_t))
+            matched = <uint32_t *>malloc(n * sizeof(uint32_t))
+            if heap == NULL or matched == NULL:
+                raise MemoryError()
+            with nogil:
+                got = kvs_sha1_forest(<const uint8_t *>view.buf, <size_t>view.len, &lens[0],
+                                      <const uint8_t *>dig.buf, <size_t>n, &r[0], <size_t>r.shape[0],
+                                      &f[0], &c[0], &k[0] if k.shape[0] else &dummy, heap, matched)
+            return [matched[i] for i in range(<Py_ssize_t>got)]
+        finally:
+            PyBuffer_Release(&dig)
+    finally:
+        free(heap)
+        free(matched)
+        PyBuffer_Release(&view)
+
+
 def crc32c(data, uint32_t crc=0):
     """CRC32C (Castagnoli) of data, continuing from crc.
 
@@ -329,6 +401,44 @@ def pread_into(int fd, buf, uint64_t offset, path=None, crc=None):
     try:
         with nogil:
             rc = kvs_pread_full(fd, <uint8_t *>view.buf, <size_t>view.len, offset, cp)
+    finally:
+        PyBuffer_Release(&view)
+    _raise_status(rc, path if path is not None else f"fd {fd}", "read")
+    return None if crc is None else c
+
+
+def pread_strided(int fd, buf, uint64_t dst_offset, uint64_t run, uint64_t count, uint64_t stride,
+                  uint64_t offset, path=None, crc=None):
+    """Reads count runs of run bytes, consecutive in the file from offset, into
+    buf at dst_offset, dst_offset + stride, ...; GIL released.
+
+    One checkpoint block's slice of a tensor [outer, tokens, inner] lands in
+    its place in the whole tensor: run = slice tokens * inner bytes, stride =
+    all tokens * inner bytes, count = outer.
+
+    Returns:
+        the CRC32C of the file bytes read, continuing from crc (None without crc).
+
+    Raises:
+        ValueError: the runs do not fit the buffer.
+        CorruptCheckpoint: end of file first.  CheckpointOSError: the read failed.
+    """
+    cdef Py_buffer view
+    cdef uint32_t c = 0 if crc is None else crc
+    cdef uint32_t *cp = NULL if crc is None else &c
+    cdef int rc = 0
+    PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
+    try:
+        # (count - 1) * stride + run <= len - dst_offset, without overflow.
+        if count:
+            if dst_offset > <uint64_t>view.len or run > <uint64_t>view.len - dst_offset \
+                    or (count > 1 and (stride < run or
+                                       (<uint64_t>view.len - dst_offset - run) // stride < count - 1)):
+                raise ValueError(f"{count} runs of {run} bytes every {stride} from {dst_offset} "
+                                 f"do not fit a buffer of {view.len}")
+            with nogil:
+                rc = kvs_pread_strided(fd, <uint8_t *>view.buf + dst_offset, <size_t>run, <size_t>count,
+                                       <size_t>stride, offset, cp)
     finally:
         PyBuffer_Release(&view)
     _raise_status(rc, path if path is not None else f"fd {fd}", "read")

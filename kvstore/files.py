@@ -182,14 +182,37 @@ class TempFile:
             self.close()
             raise
 
-    def publish(self, durable):
-        """Sync the data (durable), rename into place, sync the directory (durable)."""
+    def publish(self, durable, exclusive=False):
+        """Sync the data (durable), put it in place, sync the directory (durable).
+
+        Args:
+            exclusive: only if no file has the name yet (a hard link, which
+                fails on an existing name): the first of two writers of the
+                same checkpoint wins.  Where the filesystem has no hard
+                links, a rename.
+
+        Returns:
+            True, or False when exclusive and another file had the name.
+        """
         if durable:
             sync_fd(self.fd)
-        os.rename(self.path, self.final)
+        if exclusive:
+            try:
+                os.link(self.path, self.final)
+            except FileExistsError:
+                return False
+            except OSError as e:
+                if e.errno not in _NO_LINKS:
+                    raise
+                os.rename(self.path, self.final)
+            else:
+                os.unlink(self.path)
+        else:
+            os.rename(self.path, self.final)
         self.published = True
         if durable:
             sync_dir(os.path.dirname(self.final) or ".")
+        return True
 
     def close(self):
         if self.fd is not None:
@@ -206,6 +229,49 @@ class TempFile:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# errno values of link() that mean "no hard links here", not "no room".
+_NO_LINKS = frozenset(getattr(errno, n) for n in ("EPERM", "ENOTSUP", "EOPNOTSUPP", "EXDEV", "ENOSYS")
+                      if hasattr(errno, n))
+
+
+def write_checkpoint(path, header, text, plan, trailer_raw=b"", head=b"", durable=True, exclusive=False):
+    """Writes one checkpoint file under a temporary name and publishes it.
+
+    Args:
+        path: the final name.
+        header: the format.Header to write.
+        text: the text bytes stored in the file (a chain block's segment).
+        plan: the payload.Plan (built with head=len(head)).
+        trailer_raw: the trailer bytes.
+        head: bytes at the payload start before the tensor payload (a chain
+            block's chain header).
+        durable, exclusive: see TempFile.publish.
+
+    Returns:
+        the new file's Entry, or None when exclusive and another file already
+        had the name.
+    """
+    P = PREFIX_SIZE + len(text)
+    size = P + plan.payload_bytes + len(trailer_raw)
+    with TempFile(path) as tmp:
+        # All blocks at once: faster writes, and no room fails here.
+        _native.preallocate(tmp.fd, size, tmp.path)
+        _native.pwrite_from(tmp.fd, header.pack() + len(text).to_bytes(4, "little") + text + head, 0, tmp.path)
+        plan.write(tmp.fd, tmp.path)
+        if trailer_raw:
+            _native.pwrite_from(tmp.fd, trailer_raw, P + plan.payload_bytes, tmp.path)
+        # A zero-byte last block sits at an aligned offset past the last
+        # byte written: without a trailer (or the preallocation) the file
+        # would end short of payload_bytes and read back as truncated.
+        os.ftruncate(tmp.fd, size)
+        # Read back before publishing: once visible, the file may be wiped
+        # (zeroed) by another process at once.
+        entry = entry_from_fd(tmp.fd, os.fstat(tmp.fd), path)
+        if not tmp.publish(durable, exclusive):
+            return None
+    return entry
 
 
 def _pid_alive(pid):
@@ -401,7 +467,7 @@ def verify_file(path, progress=None, name=None):
         blocks = [(manifest.tokens[0], 4 * e.tokens, manifest.tokens[2], "tokens")]
         blocks += [(off, n, crc, f"tensor {tname!r}") for tname, _, _, off, n, crc in manifest.tensors]
         for off, n, want, what in blocks:
-            if crc_range(fd, e.payload_offset + off, n, e.path, buf, progress) != want:
+            if crc_range(fd, e.tensors_offset + off, n, e.path, buf, progress) != want:
                 return f"crc: {what} CRC mismatch"
         return None
     except CheckpointMissing:
@@ -436,7 +502,7 @@ def checkpoint_names(directory):
         return sorted(de.name for de in it if is_checkpoint_name(de.name))
 
 
-__all__ = ["TempFile", "sync_fd", "sync_dir", "sync_primitive", "sync_fallbacks", "SYNC_PRIMITIVE", "same_file", "unlink_if_same", "move_aside", "quarantine",
+__all__ = ["TempFile", "write_checkpoint", "sync_fd", "sync_dir", "sync_primitive", "sync_fallbacks", "SYNC_PRIMITIVE", "same_file", "unlink_if_same", "move_aside", "quarantine",
            "record_hit", "overwrite", "wipe_file", "crc_range", "verify_file", "scan_directory",
            "checkpoint_names", "remove_stale_temps", "short_name", "describe_error",
            "QUARANTINE_DIR", "CREATE_FLAGS", "RDWR_FLAGS", "READ_FLAGS"]

@@ -3,6 +3,11 @@
 A checkpoint file is a 48-byte header, a u32 text length, the prompt text
 bytes, the payload and an optional trailer.  This module reads and writes the
 envelope only; payloads are payload.py's and policy is policy.py's.
+
+A block of a chained checkpoint (payload ABI 17, docs/format.md §14) stores
+only its own text segment and opens its payload with a 64-byte chain header
+(parent digest, absolute token and text starts, flags): the index needs
+those without reading payload data, and one read at open finds them.
 """
 
 import dataclasses
@@ -26,10 +31,32 @@ FORMAT_VERSION = 1
 VALID_QUANT_BITS = frozenset({2, 3, 4, 5, 6, 8, 16})
 
 # Payload ABIs: 2 is ds4's own graph state (listed, never loaded here); 16 is
-# kvstore's tensor payload (docs/format.md §3).
+# kvstore's tensor payload of a whole prefix (docs/format.md §3); 17 is one
+# block of a chain (docs/format.md §14).
 PAYLOAD_ABI_DS4 = 2
 PAYLOAD_ABI_TENSORS = 16
-LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS})
+PAYLOAD_ABI_CHAIN = 17
+LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS, PAYLOAD_ABI_CHAIN})
+
+# The chain header at the start of an ABI 17 payload (64 bytes):
+#   0  "KVCB"   4  u16 version 1   6  u16 flags   8  parent digest (20 bytes, zeros: none)
+#   28 u32 token start   32 u32 block grid (tokens)   36 u64 text start
+#   44 8 bytes of SHA1 of the token ids [0, end) (u32 LE)   52 the same of [0, start)
+#   60 u32 CRC32C of bytes 0..60
+# The token digests let a block continue only a parent made from the same
+# token ids: two tokenizations of one text share a name, never a chain.
+CHAIN_MAGIC = b"KVCB"
+CHAIN_VERSION = 1
+CHAIN_HEAD = struct.Struct("<4sHH20sIIQ8s8sI")
+CHAIN_HEAD_SIZE = CHAIN_HEAD.size                # 64
+CHAIN_RESTORABLE = 1     # flag: this block and its ancestors give the whole state
+CHAIN_END = 2            # flag: the last block a save wrote (a stored sequence ends here)
+NO_PARENT = bytes(20)
+TOKEN_DIGEST = 8         # bytes of each token digest kept
+
+# Bytes read at once from the start of a file: the envelope, and for a
+# chain block with a short text segment its chain header too (one pread).
+HEAD_READ = 4096
 
 _NAME_RE = re.compile(r"^[0-9a-fA-F]{40}\.kv$")
 
@@ -146,10 +173,24 @@ class Entry:
     # The prompt a lookup matched this entry against (set by KVStore.find so
     # that load can compare the stored text byte for byte); never printed.
     query: bytes = dataclasses.field(default=None, repr=False, compare=False)
+    # The accept predicate of that lookup (KVStore.find), so that a load
+    # which falls back to a shorter hit applies it again.
+    accept: object = dataclasses.field(default=None, repr=False, compare=False)
     # The object key of a hit in the remote tier (KVStore.find), not yet
     # copied to ``path``: only sha, text_bytes and file_size are known until
     # load() fetches it.  None for a local file.
     remote: str = dataclasses.field(default=None, compare=False)
+    # A chain block (ABI 17) covers tokens [token_start, tokens) and text
+    # bytes [text_start, text_bytes) of its sequence; its parent is the block
+    # ending at token_start ("" for the first block).  text_bytes is always
+    # the absolute length the name is the digest of.  0, 0, "" for ABI 16.
+    token_start: int = 0
+    text_start: int = 0
+    parent: str = ""
+    chain_flags: int = 0
+    block_grid: int = 0
+    token_digest: bytes = b""
+    parent_token_digest: bytes = b""
 
     @property
     def name(self):
@@ -160,16 +201,48 @@ class Entry:
         return PREFIX_SIZE
 
     @property
+    def segment_bytes(self):
+        """The text bytes stored in this file (all of them, but for a chain block)."""
+        return self.text_bytes - self.text_start
+
+    @property
     def payload_offset(self):
-        return PREFIX_SIZE + self.text_bytes
+        return PREFIX_SIZE + self.segment_bytes
 
     @property
     def trailer_offset(self):
-        return PREFIX_SIZE + self.text_bytes + self.payload_bytes
+        return self.payload_offset + self.payload_bytes
 
     @property
     def loadable(self):
+        """A payload ABI this build loads."""
         return self.payload_abi in LOADABLE_ABIS
+
+    @property
+    def is_block(self):
+        return self.payload_abi == PAYLOAD_ABI_CHAIN
+
+    @property
+    def restorable(self):
+        """Loadable as a whole state: an ABI 16 file, or a block that carries
+        every snapshot its state needs (its chain gives the rest)."""
+        if self.is_block:
+            return bool(self.chain_flags & CHAIN_RESTORABLE)
+        return self.loadable
+
+    @property
+    def tensors_offset(self):
+        """Where the tensor payload (KVTP header, manifest, data) starts in the file."""
+        return self.payload_offset + (CHAIN_HEAD_SIZE if self.is_block else 0)
+
+    @property
+    def tensors_bytes(self):
+        return self.payload_bytes - (CHAIN_HEAD_SIZE if self.is_block else 0)
+
+    @property
+    def stored_tokens(self):
+        """The token ids stored in this file (a block stores only its range)."""
+        return self.tokens - self.token_start
 
 
 def is_checkpoint_name(name):
@@ -198,24 +271,82 @@ def open_checkpoint(path, flags=_OPEN_FLAGS):
     return fd, st
 
 
+def pack_chain_head(parent, token_start, text_start, grid, flags, token_digest, parent_token_digest):
+    """The 64-byte chain header of an ABI 17 block.
+
+    Args:
+        parent: the parent's 20-byte digest (NO_PARENT for the first block).
+        token_start, text_start: where the block starts in its sequence.
+        grid: the chain's block size in tokens.
+        flags: CHAIN_RESTORABLE | CHAIN_END bits.
+        token_digest, parent_token_digest: TOKEN_DIGEST bytes of the SHA1 of
+            the token ids up to the block's end and up to its start.
+    """
+    raw = CHAIN_HEAD.pack(CHAIN_MAGIC, CHAIN_VERSION, flags, parent, token_start, grid, text_start,
+                          token_digest, parent_token_digest, 0)
+    return raw[:-4] + _native.crc32c(raw[:-4]).to_bytes(4, "little")
+
+
+def parse_chain_head(raw, tokens, path=None):
+    """The fields of a block's chain header, as Entry keyword arguments.
+
+    Raises:
+        CorruptCheckpoint: bad magic, version or CRC, or a range that breaks
+            the chain rules (a first block starts at 0, every other one after
+            0 and before its end).
+    """
+    if len(raw) < CHAIN_HEAD_SIZE:
+        raise CorruptCheckpoint("truncated", path, "chain header cut short")
+    (magic, version, flags, parent, token_start, grid, text_start, token_digest, parent_token_digest,
+     crc) = CHAIN_HEAD.unpack_from(raw)
+    if magic != CHAIN_MAGIC:
+        raise CorruptCheckpoint("bad_chain_header", path, "chain header is not KVCB")
+    if _native.crc32c(bytes(raw[:CHAIN_HEAD_SIZE - 4])) != crc:
+        raise CorruptCheckpoint("crc", path, "chain header CRC mismatch")
+    if version != CHAIN_VERSION:
+        raise CorruptCheckpoint("bad_chain_header", path, f"chain header version {version}, expected 1")
+    if token_start >= tokens or grid == 0:
+        raise CorruptCheckpoint("bad_chain_header", path,
+                                f"block starts at token {token_start} of {tokens} (grid {grid})")
+    if (parent == NO_PARENT) != (token_start == 0) or (token_start == 0 and text_start != 0):
+        raise CorruptCheckpoint("bad_chain_header", path, "only a block at token 0 has no parent")
+    return dict(parent="" if parent == NO_PARENT else parent.hex(), token_start=token_start,
+                text_start=text_start, chain_flags=flags, block_grid=grid, token_digest=token_digest,
+                parent_token_digest=parent_token_digest)
+
+
 def entry_from_fd(fd, st, path):
-    """Reads and validates the envelope of an open checkpoint into an Entry."""
-    prefix = os.pread(fd, PREFIX_SIZE, 0)
-    if len(prefix) < PREFIX_SIZE:
+    """Reads and validates the envelope of an open checkpoint into an Entry.
+
+    A chain block's chain header is read and checked too (one read when its
+    text segment is short).
+    """
+    head = os.pread(fd, HEAD_READ, 0)
+    if len(head) < PREFIX_SIZE:
         raise CorruptCheckpoint("truncated", path, f"file is {st.st_size} bytes, shorter than the 52-byte prefix")
-    h = Header.unpack(prefix, path)
-    (text_len,) = struct.unpack_from("<I", prefix, HEADER_SIZE)
+    h = Header.unpack(head, path)
+    (text_len,) = struct.unpack_from("<I", head, HEADER_SIZE)
     if not _native.envelope_fits(st.st_size, text_len, h.payload_bytes):
         raise CorruptCheckpoint(
             "truncated", path,
             f"file is {st.st_size} bytes; header says 52 + text {text_len} + payload {h.payload_bytes}")
+    chain = {}
+    if h.payload_abi == PAYLOAD_ABI_CHAIN:
+        at = PREFIX_SIZE + text_len
+        if h.payload_bytes < CHAIN_HEAD_SIZE:
+            raise CorruptCheckpoint("bad_payload", path, "block payload shorter than its chain header")
+        raw = head[at:at + CHAIN_HEAD_SIZE]
+        if len(raw) < CHAIN_HEAD_SIZE:
+            raw = os.pread(fd, CHAIN_HEAD_SIZE, at)
+        chain = parse_chain_head(raw, h.tokens, path)
+        text_len += chain["text_start"]      # the absolute length the name covers
     name = os.path.basename(os.fspath(path))
     sha = name[:-3].lower() if is_checkpoint_name(name) else ""
     return Entry(sha=sha, path=os.fspath(path), quant_bits=h.quant_bits, reason=h.reason,
                  ext_flags=h.ext_flags, model_id=h.model_id, tokens=h.tokens, hits=h.hits,
                  ctx_size=h.ctx_size, payload_abi=h.payload_abi, created_at=h.created_at,
                  last_used=h.last_used, payload_bytes=h.payload_bytes, text_bytes=text_len,
-                 file_size=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino)
+                 file_size=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino, **chain)
 
 
 def read_entry(path):

@@ -1,4 +1,4 @@
-"""Payload ABI 16: the kvstore tensor payload, version 1 (docs/format.md §3).
+"""Tensor payloads: ABI 16 (a whole prefix) and the blocks of ABI 17 chains (docs/format.md §3, §14).
 
 Layout, offsets relative to the payload start P = 52 + text length:
 
@@ -24,11 +24,18 @@ For MLX the destination arrays are allocated by mx.load itself: the reader
 presents the payload to mx.load as a virtual safetensors file whose
 readinto() calls land, in parallel chunks with the GIL released, in the new
 arrays' own memory (see bench/README.md for why this beats zero-fill-then-read).
+
+An ABI 17 block holds the same structure after its 64-byte chain header.  A
+tensor that grows along the sequence ("axis" in the manifest) holds only the
+block's own positions; read_chain allocates each such tensor once at the
+chain's full length and reads every block's slice straight into place
+(strided reads, one CRC per block and tensor).
 """
 
 import atexit
 import concurrent.futures
 import copy
+import dataclasses
 import io
 import json
 import math
@@ -135,10 +142,20 @@ def tensor_source(name, a):
 
 
 class Plan:
-    """Where every block of one payload goes; built before anything is written."""
+    """Where every block of one payload goes; built before anything is written.
 
-    def __init__(self, text_len, tokens, tensors, meta):
-        self.payload_start = PREFIX_SIZE + text_len
+    Args:
+        text_len: the text bytes stored before the payload.
+        tokens, tensors, meta: what the payload holds.
+        axes: name -> the axis along which a tensor grows with the sequence
+            (recorded in the manifest as "axis"); others are snapshots.
+        head: bytes before the tensor payload within the payload (a chain
+            block's 64-byte header).
+    """
+
+    def __init__(self, text_len, tokens, tensors, meta, axes=None, head=0):
+        self.payload_start = PREFIX_SIZE + text_len + head
+        self.head = head
         self.tokens = np.ascontiguousarray(tokens, dtype="<u4").reshape(-1)
         self.sources = [(name,) + tensor_source(name, a) for name, a in tensors.items()]
         if meta is None:
@@ -146,6 +163,7 @@ class Plan:
         if not isinstance(meta, dict):
             raise ValueError(f"meta must be a dict, not {type(meta).__name__}")
         self.meta = meta
+        axes = axes or {}
 
         # Manifest with placeholder CRCs: its length is final from here on.
         self.manifest = {
@@ -155,9 +173,14 @@ class Plan:
             "meta": meta,
         }
         for name, dtype, shape, nbytes, _ in self.sources:
-            self.manifest["tensors"].append({
-                "name": name, "dtype": dtype, "shape": list(shape),
-                "offset": 0, "nbytes": nbytes, "crc32c": _CRC_PLACEHOLDER})
+            row = {"name": name, "dtype": dtype, "shape": list(shape),
+                   "offset": 0, "nbytes": nbytes, "crc32c": _CRC_PLACEHOLDER}
+            if name in axes:
+                if not 0 <= axes[name] < len(shape) or shape[axes[name]] != self.tokens.size:
+                    raise ValueError(f"tensor {name!r}: axis {axes[name]} of shape {shape} does not "
+                                     f"hold the {self.tokens.size} tokens of this payload")
+                row["axis"] = int(axes[name])
+            self.manifest["tensors"].append(row)
         # Offsets need M and M needs offsets: offsets have at most 20 digits,
         # so reserve that width, lay out, then serialise for real.
         for t in [self.manifest["tokens"]] + self.manifest["tensors"]:
@@ -175,7 +198,7 @@ class Plan:
             at = _align(P + at, BLOCK_ALIGN) - P
             t["offset"] = at
             at += t["nbytes"]
-        self.payload_bytes = at
+        self.payload_bytes = head + at           # the chain header counts as payload
 
     def _encode(self):
         return json.dumps(self.manifest, separators=(",", ":"), ensure_ascii=False,
@@ -222,6 +245,7 @@ class Manifest:
 
     def __init__(self, raw, entry, data_offset):
         path = entry.path
+        self.axes = {}
         try:
             m = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
@@ -231,7 +255,7 @@ class Manifest:
             raise CorruptCheckpoint("bad_manifest", path, "manifest JSON is nested too deeply") from None
         if not isinstance(m, dict) or m.get("version") != VERSION:
             raise CorruptCheckpoint("bad_manifest", path, "manifest version is not 1")
-        limit = entry.payload_bytes
+        limit = entry.tensors_bytes
         blocks = []
 
         def block(d, what):
@@ -247,7 +271,7 @@ class Manifest:
                 raise CorruptCheckpoint("bad_manifest", path, f"{what}.crc32c out of range")
             if off < data_offset or n > limit or off > limit - n:
                 raise CorruptCheckpoint("bad_manifest", path, f"{what} lies outside the payload data")
-            if (entry.payload_offset + off) % BLOCK_ALIGN:
+            if (entry.tensors_offset + off) % BLOCK_ALIGN:
                 raise CorruptCheckpoint("bad_manifest", path, f"{what} is not {BLOCK_ALIGN}-byte aligned")
             blocks.append((off, n, what))
             return off, n, crc
@@ -255,9 +279,9 @@ class Manifest:
         tok = m.get("tokens")
         if not isinstance(tok, dict) or type(tok.get("count")) is not int:
             raise CorruptCheckpoint("bad_manifest", path, "tokens block missing")
-        if tok["count"] != entry.tokens:
+        if tok["count"] != entry.stored_tokens:
             raise CorruptCheckpoint("token_count", path,
-                                    f"manifest has {tok['count']} tokens, header {entry.tokens}")
+                                    f"manifest has {tok['count']} tokens, header {entry.stored_tokens}")
         self.tokens = block(dict(tok, nbytes=4 * tok["count"]), "tokens")
 
         tensors = m.get("tensors")
@@ -281,6 +305,12 @@ class Manifest:
             off, n, crc = block(t, f"tensor {i}")
             if math.prod(shape) * DTYPES[dtype][0] != n:
                 raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} nbytes does not match its shape")
+            if "axis" in t:
+                axis = t["axis"]
+                if type(axis) is not int or not 0 <= axis < len(shape) or shape[axis] != entry.stored_tokens:
+                    raise CorruptCheckpoint("bad_manifest", path,
+                                            f"tensor {i}: axis {axis!r} does not hold the file's tokens")
+                self.axes[name] = axis
             self.tensors.append((name, dtype, tuple(shape), off, n, crc))
         blocks.sort()
         for (o1, n1, w1), (o2, _, w2) in zip(blocks, blocks[1:]):
@@ -294,8 +324,8 @@ class Manifest:
 
 def read_manifest(fd, entry):
     """Reads and validates the payload header and manifest of an open checkpoint."""
-    path, P = entry.path, entry.payload_offset
-    if entry.payload_bytes < PAYLOAD_HEADER.size:
+    path, P = entry.path, entry.tensors_offset
+    if entry.tensors_bytes < PAYLOAD_HEADER.size:
         raise CorruptCheckpoint("bad_payload", path, "payload shorter than its header")
     head = os.pread(fd, PAYLOAD_HEADER.size, P)
     if len(head) < PAYLOAD_HEADER.size:
@@ -303,9 +333,9 @@ def read_manifest(fd, entry):
     magic, mlen, data_offset, mcrc, _ = PAYLOAD_HEADER.unpack(head)
     if magic != MAGIC:
         raise CorruptCheckpoint("bad_payload_magic", path, "payload is not KVTP")
-    if mlen > MAX_MANIFEST_BYTES or PAYLOAD_HEADER.size + mlen > entry.payload_bytes:
+    if mlen > MAX_MANIFEST_BYTES or PAYLOAD_HEADER.size + mlen > entry.tensors_bytes:
         raise CorruptCheckpoint("bad_payload", path, f"manifest length {mlen} exceeds the payload")
-    if data_offset < PAYLOAD_HEADER.size + mlen or data_offset > entry.payload_bytes \
+    if data_offset < PAYLOAD_HEADER.size + mlen or data_offset > entry.tensors_bytes \
             or (P + data_offset) % DATA_ALIGN:
         raise CorruptCheckpoint("bad_payload", path, f"data offset {data_offset} is invalid")
     raw = os.pread(fd, mlen, P + PAYLOAD_HEADER.size)
@@ -397,7 +427,7 @@ def read_tokens(fd, entry, manifest, verify=True):
     """The token ids as a numpy uint32 array, CRC-checked."""
     off, n, crc = manifest.tokens
     out = np.empty(n // 4, dtype="<u4")
-    got = read_block(fd, out.view(np.uint8), entry.payload_offset + off, entry.path, verify)
+    got = read_block(fd, out.view(np.uint8), entry.tensors_offset + off, entry.path, verify)
     _check(got, crc, entry.path, "tokens")
     return out.astype(np.uint32, copy=False)
 
@@ -421,7 +451,7 @@ def read_tensors_numpy(fd, entry, manifest, verify=True):
         a = np.empty(shape, dtype=_numpy_dtype(dtype))
         if n:
             jobs = _submit(_native.pread_into, fd, _bytes_view(a.reshape(-1).view(np.uint8)),
-                           entry.payload_offset + off, entry.path, crc0)
+                           entry.tensors_offset + off, entry.path, crc0)
             pending.append((name, crc, jobs))
         out[name] = a
     error = None
@@ -503,7 +533,7 @@ class _VirtualBlob(io.RawIOBase):
         crc0 = 0 if self.verify else None
         for name, dtype, shape, off, n, crc in self.tensors:
             at = off - self.lo
-            jobs = _submit(_native.pread_into, self.fd, mv[at:at + n], self.entry.payload_offset + off,
+            jobs = _submit(_native.pread_into, self.fd, mv[at:at + n], self.entry.tensors_offset + off,
                            self.entry.path, crc0)
             self.pending.append((name, crc, jobs))
         self.address = _native.buffer_address(mv)
@@ -511,7 +541,7 @@ class _VirtualBlob(io.RawIOBase):
 
     def _read_now(self, mv, rel):
         k = min(mv.nbytes, self.size - len(self.head) - rel)
-        read_block(self.fd, mv[:k], self.entry.payload_offset + self.lo + rel, self.entry.path, False)
+        read_block(self.fd, mv[:k], self.entry.tensors_offset + self.lo + rel, self.entry.path, False)
         self.partial = True
         return k
 
@@ -582,3 +612,238 @@ def read_tensors_mlx(fd, entry, manifest, verify=True):
     if out:
         mx.eval(list(out.values()))
     return {t[0]: out[t[0]] for t in manifest.tensors}
+
+
+# ---- chains (ABI 17) -----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One read of a chain load: count runs of run bytes, consecutive in the
+    file from file_offset, landing every stride bytes from dst in a tensor."""
+    fd: int
+    path: str
+    file_offset: int
+    run: int
+    count: int
+    stride: int
+    dst: int
+    crc: int
+    what: str
+
+    @property
+    def nbytes(self):
+        return self.run * self.count
+
+
+@dataclasses.dataclass
+class ChainTensor:
+    """A tensor of a chain load: its full dtype and shape, and the pieces that fill it."""
+    name: str
+    dtype: str
+    shape: tuple
+    nbytes: int
+    pieces: list
+
+
+@dataclasses.dataclass
+class ChainLayout:
+    """Where every byte of a chain load comes from (see chain_layout)."""
+    tokens: int
+    token_pieces: list
+    tensors: list
+    meta: dict
+
+
+def chain_layout(blocks):
+    """Plans the load of a chain of blocks, root first, target last.
+
+    A tensor with an "axis" in the target's manifest grows along the
+    sequence: every block holds its own positions of it, and the whole
+    tensor is the blocks' slices end to end along that axis.  Any other
+    tensor of the target is a snapshot, read from the target alone.
+
+    Args:
+        blocks: [(fd, Entry, Manifest)], root first; the caller has checked
+            that each block starts where its parent ends.
+
+    Returns:
+        ChainLayout.
+
+    Raises:
+        CorruptCheckpoint: "chain_mismatch" when a block lacks a growing
+            tensor of the target or holds it with another dtype or shape.
+    """
+    fd_t, target, m_t = blocks[-1]
+    total = target.tokens
+    token_pieces = []
+    for fd, e, m in blocks:
+        off, n, crc = m.tokens
+        token_pieces.append(Piece(fd, e.path, e.tensors_offset + off, n, 1, n, 4 * e.token_start, crc,
+                                  f"tokens of {os.path.basename(e.path)[:12]}"))
+    rows = {name: (dtype, shape, off, n, crc) for name, dtype, shape, off, n, crc in m_t.tensors}
+    tensors = []
+    for name, (dtype, shape, off, n, crc) in rows.items():
+        item = DTYPES[dtype][0]
+        if name not in m_t.axes:
+            pieces = [Piece(fd_t, target.path, target.tensors_offset + off, n, 1, n, 0, crc,
+                            f"tensor {name!r}")] if n else []
+            tensors.append(ChainTensor(name, dtype, tuple(shape), n, pieces))
+            continue
+        axis = m_t.axes[name]
+        full = tuple(shape[:axis]) + (total,) + tuple(shape[axis + 1:])
+        outer = math.prod(full[:axis])
+        inner = math.prod(full[axis + 1:]) * item
+        pieces = []
+        for fd, e, m in blocks:
+            got = next((r for r in m.tensors if r[0] == name), None)
+            if got is None or m.axes.get(name) != axis or got[1] != dtype \
+                    or tuple(got[2][:axis]) != full[:axis] or tuple(got[2][axis + 1:]) != full[axis + 1:]:
+                raise CorruptCheckpoint("chain_mismatch", e.path,
+                                        f"tensor {name!r} differs from the chain's (dtype, shape or axis)")
+            run = e.stored_tokens * inner
+            if run and outer:
+                pieces.append(Piece(fd, e.path, e.tensors_offset + got[3], run, outer, total * inner,
+                                    e.token_start * inner, got[5], f"tensor {name!r} of {e.name[:12]}"))
+        tensors.append(ChainTensor(name, dtype, full, math.prod(full) * item, pieces))
+    return ChainLayout(total, token_pieces, tensors, m_t.meta)
+
+
+def _piece_jobs(piece, mv, crc0):
+    """Queues the reads of one piece into mv (the tensor's bytes); returns _join's jobs."""
+    if piece.count == 1:
+        return _submit(_native.pread_into, piece.fd, mv[piece.dst:piece.dst + piece.run], piece.file_offset,
+                       piece.path, crc0)
+    # A big strided piece is split by runs across the pool; the CRCs join
+    # in file order, as the runs are consecutive in the file.
+    groups = max(1, min(IO_THREADS, piece.nbytes // MIN_SLICE, piece.count))
+    step = -(-piece.count // groups)
+    pool = _get_pool()
+    jobs = []
+    for first in range(0, piece.count, step):
+        k = min(step, piece.count - first)
+        jobs.append((k * piece.run, pool.submit(_native.pread_strided, piece.fd, mv, piece.dst + first * piece.stride,
+                                                piece.run, k, piece.stride, piece.file_offset + first * piece.run,
+                                                piece.path, crc0)))
+    return jobs
+
+
+def _fill(targets, verify):
+    """Reads every piece into its tensor's bytes (all queued at once), then checks the CRCs.
+
+    Args:
+        targets: [(byte view of a tensor, its pieces)].
+    """
+    crc0 = 0 if verify else None
+    pending = [(p, _piece_jobs(p, mv, crc0)) for mv, pieces in targets for p in pieces]
+    error = None
+    for p, jobs in pending:                 # every job joined, even after a failure
+        try:
+            _check(_join(jobs, crc0), p.crc, p.path, p.what)
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        raise error
+
+
+def read_chain_tokens(layout, verify=True):
+    """The chain's token ids (numpy uint32), every block's CRC-checked."""
+    out = np.empty(layout.tokens, dtype="<u4")
+    _fill([(_bytes_view(out.view(np.uint8)), layout.token_pieces)], verify)
+    return out.astype(np.uint32, copy=False)
+
+
+def read_chain_numpy(layout, verify=True):
+    """Every tensor of a chain load as a numpy array (bfloat16 as uint16 bits)."""
+    out = {t.name: np.empty(t.shape, dtype=_numpy_dtype(t.dtype)) for t in layout.tensors}
+    _fill([(_bytes_view(out[t.name].reshape(-1).view(np.uint8)), t.pieces) for t in layout.tensors if t.nbytes],
+          verify)
+    return out
+
+
+class _ChainBlob(_VirtualBlob):
+    """The tensors of a chain load as one safetensors blob for mx.load: each
+    tensor at a 64-byte aligned place, filled by the layout's pieces."""
+
+    def __init__(self, layout, verify):
+        self.layout, self.verify = layout, verify
+        self.places, at = [], 0
+        for t in layout.tensors:
+            at = _align(at, BLOCK_ALIGN)
+            self.places.append(at)
+            at += t.nbytes
+        header = {"blob": {"dtype": "U8", "shape": [at], "data_offsets": [0, at]}}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.head = struct.pack("<Q", len(raw)) + raw
+        self.size = len(self.head) + at
+        self.defer = True
+        self.pos = 0
+        self.partial = False
+        self.pending = []
+        self.address = None
+        self.error = None
+
+    def _queue_all(self, mv):
+        crc0 = 0 if self.verify else None
+        for t, at in zip(self.layout.tensors, self.places):
+            for p in t.pieces:
+                self.pending.append((p, _piece_jobs(p, mv[at:at + t.nbytes], crc0)))
+        self.address = _native.buffer_address(mv)
+        return mv.nbytes
+
+    def _read_now(self, mv, rel):
+        # MLX asked for the blob in parts: the caller reads through NumPy instead.
+        self.partial = True
+        return min(mv.nbytes, self.size - len(self.head) - rel)
+
+    def wait(self):
+        crc0 = 0 if self.verify else None
+        for p, jobs in self.pending:
+            try:
+                _check(_join(jobs, crc0), p.crc, p.path, p.what)
+            except Exception as e:
+                self.error = self.error or e
+        if self.error is not None:
+            raise self.error
+
+
+def read_chain_mlx(layout, verify=True):
+    """Every tensor of a chain load as an MLX array: views of one blob that
+    mx.load allocates and every block's slices fill in place."""
+    import mlx.core as mx
+    direct = [t for t in layout.tensors if t.dtype != "float64" and t.nbytes]
+    out = {}
+    if direct:
+        sub = dataclasses.replace(layout, tensors=direct)
+        src = _ChainBlob(sub, verify)
+        try:
+            blob = mx.load(src, format="safetensors")["blob"]
+            mx.eval(blob)
+        except Exception as e:
+            try:
+                src.wait()          # never leave reads running into freed memory
+            except Exception:
+                pass
+            if src.error is not None:
+                raise src.error from None
+            raise CorruptCheckpoint("bad_payload", layout.token_pieces[-1].path,
+                                    f"mx.load failed: {type(e).__name__}") from None
+        src.wait()
+        if src.partial or src.address is None or _native.buffer_address(memoryview(blob)) != src.address:
+            # MLX did not hand over the blob's own memory in one call.
+            arrays = read_chain_numpy(sub, verify)
+            out.update({t.name: mx.array(arrays[t.name]).view(_mx_dtype(mx, t.dtype)) if t.dtype == "bfloat16"
+                        else mx.array(arrays[t.name]) for t in direct})
+        else:
+            for t, at in zip(direct, src.places):
+                out[t.name] = blob[at:at + t.nbytes].view(_mx_dtype(mx, t.dtype)).reshape(t.shape)
+    wide = [t for t in layout.tensors if t.dtype == "float64" and t.nbytes]
+    if wide:
+        for name, a in read_chain_numpy(dataclasses.replace(layout, tensors=wide), verify).items():
+            out[name] = mx.array(a, dtype=mx.float64)
+    for t in layout.tensors:
+        if not t.nbytes:
+            out[t.name] = mx.zeros(t.shape, dtype=_mx_dtype(mx, t.dtype))
+    if out:
+        mx.eval(list(out.values()))
+    return {t.name: out[t.name] for t in layout.tensors}

@@ -13,7 +13,9 @@ waypoint scale).  Where kvstore departs from ds4 the function says so in a
 comment (docs/format.md §7 and §8 are the rules as implemented).
 """
 
+import collections
 import dataclasses
+import heapq
 import math
 import numbers
 import operator
@@ -398,13 +400,27 @@ def file_size_fits(text_bytes, payload_bytes, trailer_bytes, budget_bytes):
     for name, value in (("text_bytes", text_bytes), ("payload_bytes", payload_bytes),
                         ("trailer_bytes", trailer_bytes), ("budget_bytes", budget_bytes)):
         _check_count(name, value)
-    file_bytes = PREFIX_SIZE + text_bytes + payload_bytes + trailer_bytes
+    return bytes_fit(PREFIX_SIZE + text_bytes + payload_bytes + trailer_bytes, budget_bytes)
+
+
+def bytes_fit(file_bytes, budget_bytes):
+    """Whether file_bytes of new files (one, or the blocks of a chained save)
+    may be written under the budget: with 1 % slack, as file_size_fits.
+
+    Args:
+        file_bytes: the bytes the new files take in all.
+        budget_bytes: the directory budget in bytes; 0 for unlimited.
+
+    Returns:
+        bool.
+    """
+    _check_count("file_bytes", file_bytes)
+    _check_count("budget_bytes", budget_bytes)
     if file_bytes > _U64_MAX:
         return False
     if budget_bytes == 0:
         return True
-    slack = -(-file_bytes * BUDGET_SLACK_PERCENT // 100)
-    required = file_bytes + slack
+    required = file_bytes + -(-file_bytes * BUDGET_SLACK_PERCENT // 100)
     if required > _U64_MAX:
         return False
     return required <= budget_bytes
@@ -448,7 +464,28 @@ def eviction_order(entries, now, superseded=frozenset(), protected=frozenset(),
                                half_life_s=half_life_s)
         return (_named_in(entry, protected), score, _used_at(entry), index)
 
-    return [e for _, e in sorted(enumerate(entries), key=rank)]
+    entries = list(entries)
+    # A chain block another entry continues waits until that entry has gone:
+    # chains go leaves first, never cut in the middle (docs/format.md §14).
+    present = {getattr(e, "sha", None) for e in entries}
+    waiting = collections.Counter(e.parent for e in entries
+                                  if getattr(e, "parent", "") and e.parent in present)
+    if not waiting:
+        return [e for _, e in sorted(enumerate(entries), key=rank)]
+    by_sha = {e.sha: (i, e) for i, e in enumerate(entries) if getattr(e, "sha", None)}
+    heap = [(rank(ie), ie[0]) for ie in enumerate(entries) if waiting[getattr(ie[1], "sha", None)] == 0]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        _, i = heapq.heappop(heap)
+        e = entries[i]
+        out.append(e)
+        parent = getattr(e, "parent", "")
+        if parent in waiting:
+            waiting[parent] -= 1
+            if waiting[parent] == 0:
+                heapq.heappush(heap, (rank(by_sha[parent]), by_sha[parent][0]))
+    return out
 
 
 def select_victims(entries, budget_bytes, now, superseded=frozenset(), protected=frozenset(),

@@ -27,13 +27,13 @@ import time
 
 import numpy as np
 
-from kvstore import _native, files, payload, policy
+from kvstore import _native, chain, files, payload, policy
 from kvstore import trailers as trailer_mod
 from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
                             KVStoreError, StoreClosed, UnsafePath, os_error)
 from kvstore.files import RDWR_FLAGS, short_name
-from kvstore.format import (PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Entry, Header,
-                            Reason, entry_from_fd, open_checkpoint, read_entry)
+from kvstore.format import (CHAIN_HEAD_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Entry,
+                            Header, Reason, entry_from_fd, open_checkpoint, pack_chain_head, read_entry)
 from kvstore.index import DirectoryIndex, TieredLookup
 from kvstore.policy import Options
 from kvstore.writer import BackgroundWriter
@@ -44,6 +44,19 @@ log = logging.getLogger("kvstore")
 DEFAULT_BUDGET_MB = 4096
 
 LOCK_NAME = ".kvstore.lock"
+
+# How a store writes: "chain" (ABI 17 blocks, docs/format.md §14) or "whole"
+# (one ABI 16 file per checkpoint).  Both are always read.
+LAYOUTS = ("chain", "whole")
+
+# A load whose chain turns out to hold a corrupt block removes that block and
+# the blocks after it, then looks again: the request gets the longest valid
+# ancestor (or another hit).  Each try removes at least one file.
+LOAD_TRIES = 3
+
+# Orphaned blocks (a chain broken by a crash or another tool) are removed
+# under the directory lock; a lookup that sees some tries at most this often.
+ORPHAN_SWEEP_INTERVAL_S = 10.0
 
 # Openers of remote tiers by URL scheme ("s3"), registered by the tier's own
 # package (kvstore.remote) so that this module never imports a room above it.
@@ -108,12 +121,17 @@ class KVStore:
             and revision); with model_id, the payload ABI and (when quant
             matters) quant_bits it makes the remote key prefix, so that only
             interchangeable checkpoints are shared.
+        layout: "chain" (the default) stores a sequence as a chain of blocks
+            of block_tokens tokens, each token's state written once, every
+            block boundary a hit (payload ABI 17); "whole" writes one ABI 16
+            file per checkpoint.  Both layouts are read whatever this says.
+        block_tokens: the chain grid, in tokens (default 256).
     """
 
     def __init__(self, path, budget_mb=DEFAULT_BUDGET_MB, model_id=0, quant_bits=16,
                  ctx_size=None, reject_different_quant=False, options=None, durable=True,
                  verify=True, quarantine=False, max_age_s=None, remote=None, remote_options=None,
-                 model_identity=None):
+                 model_identity=None, layout="chain", block_tokens=chain.DEFAULT_BLOCK_TOKENS):
         self.path = os.path.abspath(os.fspath(path))
         if budget_mb is None or budget_mb < 0:
             raise ValueError(f"budget_mb={budget_mb!r} must be a number >= 0")
@@ -122,6 +140,12 @@ class KVStore:
         Header(quant_bits=quant_bits, tokens=1, ctx_size=0, payload_bytes=0).pack()  # validates
         if ctx_size is not None and not 0 < int(ctx_size) < 2**32:
             raise ValueError(f"ctx_size={ctx_size!r} must be a positive u32 or None")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}; expected one of {', '.join(LAYOUTS)}")
+        if type(block_tokens) is not int or not 0 < block_tokens < 2**32:
+            raise ValueError(f"block_tokens={block_tokens!r} must be a positive int")
+        self.layout = layout
+        self.block_tokens = block_tokens
         self.budget_bytes = int(budget_mb * 1024 * 1024)
         self.model_id = int(model_id)
         self.quant_bits = quant_bits
@@ -140,7 +164,8 @@ class KVStore:
                            bytes_saved=0, save_s=0.0, refused=0, save_errors=0, evictions=0,
                            corrupt=0, consumed=0)
         self._open_dir()
-        self._index = DirectoryIndex(self.path, self._eligible)
+        self._index = DirectoryIndex(self.path, lambda e: self.misfit(e) is None, self.options.min_tokens)
+        self._orphans_swept = 0.0
         self._lookup = TieredLookup(self._index)
         for name in files.remove_stale_temps(self.path):
             log.info("kvstore: stale_tmp_removed file=%s", short_name(name))
@@ -194,11 +219,17 @@ class KVStore:
             min_tokens = self.options.min_tokens
         return e.tokens >= min_tokens and self.misfit(e) is None
 
-    def find(self, prompt):
+    def find(self, prompt, accept=None):
         """The entry with the longest stored text that is a byte prefix of prompt.
+
+        Every loadable block of a complete chain counts, as does every ABI 16
+        file (docs/format.md §4, §14).
 
         Args:
             prompt: str (UTF-8) or bytes.
+            accept: optional predicate on a local Entry; a match it refuses
+                is passed over for the next longest (a caller that can use
+                only some cut points, say whole UTF-8 characters).
 
         Returns:
             Entry, or None on a miss.
@@ -209,13 +240,16 @@ class KVStore:
             self._index.refresh()
             # Both tiers in one SHA1 pass, from memory; a remote hit only
             # when longer than the best local one.
-            e, sha = self._lookup.longest_prefix(data, self.remote.searchable() if self.remote else None)
+            e, sha = self._lookup.longest_prefix(data, self.remote.searchable() if self.remote else None,
+                                                 accept)
             if sha is not None:
                 e = self.remote.entry(sha)
-            if e is not None:
-                return dataclasses.replace(e, query=data)
-            self._stats["misses"] += 1
-        return None
+            orphans = bool(self._index.orphans)
+            if e is None:
+                self._stats["misses"] += 1
+        if orphans:
+            self._sweep_orphans()
+        return None if e is None else dataclasses.replace(e, query=data, accept=accept)
 
     # -- load (section 5) --------------------------------------------------
 
@@ -245,6 +279,8 @@ class KVStore:
             entry = self._fetch_remote(entry, min_tokens)
             if entry is None:
                 return None
+        if entry.is_block:
+            return self._load_chain(entry, into, min_tokens, t0)
         try:
             fd, st = open_checkpoint(entry.path)
         except CheckpointMissing:
@@ -303,6 +339,109 @@ class KVStore:
         return Checkpoint(entry=cur, tokens=tokens, tensors=tensors, meta=manifest.meta,
                           text_bytes=text, trailers=trailer_values)
 
+    def _load_chain(self, entry, into, min_tokens, t0, tries=LOAD_TRIES):
+        """load() of a chain block: every block of its chain into one allocation per tensor.
+
+        A corrupt block removes itself and the blocks after it; the load
+        then looks again for the same prompt (a shorter hit) or is a miss.
+        """
+        with self._lock:
+            self._index.refresh()
+            cur = self._index.get(entry.sha)
+            blocks = self._index.chain(cur) if cur is not None else None
+        if cur is None:
+            try:
+                read_entry(entry.path)
+            except CorruptCheckpoint as e:         # damaged since the lookup
+                self._discard_block(entry, e.reason)
+                return self._miss(entry)
+            except KVStoreError:
+                pass
+            log.info("kvstore: miss reason=vanished file=%s", short_name(entry.name))
+            return self._miss(entry)
+        if blocks is None:
+            log.info("kvstore: miss reason=broken_chain file=%s", short_name(entry.name))
+            return self._miss(entry)
+        try:
+            with chain.OpenChain(blocks) as opened:
+                target = opened.entries[-1]
+                if not self._eligible(target, min_tokens) or not target.restorable:
+                    log.info("kvstore: miss reason=not_eligible file=%s", short_name(entry.name))
+                    return self._miss(entry)
+                if any(self.misfit(b) is not None for b in opened.entries):
+                    log.info("kvstore: miss reason=not_eligible file=%s", short_name(entry.name))
+                    return self._miss(entry)
+                text = opened.text()
+                if entry.query is not None and entry.query[:len(text)] != text:
+                    log.warning("kvstore: miss reason=text_mismatch file=%s", short_name(entry.name))
+                    return self._miss(entry)
+                layout = opened.layout()
+                tokens = payload.read_chain_tokens(layout, self.verify)
+                read = payload.read_chain_mlx if into == "mlx" else payload.read_chain_numpy
+                tensors = read(layout, self.verify)
+                fd, st, _ = opened.blocks[-1]
+                trailer_values = {}
+                if target.file_size > target.trailer_offset:
+                    raw = os.pread(fd, target.file_size - target.trailer_offset, target.trailer_offset)
+                    trailer_values, _, _ = trailer_mod.parse_trailer(raw, target.path, log)
+                # Every block read counts a hit: a block's score then holds
+                # the loads that passed through it (docs/format.md §14).
+                hits = [files.record_hit(b.path, bst, b.hits) for _, bst, b in opened.blocks]
+                nbytes = sum(b.file_size for b in opened.entries)
+        except CheckpointMissing:
+            log.info("kvstore: miss reason=vanished file=%s", short_name(entry.name))
+            return self._miss(entry)
+        except CheckpointOSError as e:
+            log.warning("kvstore: miss reason=unreadable file=%s errno=%s", short_name(entry.name), e.errno)
+            return self._miss(entry)
+        except CorruptCheckpoint as e:
+            at = next((i for i, b in enumerate(blocks) if b.path == e.path), len(blocks) - 1)
+            self._discard_block(blocks[at], e.reason)
+            # The longest valid ancestor, if one can stand on its own.
+            back = [b for b in blocks[:at] if b.restorable and self._eligible(b, min_tokens)
+                    and (entry.accept is None or entry.accept(b))]
+            if not back or tries <= 1:
+                return self._miss(entry)
+            log.info("kvstore: retry reason=corrupt_block tokens=%d file=%s", back[-1].tokens,
+                     short_name(back[-1].name))
+            return self._load_chain(dataclasses.replace(back[-1], query=entry.query, accept=entry.accept),
+                                    into, min_tokens, t0, tries - 1)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._stats["hits"] += 1
+            self._stats["loads"] += 1
+            self._stats["bytes_loaded"] += nbytes
+            self._stats["load_s"] += dt
+        log.info("kvstore: hit tokens=%d text=%d blocks=%d load_ms=%.1f file=%s", target.tokens,
+                 target.text_bytes, len(blocks), dt * 1e3, short_name(entry.name))
+        target = dataclasses.replace(target, hits=hits[-1])
+        return Checkpoint(entry=target, tokens=tokens, tensors=tensors, meta=layout.meta,
+                          text_bytes=text, trailers=trailer_values)
+
+    def _discard_block(self, entry, reason):
+        """A bad block goes (removed or quarantined) with the blocks after it in its chains."""
+        with self._lock:
+            after = self._index.descendants(entry)
+        try:
+            st = os.stat(entry.path, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and (not entry.inode or st.st_ino == entry.inode):
+            self._discard_corrupt(entry.path, st, reason)
+        for e in after:
+            if self._unlink_entry(e):
+                log.info("kvstore: block_removed reason=parent_corrupt file=%s", short_name(e.name))
+
+    def _unlink_entry(self, e):
+        """Unlinks the file of e if it is still that file (same inode); True when it did."""
+        try:
+            st = os.stat(e.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if e.inode and st.st_ino != e.inode:
+            return False
+        return self._unlink_if_same(e.path, st)
+
     def _fetch_remote(self, entry, min_tokens):
         """The local Entry to load for a remote hit: the fetched copy, or, when
         the fetch is a miss, the best local hit for the same prompt (None if none)."""
@@ -343,7 +482,8 @@ class KVStore:
 
         For engines that load a payload and then find it cannot be used (a
         cache that does not rebuild, say).  The file is removed only if it is
-        still the one the entry describes (same inode), never a newer save.
+        still the one the entry describes (same inode), never a newer save;
+        a chain block takes the blocks after it along.
 
         Returns:
             True when the file was removed or moved aside.
@@ -354,7 +494,10 @@ class KVStore:
             return False
         if entry.inode and st.st_ino != entry.inode:
             return False
-        self._discard_corrupt(entry.path, st, reason)
+        if entry.is_block:
+            self._discard_block(entry, reason)
+        else:
+            self._discard_corrupt(entry.path, st, reason)
         return not os.path.lexists(entry.path)
 
     def _discard_corrupt(self, path, st, reason):
@@ -383,8 +526,15 @@ class KVStore:
         return None
 
     def save(self, text, tokens, tensors, meta=None, reason=Reason.COLD, ctx_size=None,
-             trailers=None, *, min_tokens=None):
+             trailers=None, *, min_tokens=None, positional=None, text_offsets=None):
         """Stores a checkpoint for the prompt text.
+
+        With layout "chain" (the default) the state is cut into blocks of
+        block_tokens tokens and only the blocks not stored yet are written,
+        parent first, each durable (docs/format.md §14); the returned entry
+        is the last block.  Cutting needs text_offsets and knowing which
+        tensors grow along the sequence (positional); without them the save
+        is one block.
 
         Args:
             text: the rendered prompt prefix (str or bytes) the state belongs to.
@@ -396,6 +546,12 @@ class KVStore:
             trailers: dict ext-bit -> value for the trailer hooks (docs/format.md §10).
             min_tokens: refuse fewer tokens than this (default
                 options.min_tokens); agent sessions are saved at any length.
+            positional: dict name -> axis of every tensor that holds one row
+                per token along that axis (KV caches); the others are
+                snapshots of the state at the end.
+            text_offsets: the byte length of the text of the first i tokens,
+                for i in 0..len(tokens) (a sequence of len(tokens) + 1 ints,
+                or a callable i -> int): where blocks may be cut.
 
         Returns:
             the new (or kept) Entry, or None when refused (too few tokens, over
@@ -414,9 +570,13 @@ class KVStore:
         if n == 0 or n < min_tokens:
             return self._refuse("min_tokens", tokens=n, min_tokens=min_tokens)
         ctx = self.ctx_size if ctx_size is None else int(ctx_size)
-        plan = payload.Plan(len(text), tokens, tensors, meta)
+        axes = _check_axes(positional, tensors, n)
         values = {trailer_mod.bit_index(k): v for k, v in (trailers or {}).items()}
         trailer_raw, ext = trailer_mod.encode_trailer(values) if values else (b"", 0)
+        if self.layout == "chain":
+            return self._save_chain(text, tokens, tensors, meta, Reason(reason), ctx, values, trailer_raw, ext,
+                                    axes, text_offsets)
+        plan = payload.Plan(len(text), tokens, tensors, meta, axes=axes)
         if self.budget_bytes and not policy.file_size_fits(len(text), plan.payload_bytes, len(trailer_raw),
                                                            self.budget_bytes):
             return self._refuse("budget", bytes=PREFIX_SIZE + len(text) + plan.payload_bytes,
@@ -435,7 +595,7 @@ class KVStore:
                             payload_bytes=plan.payload_bytes, reason=Reason(reason),
                             ext_flags=ext, model_id=self.model_id, payload_abi=PAYLOAD_ABI_TENSORS,
                             created_at=int(time.time()), last_used=0)
-            entry = self._publish(path, header, text, plan, trailer_raw)
+            entry = files.write_checkpoint(path, header, text, plan, trailer_raw, durable=self.durable)
         except OSError as e:
             with self._lock:
                 self._stats["save_errors"] += 1
@@ -455,13 +615,99 @@ class KVStore:
         self.evict(protect=entry, incoming_text=text)
         return entry
 
-    def _keep_existing(self, path, text, ctx, values, reason):
+    def _save_chain(self, text, tokens, tensors, meta, reason, ctx, values, trailer_raw, ext, axes, text_offsets):
+        """save() in the chain layout: the blocks not stored yet, parent first."""
+        blocks = chain.plan_blocks(text, tokens, self.block_tokens, text_offsets)
+        snapshots = any(k not in axes for k in tensors)
+        last = blocks[-1]
+        t0 = time.perf_counter()
+        written, kept = [], None
+        try:
+            # Evictors (exclusive lock) wait while the blocks go in, so no
+            # parent this save relies on is removed under it.
+            with self._dir_lock(fcntl.LOCK_SH):
+                todo = []
+                for b in blocks:
+                    restorable = b.last or not snapshots
+                    path = os.path.join(self.path, b.name)
+                    if b.last:
+                        kept = self._keep_existing(path, text, ctx, values, reason, block=b)
+                        if kept is not None:
+                            continue
+                    else:
+                        cur = _current(path)
+                        if chain.same_block(cur, b) and self.misfit(cur, ctx) is None \
+                                and (cur.restorable or not restorable):
+                            continue
+                    seg = text[b.text_start:b.text_bytes]
+                    plan = payload.Plan(len(seg), tokens[b.token_start:b.tokens],
+                                        chain.block_tensors(tensors, axes, b, restorable), meta, axes=axes,
+                                        head=CHAIN_HEAD_SIZE)
+                    todo.append((b, restorable, path, seg, plan, trailer_raw if b.last else b""))
+                total = sum(PREFIX_SIZE + len(seg) + plan.payload_bytes + len(tr) for _, _, _, seg, plan, tr in todo)
+                if self.budget_bytes and not policy.bytes_fit(total, self.budget_bytes):
+                    return self._refuse("budget", bytes=total, budget=self.budget_bytes)
+                now = int(time.time())
+                for b, restorable, path, seg, plan, tr in todo:
+                    header = Header(quant_bits=self.quant_bits, tokens=b.tokens, ctx_size=ctx or 0,
+                                    payload_bytes=plan.payload_bytes,
+                                    reason=reason if b.last else Reason.CONTINUED,
+                                    ext_flags=ext if b.last else 0, model_id=self.model_id,
+                                    payload_abi=PAYLOAD_ABI_CHAIN, created_at=now, last_used=0)
+                    head = pack_chain_head(b.parent_digest, b.token_start, b.text_start, self.block_tokens,
+                                           b.flags(restorable), b.token_digest, b.parent_token_digest)
+                    # A new name is taken only if still free: of two writers
+                    # of the same block the first wins, and the chains that
+                    # already continue it keep their parent.
+                    e = files.write_checkpoint(path, header, seg, plan, tr, head, self.durable,
+                                               exclusive=not os.path.lexists(path))
+                    if e is None:
+                        e = _current(path)
+                        if not (chain.same_block(e, b) and (e.restorable or not restorable)):
+                            e = files.write_checkpoint(path, header, seg, plan, tr, head, self.durable)
+                    written.append(e)
+                    with self._lock:
+                        self._index.add(e)
+        except OSError as e:
+            with self._lock:
+                self._stats["save_errors"] += 1
+            log.warning("kvstore: save_failed errno=%s error=%s blocks_written=%d file=%s", e.errno,
+                        errno.errorcode.get(e.errno, "?"), len(written), short_name(last.name))
+            return None
+        if not written:
+            if kept is not None and self.remote is not None:
+                self.remote.enqueue(kept)
+            return kept
+        dt = time.perf_counter() - t0
+        nbytes = sum(e.file_size for e in written)
+        with self._lock:
+            self._stats["saves"] += 1
+            self._stats["bytes_saved"] += nbytes
+            self._stats["save_s"] += dt
+        log.info("kvstore: saved reason=%s tokens=%d text=%d blocks=%d written=%d bytes=%d save_ms=%.1f file=%s",
+                 reason.name.lower(), last.tokens, last.text_bytes, len(blocks), len(written), nbytes, dt * 1e3,
+                 short_name(last.name))
+        if self.remote is not None:
+            for e in written:
+                self.remote.enqueue(e)       # never blocks: a background thread uploads
+        entry = kept if kept is not None else written[-1]
+        self.evict(protect=entry, incoming_text=text)
+        return entry
+
+    def _dir_lock(self, mode):
+        """The directory's advisory lock: shared while blocks are published,
+        exclusive while evicting (docs/format.md §11)."""
+        return _DirLock(os.path.join(self.path, LOCK_NAME), mode)
+
+    def _keep_existing(self, path, text, ctx, values, reason, block=None):
         """docs/format.md §6: a compatible file with the same name is kept; only its trailer changes.
 
         One header byte may change too: a file saved again as an agent session
         becomes one (reason byte 5), so that a named session whose text a
         server had already stored still shows in the session list.  A session
-        is never demoted by a later automatic save.
+        is never demoted by a later automatic save.  For the last block of a
+        chained save (block), the file on disk is kept when it is that very
+        block and restorable, or a whole file of the same text.
         """
         try:
             fd, st = open_checkpoint(path, RDWR_FLAGS)
@@ -471,7 +717,10 @@ class KVStore:
             return None              # a planted symlink: the rename replaces the name
         try:
             e = entry_from_fd(fd, st, path)
-            if self.misfit(e, ctx) is not None or os.pread(fd, e.text_bytes, PREFIX_SIZE) != text:
+            if self.misfit(e, ctx) is not None or e.text_bytes != len(text) \
+                    or os.pread(fd, e.segment_bytes, PREFIX_SIZE) != text[e.text_start:]:
+                return None
+            if e.is_block and not (block is not None and chain.same_block(e, block) and e.restorable):
                 return None
             if values:
                 e = self._rewrite_trailer(fd, e, values)
@@ -525,27 +774,6 @@ class KVStore:
             files.sync_fd(fd)           # the size changed too: not data only
         return entry_from_fd(fd, os.fstat(fd), e.path)
 
-    def _publish(self, path, header, text, plan, trailer_raw):
-        """Writes a temporary file and renames it into place (crash-safe)."""
-        size = PREFIX_SIZE + len(text) + plan.payload_bytes + len(trailer_raw)
-        with files.TempFile(path) as tmp:
-            # All blocks at once: faster writes, and no room fails here.
-            _native.preallocate(tmp.fd, size, tmp.path)
-            head = header.pack() + len(text).to_bytes(4, "little")
-            _native.pwrite_from(tmp.fd, head + text, 0, tmp.path)
-            plan.write(tmp.fd, tmp.path)
-            if trailer_raw:
-                _native.pwrite_from(tmp.fd, trailer_raw, PREFIX_SIZE + len(text) + plan.payload_bytes, tmp.path)
-            # A zero-byte last block sits at an aligned offset past the last
-            # byte written: without a trailer (or the preallocation) the file
-            # would end short of payload_bytes and read back as truncated.
-            os.ftruncate(tmp.fd, size)
-            # Read back before the rename: once visible, the file may be
-            # wiped (zeroed) by another process at once.
-            entry = entry_from_fd(tmp.fd, os.fstat(tmp.fd), path)
-            tmp.publish(self.durable)
-        return entry
-
     def save_async(self, text, tokens, tensors, **kwargs):
         """save() on the background writer; returns a concurrent.futures.Future.
 
@@ -585,8 +813,12 @@ class KVStore:
     def evict(self, protect=None, incoming_text=None):
         """Deletes lowest-score checkpoints until the directory fits the budget.
 
-        Runs under an advisory lock on <dir>/.kvstore.lock so that two
-        evicting processes never delete more than needed.
+        Runs under the directory's exclusive lock (<dir>/.kvstore.lock) so
+        that two evicting processes never delete more than needed and no
+        chained save is publishing blocks meanwhile.  Chain blocks go leaves
+        first: a block is a candidate only once no stored block continues it,
+        so no chain is ever cut in the middle.  Orphaned blocks (whose chain
+        does not reach a first block) are removed first.
 
         Args:
             protect: an Entry never chosen (unless it alone exceeds the budget).
@@ -598,31 +830,18 @@ class KVStore:
         """
         self._check_open()
         evicted = []
-        lock_path = os.path.join(self.path, LOCK_NAME)
-        try:
-            lock_fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-                              | getattr(os, "O_CLOEXEC", 0), 0o600)
-        except OSError as e:
-            raise os_error(e.errno, lock_path, "lock") from None
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        with self._dir_lock(fcntl.LOCK_EX):
             with self._lock:
                 self._index.refresh(force=True)
+                orphans = list(self._index.orphans)
+            for e in orphans:
+                if self._delete(e, "orphan"):
+                    evicted.append(e)
+            with self._lock:
                 entries = list(self._index.entries.values())
             now = int(time.time())
             if self.max_age_s is not None:
-                for e in entries:
-                    t = _last_activity(e)
-                    if t and now - t > self.max_age_s and (protect is None or e.name != protect.name):
-                        # The index's copy predates hits recorded in place
-                        # since (touch): an entry that looks old is re-read.
-                        try:
-                            cur = read_entry(e.path)
-                        except KVStoreError:
-                            continue
-                        t = _last_activity(cur)
-                        if t and now - t > self.max_age_s and self._delete(e, "max_age"):
-                            evicted.append(e)
+                evicted += self._expire(entries, now, protect)
                 entries = [e for e in entries if e not in evicted]
             total = sum(e.file_size for e in entries)
             if not self.budget_bytes or total <= self.budget_bytes:
@@ -640,16 +859,56 @@ class KVStore:
                                                 self.options.hit_half_life_s):
                 if self._delete(victim, "budget"):
                     evicted.append(victim)
-        finally:
-            os.close(lock_fd)      # releases the lock
         return evicted
+
+    def _expire(self, entries, now, protect):
+        """Deletes checkpoints unused for max_age_s, chain blocks leaves first."""
+        evicted = []
+        parents = {e.parent for e in entries if e.is_block and e.parent}
+        for e in policy.eviction_order(entries, now):
+            if e.sha in parents or (protect is not None and e.name == protect.name):
+                continue
+            t = _last_activity(e)
+            if not (t and now - t > self.max_age_s):
+                continue
+            # The index's copy predates hits recorded in place since
+            # (touch): an entry that looks old is re-read.
+            cur = _current(e.path)
+            if cur is None:
+                continue
+            t = _last_activity(cur)
+            if t and now - t > self.max_age_s and self._delete(e, "max_age"):
+                evicted.append(e)
+        left = [e for e in entries if e not in evicted]
+        if evicted and any(e.is_block for e in evicted):
+            # A parent whose last child just went may have expired too.
+            evicted += self._expire(left, now, protect)
+        return evicted
+
+    def _sweep_orphans(self):
+        """Removes orphaned blocks under the exclusive lock, if it is free now (at
+        most every ORPHAN_SWEEP_INTERVAL_S); a lookup never waits for it."""
+        now = time.monotonic()
+        if now - self._orphans_swept < ORPHAN_SWEEP_INTERVAL_S:
+            return
+        self._orphans_swept = now
+        try:
+            with self._dir_lock(fcntl.LOCK_EX | fcntl.LOCK_NB):
+                with self._lock:
+                    self._index.refresh(force=True)
+                    orphans = list(self._index.orphans)
+                for e in orphans:
+                    self._delete(e, "orphan")
+        except (BlockingIOError, KVStoreError):
+            pass
 
     def _superseded(self, entries, incoming, text):
         """Shas of continued waypoints that the incoming checkpoint supersedes."""
         if incoming is None or text is None:
             return frozenset()
         # At least as widely reusable: the incoming checkpoint fits every
-        # engine that the waypoint fits.
+        # engine that the waypoint fits.  (A chain's interior blocks may be
+        # superseded too; they go only once no block continues them.)
         cands = [e for e in entries
                  if e.reason == Reason.CONTINUED and e.sha and e.text_bytes < len(text)
                  and policy.misfit(incoming, e.model_id, e.ctx_size, e.quant_bits,
@@ -708,6 +967,11 @@ class KVStore:
         """
         self._check_open()
         targets = [entry] if entry is not None else self.entries()
+        if entry is not None and entry.is_block:
+            # The blocks after it could never be loaded again.
+            with self._lock:
+                self._index.refresh()
+                targets += self._index.descendants(entry)
         n = 0
         for e in targets:
             st = files.overwrite(e.path)
@@ -730,6 +994,53 @@ class KVStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _DirLock:
+    """flock() on the directory's lock file for the length of a with block."""
+
+    def __init__(self, path, mode):
+        self.path, self.mode = path, mode
+
+    def __enter__(self):
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                              | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as e:
+            raise os_error(e.errno, self.path, "lock") from None
+        try:
+            fcntl.flock(self.fd, self.mode)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)          # releases the lock
+
+
+def _current(path):
+    """The envelope at path now, or None (missing, corrupt, unsafe)."""
+    try:
+        return read_entry(path)
+    except KVStoreError:
+        return None
+
+
+def _check_axes(positional, tensors, n):
+    """positional as {name: axis}, checked: each a tensor holding n rows along axis."""
+    if not positional:
+        return {}
+    out = {}
+    for name, axis in dict(positional).items():
+        if name not in tensors:
+            raise ValueError(f"positional names tensor {name!r}, which is not among the tensors")
+        shape = tuple(int(d) for d in tensors[name].shape)
+        if type(axis) is not int or not 0 <= axis < len(shape) or shape[axis] != n:
+            raise ValueError(f"positional[{name!r}]={axis!r}: the tensor's shape {shape} does not hold "
+                             f"{n} tokens along that axis")
+        out[name] = axis
+    return out
 
 
 def _last_activity(e):

@@ -35,9 +35,12 @@ DS4_TEXT = f"<|begin|>{SECRET} ds4 system".encode()
 tensors = functools.partial(make_tensors, shape=(2, "n", 8), names=("layers.0.k", "layers.0.v"))
 
 
-def build_cache(d):
-    """A cache directory with one of everything; returns {role: Entry or path}."""
-    s = make_store(d)
+def build_cache(d, layout="whole"):
+    """A cache directory with one of everything; returns {role: Entry or path}.
+
+    Whole files by default (the tests below read their ABI 16 layout);
+    chains are listed and inspected in test_chain.py."""
+    s = make_store(d, layout=layout)
     out = {}
     out["cold"] = s.save(f"{SECRET} cold anchor", np.arange(64), tensors(64, 1), meta={"engine": "test"})
     out["continued"] = s.save(f"{SECRET} continued waypoint text", np.arange(96), tensors(96, 2),

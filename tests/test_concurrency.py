@@ -395,15 +395,19 @@ def test_save_whose_file_is_wiped_as_soon_as_visible(tmp_path, monkeypatch):
     """Another process may wipe a checkpoint the moment its rename makes it
     visible: save() still returns the entry it wrote (once it raised
     CorruptCheckpoint reading the file back after the rename)."""
-    real_rename = os.rename
+    real = {"rename": os.rename, "link": os.link}
 
-    def rename_then_wipe(src, dst, *a, **kw):
-        real_rename(src, dst, *a, **kw)
-        if str(dst).endswith(".kv"):
-            with open(dst, "r+b") as f:
-                f.write(bytes(os.path.getsize(dst)))
+    def publish_then_wipe(how):
+        def run(src, dst, *a, **kw):
+            real[how](src, dst, *a, **kw)
+            if str(dst).endswith(".kv"):
+                with open(dst, "r+b") as f:
+                    f.write(bytes(os.path.getsize(dst)))
+        return run
     with KVStore(tmp_path / "kv", options=OPTS, durable=True) as s:
-        monkeypatch.setattr(os, "rename", rename_then_wipe)
+        # A new file appears by rename (whole layout) or by link (a new chain block).
+        monkeypatch.setattr(os, "rename", publish_then_wipe("rename"))
+        monkeypatch.setattr(os, "link", publish_then_wipe("link"))
         e = s.save(TEXTS[2], tokens_for(3), tensors_for(seed=3), meta={"t": 2, "seed": 3, "uid": "x"})
         monkeypatch.undo()
         assert e is not None and e.tokens == 40 and e.name == kvstore.sha1(TEXTS[2].encode()).hex() + ".kv"

@@ -234,7 +234,8 @@ def test_evictor_waits_for_the_directory_lock(tmp_path):
 
 def _save_one(path, budget_mb, go, q):
     try:
-        with make_store(path, budget_mb=budget_mb) as s:        # lists the directory now
+        # Whole files: a chained save would wait for the lock before publishing.
+        with make_store(path, budget_mb=budget_mb, layout="whole") as s:        # lists the directory now
             q.put("listed")
             go.wait(30)
             e = s.save("child's checkpoint", [1, 2, 3, 4], TENSORS, reason=R.COLD)

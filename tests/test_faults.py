@@ -38,10 +38,10 @@ def layout(path):
     """(payload start P, manifest length, data offset, manifest dict)."""
     e = kvstore.read_entry(path)
     with open(path, "rb") as f:
-        f.seek(e.payload_offset)
+        f.seek(e.tensors_offset)
         _, mlen, doff, _, _ = PAYLOAD_HEAD.unpack(f.read(24))
         manifest = json.loads(f.read(mlen))
-    return e.payload_offset, mlen, doff, manifest
+    return e.tensors_offset, mlen, doff, manifest
 
 
 def rewrite_manifest(path, raw):

@@ -292,9 +292,19 @@ def test_read_entry_ds4_abi2_is_a_valid_envelope(checkpoint_file):
     assert (e.quant_bits, e.reason, e.tokens, e.payload_bytes) == (2, kvstore.Reason.EVICT, 5, 999)
 
 
-@pytest.mark.parametrize("abi,loadable", [(16, True), (2, False), (0, False), (15, False), (17, False)])
-def test_loadable_only_for_abi16(checkpoint_file, abi, loadable):
+@pytest.mark.parametrize("abi,loadable", [(16, True), (2, False), (0, False), (15, False), (18, False)])
+def test_loadable_only_for_abi16_and_17(checkpoint_file, abi, loadable):
     assert kvstore.read_entry(checkpoint_file(payload_abi=abi)).loadable is loadable
+
+
+def test_abi17_without_a_chain_header_is_corrupt(checkpoint_file):
+    # An ABI 17 payload opens with the 64-byte "KVCB" chain header.
+    with pytest.raises(kvstore.CorruptCheckpoint) as e:
+        kvstore.read_entry(checkpoint_file(payload_abi=17, payload=b"\x00" * 80))
+    assert e.value.reason == "bad_chain_header"
+    with pytest.raises(kvstore.CorruptCheckpoint) as e:
+        kvstore.read_entry(checkpoint_file(payload_abi=17, payload=b"\x00" * 10))
+    assert e.value.reason == "bad_payload"
 
 
 def test_read_entry_reason_above_6_is_unknown(checkpoint_file):

@@ -272,6 +272,7 @@ def parse(path):
                 manifest_raw=manifest_raw, manifest=json.loads(manifest_raw))
 
 
+@pytest.mark.store_args(layout="whole")
 @pytest.mark.parametrize("text_len", [1, 29, 4000, 4020, 4096 - 52, 9000])
 def test_file_layout(store, text_len):
     text = (b"0123456789abcdef" * 600)[:text_len - 1] + b"\xff"      # not UTF-8 on purpose
@@ -316,6 +317,7 @@ def test_file_layout(store, text_len):
         end = off + n
 
 
+@pytest.mark.store_args(layout="whole")
 def test_manifest_token_count_equals_header(store):
     for n in (1, 2, 1000, 4097):
         e = store.save(f"count {n}", np.arange(n, dtype=np.int64), {})
@@ -362,6 +364,7 @@ def _force_route(monkeypatch, route):
     return used
 
 
+@pytest.mark.store_args(layout="whole")
 @pytest.mark.parametrize("route", ["deferred", "sync", "address_mismatch"])
 def test_mlx_read_routes_give_the_same_arrays_and_check_every_crc(store, monkeypatch, route):
     rng = np.random.default_rng(11)

@@ -80,8 +80,11 @@ class Target:
         base = base or ("/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None)
         self.dir = tempfile.mkdtemp(prefix="kvstore-fuzz-", dir=base)
         opts = kvstore.Options(min_tokens=1, cold_max_tokens=2**32 - 1)
+        # The whole-file layout (ABI 16): the parsers under test are the
+        # envelope's, the payload's and the trailer's; tests/test_chain.py
+        # damages chain blocks.
         self.store = kvstore.KVStore(os.path.join(self.dir, "kv"), options=opts, durable=False,
-                                     budget_mb=0)
+                                     budget_mb=0, layout="whole")
         e = self.store.save(ORIGINAL_TEXT, ORIGINAL_TOKENS, original_tensors(), meta={"engine": "fuzz"},
                             trailers={0: {"call_1": "{\"tool\": 1}"}, 3: "a title"})
         with open(e.path, "rb") as f:

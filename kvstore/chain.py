@@ -1,0 +1,215 @@
+"""Chained checkpoints (payload ABI 17, docs/format.md §14): cutting a save into blocks, reading a chain.
+
+A stored sequence is a chain of blocks.  Blocks end at multiples of the grid
+(block_tokens), except the last block a save writes, which ends where the
+save ends.  Each block is one .kv file named by the SHA1 of the whole text up
+to its end, as an ABI 16 file would be, so the one-pass lookup finds the
+longest stored block unchanged; it stores only its own range: its token ids,
+its text segment, the slices of the tensors that grow along the sequence,
+and (when it is the end of a save, or the state has nothing else) the
+snapshots of the rest.
+
+This module plans the blocks of a save (plan_blocks), builds what each block
+holds (block_tensors), checks whether a block on disk is the one a save would
+write (same_block), and opens a chain for a load (open_chain).  The store
+decides which blocks to write, holds the directory lock, and evicts.
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+
+from kvstore import _native, payload
+from kvstore.errors import CorruptCheckpoint
+from kvstore.format import (CHAIN_END, CHAIN_RESTORABLE, NO_PARENT, PREFIX_SIZE, TOKEN_DIGEST,
+                            entry_from_fd, open_checkpoint)
+from kvstore.index import chain_link_ok
+
+# Blocks of this many tokens.  mlx-lm grows its KV buffers in steps of 256
+# tokens, and a block of 256 tokens of an 8B model (128 KiB of KV per token)
+# is 32 MiB: large enough that its reads run at full speed, small enough
+# that a prompt leaving a stored sequence loses at most 255 tokens of reuse.
+DEFAULT_BLOCK_TOKENS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """One block of a save: tokens [token_start, tokens), text [text_start, text_bytes)."""
+    sha: str
+    parent: str                  # "" for the first block
+    token_start: int
+    tokens: int
+    text_start: int
+    text_bytes: int
+    token_digest: bytes
+    parent_token_digest: bytes
+    last: bool                   # the end of the save
+
+    @property
+    def name(self):
+        return self.sha + ".kv"
+
+    def flags(self, restorable):
+        return (CHAIN_RESTORABLE if restorable else 0) | (CHAIN_END if self.last else 0)
+
+    @property
+    def parent_digest(self):
+        return bytes.fromhex(self.parent) if self.parent else NO_PARENT
+
+
+def cut_points(n, grid, text_offsets, text_len):
+    """[(token end, text end)] of the blocks a save of n tokens is cut into.
+
+    Cuts fall on multiples of grid; a cut that adds no text (tokens that
+    render to nothing) is left out, since a block and its parent would share
+    a name.
+
+    Args:
+        n: the save's token count.
+        grid: block_tokens.
+        text_offsets: None (one block: the store cannot cut without them), a
+            sequence of n + 1 byte lengths (text_offsets[i]: bytes of the text
+            of the first i tokens), or a callable i -> that length.
+        text_len: the save's text length (text_offsets[n] must equal it).
+
+    Raises:
+        ValueError: offsets that go down, pass the text, or miss its end.
+    """
+    if text_offsets is None:
+        return [(n, text_len)]
+    if callable(text_offsets):
+        get = text_offsets
+    else:
+        if len(text_offsets) != n + 1:
+            raise ValueError(f"text_offsets holds {len(text_offsets)} values; {n} tokens need {n + 1}")
+        get = text_offsets.__getitem__
+    end = int(get(n))
+    if end != text_len:
+        raise ValueError(f"text_offsets[{n}]={end} is not the text length {text_len}")
+    cuts, prev = [], 0
+    for c in range(grid, n, grid):
+        off = int(get(c))
+        if not 0 <= off <= text_len or off < prev:
+            raise ValueError(f"text_offsets[{c}]={off} is outside {prev}..{text_len} (offsets must not go down)")
+        if off == prev or off == text_len:
+            continue
+        cuts.append((c, off))
+        prev = off
+    cuts.append((n, text_len))
+    return cuts
+
+
+def plan_blocks(text, tokens, grid, text_offsets=None):
+    """The blocks a save of (text, tokens) is cut into, first block first.
+
+    Names come from one SHA1 pass over the text, token digests from one pass
+    over the token ids.
+    """
+    n = int(tokens.size)
+    cuts = cut_points(n, grid, text_offsets, len(text))
+    names = _native.sha1_prefixes(text, [t for _, t in cuts])
+    raw = np.ascontiguousarray(tokens, dtype="<u4").view(np.uint8)
+    digests = [d[:TOKEN_DIGEST] for d in _native.sha1_prefixes(raw, [0] + [4 * c for c, _ in cuts])]
+    out, prev = [], ""
+    for i, ((tok, txt), name) in enumerate(zip(cuts, names)):
+        start_tok, start_txt = (0, 0) if i == 0 else cuts[i - 1]
+        out.append(BlockPlan(sha=name.hex(), parent=prev, token_start=start_tok, tokens=tok,
+                             text_start=start_txt, text_bytes=txt, token_digest=digests[i + 1],
+                             parent_token_digest=digests[i], last=i == len(cuts) - 1))
+        prev = name.hex()
+    return out
+
+
+def slice_along(a, axis, start, stop):
+    """a[..., start:stop, ...] along axis: a view for numpy and MLX arrays alike."""
+    return a[(slice(None),) * axis + (slice(start, stop),)]
+
+
+def block_tensors(tensors, axes, block, snapshots):
+    """What a block holds: its slice of every growing tensor, and the snapshots if asked."""
+    out = {}
+    for name, a in tensors.items():
+        if name in axes:
+            out[name] = slice_along(a, axes[name], block.token_start, block.tokens)
+        elif snapshots:
+            out[name] = a
+    return out
+
+
+def same_block(entry, block, parent_ok=True):
+    """True when the block on disk (entry) is the one this save would write:
+    the same range, text and token ids, continuing the same parent."""
+    return (entry is not None and entry.is_block and parent_ok and entry.sha == block.sha
+            and entry.parent == block.parent and entry.token_start == block.token_start
+            and entry.tokens == block.tokens and entry.text_start == block.text_start
+            and entry.text_bytes == block.text_bytes and entry.token_digest == block.token_digest
+            and entry.parent_token_digest == block.parent_token_digest)
+
+
+class OpenChain:
+    """The files of a chain, open, their envelopes re-read and their links checked.
+
+    Use as a context manager (closes every file).  ``blocks`` is
+    [(fd, stat, Entry)], first block first.
+
+    Raises:
+        CheckpointMissing: a block vanished since the lookup.
+        CorruptCheckpoint: a block is corrupt or no longer continues its parent
+            (``path`` names the block).
+    """
+
+    def __init__(self, chain):
+        self.blocks = []
+        try:
+            prev = None
+            for e in chain:
+                fd, st = open_checkpoint(e.path)
+                self.blocks.append((fd, st, None))
+                cur = entry_from_fd(fd, st, e.path)
+                if not cur.is_block or (prev is None and cur.parent) or \
+                        (prev is not None and not chain_link_ok(cur, prev)):
+                    raise CorruptCheckpoint("broken_chain", e.path, "block does not continue its parent")
+                self.blocks[-1] = (fd, st, cur)
+                prev = cur
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def entries(self):
+        return [e for _, _, e in self.blocks]
+
+    def text(self):
+        """The whole text: every block's segment, checked against its name."""
+        parts = []
+        for fd, _, e in self.blocks:
+            seg = os.pread(fd, e.segment_bytes, PREFIX_SIZE)
+            if len(seg) != e.segment_bytes:
+                raise CorruptCheckpoint("truncated", e.path, "text cut short")
+            parts.append(seg)
+        text = b"".join(parts)
+        names = _native.sha1_prefixes(text, [e.text_bytes for e in self.entries])
+        for (_, _, e), d in zip(self.blocks, names):
+            if d.hex() != e.sha:
+                raise CorruptCheckpoint("text_hash", e.path, "stored text does not hash to the file name")
+        return text
+
+    def layout(self):
+        """The read plan of every token and tensor (kvstore.payload.chain_layout)."""
+        return payload.chain_layout([(fd, e, payload.read_manifest(fd, e)) for fd, _, e in self.blocks])
+
+    def close(self):
+        for fd, _, _ in self.blocks:
+            os.close(fd)
+        self.blocks = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+__all__ = ["DEFAULT_BLOCK_TOKENS", "BlockPlan", "cut_points", "plan_blocks", "slice_along", "block_tensors",
+           "same_block", "OpenChain"]
