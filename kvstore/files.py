@@ -421,7 +421,10 @@ def verify_file(path, progress=None, name=None):
 
     Checked: the envelope, the stored text against the file name, the
     payload header and manifest, and the CRC32C of the token block and of
-    every tensor.  Blocks stream through one reused buffer of VERIFY_CHUNK
+    every tensor.  A chain block's name is the digest of its whole text, so
+    its chain is walked (in the same directory): every parent must be there,
+    end where the block starts, and their text segments and its own must
+    hash to its name.  Blocks stream through one reused buffer of VERIFY_CHUNK
     bytes, so memory stays bounded whatever the file size.  A file whose
     payload ABI this build cannot load is a valid envelope: its payload is
     not checked.  The trailer is not checked either: a section whose CRC
@@ -452,11 +455,15 @@ def verify_file(path, progress=None, name=None):
             progress(PREFIX_SIZE)
         if not e.loadable:
             return None
-        buf = bytearray(min(VERIFY_CHUNK, max(e.text_bytes, e.payload_bytes, 1)))
+        buf = bytearray(min(VERIFY_CHUNK, max(e.segment_bytes, e.payload_bytes, 1)))
         mv = memoryview(buf)
         h = hashlib.sha1()
-        for off in range(0, e.text_bytes, len(buf)):
-            k = min(len(buf), e.text_bytes - off)
+        if e.is_block and e.parent:
+            why = _hash_ancestors(os.path.dirname(path), e, h, mv)
+            if why is not None:
+                return why
+        for off in range(0, e.segment_bytes, len(buf)):
+            k = min(len(buf), e.segment_bytes - off)
             _native.pread_into(fd, mv[:k], PREFIX_SIZE + off, e.path)
             h.update(mv[:k])
             if progress is not None:
@@ -464,7 +471,7 @@ def verify_file(path, progress=None, name=None):
         if e.sha and h.hexdigest() != e.sha:
             return "text_hash: stored text does not hash to the file name"
         manifest = payload.read_manifest(fd, e)
-        blocks = [(manifest.tokens[0], 4 * e.tokens, manifest.tokens[2], "tokens")]
+        blocks = [(manifest.tokens[0], 4 * e.stored_tokens, manifest.tokens[2], "tokens")]
         blocks += [(off, n, crc, f"tensor {tname!r}") for tname, _, _, off, n, crc in manifest.tensors]
         for off, n, want, what in blocks:
             if crc_range(fd, e.tensors_offset + off, n, e.path, buf, progress) != want:
@@ -476,6 +483,39 @@ def verify_file(path, progress=None, name=None):
         return describe_error(err)
     finally:
         os.close(fd)
+
+
+def _hash_ancestors(directory, entry, h, mv):
+    """Feeds the text segments of entry's ancestors, first block first, into h.
+
+    Returns None, or the one-line reason the chain is broken.
+    """
+    chain, cur = [], entry
+    while cur.parent:
+        try:
+            parent = read_entry(os.path.join(directory, cur.parent + ".kv"))
+        except CheckpointMissing:
+            return f"broken_chain: parent {cur.parent[:12]} is missing"
+        except (KVStoreError, OSError) as err:
+            return f"broken_chain: parent {cur.parent[:12]}: {describe_error(err)}"
+        if not (parent.is_block and parent.tokens == cur.token_start and parent.text_bytes == cur.text_start
+                and parent.token_digest == cur.parent_token_digest) or len(chain) > 1 << 20:
+            return f"broken_chain: parent {cur.parent[:12]} does not end where its child starts"
+        chain.append(parent)
+        cur = parent
+    for p in reversed(chain):
+        try:
+            fd, _ = open_checkpoint(p.path)
+        except KVStoreError as err:
+            return f"broken_chain: parent {p.sha[:12]}: {describe_error(err)}"
+        try:
+            for off in range(0, p.segment_bytes, len(mv)):
+                k = min(len(mv), p.segment_bytes - off)
+                _native.pread_into(fd, mv[:k], PREFIX_SIZE + off, p.path)
+                h.update(mv[:k])
+        finally:
+            os.close(fd)
+    return None
 
 
 def scan_directory(directory):

@@ -231,6 +231,11 @@ class Entry:
         return self.loadable
 
     @property
+    def ends_save(self):
+        """A checkpoint a save asked for: an ABI 16 file, or the last block a chained save wrote."""
+        return not self.is_block or bool(self.chain_flags & CHAIN_END)
+
+    @property
     def tensors_offset(self):
         """Where the tensor payload (KVTP header, manifest, data) starts in the file."""
         return self.payload_offset + (CHAIN_HEAD_SIZE if self.is_block else 0)

@@ -125,9 +125,10 @@ class DirectoryIndex:
             self._rebuild()
         return changed
 
-    def add(self, entry):
-        """Records an entry this process just wrote (no listing needed)."""
-        self.entries[entry.name] = entry
+    def add(self, *entries):
+        """Records entries this process just wrote (no listing needed)."""
+        for entry in entries:
+            self.entries[entry.name] = entry
         self._rebuild()
 
     def discard(self, name):

@@ -675,6 +675,17 @@ def chain_layout(blocks):
     """
     fd_t, target, m_t = blocks[-1]
     total = target.tokens
+    # Every block must grow the same tensors as the first one (names, dtypes,
+    # the other dimensions, the axis): the first block that does not is the
+    # one to blame, so the consistent chain above it survives.
+    def growing(m):
+        return {r[0]: (r[1], tuple(r[2][:m.axes[r[0]]]), tuple(r[2][m.axes[r[0]] + 1:]), m.axes[r[0]])
+                for r in m.tensors if r[0] in m.axes}
+    reference = growing(blocks[0][2])
+    for fd, e, m in blocks[1:]:
+        if growing(m) != reference:
+            raise CorruptCheckpoint("chain_mismatch", e.path,
+                                    "block grows other tensors (names, dtypes, shapes or axes) than its chain")
     token_pieces = []
     for fd, e, m in blocks:
         off, n, crc = m.tokens

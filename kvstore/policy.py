@@ -521,6 +521,31 @@ def pick_victim(entries, now, superseded=frozenset(), protected=frozenset(),
     return order[0] if order else None
 
 
+def snapshot_every_block(tensors, positional, tokens, block_tokens):
+    """Whether a chained store should take the state's snapshots at every block
+    boundary, not only at anchors, waypoints and tails (docs/format.md §14).
+
+    A snapshot (a sliding window, a recurrent state) is only ever whole where
+    it was captured, so a block without one is a link, not a hit.  Taking
+    it at every block costs its bytes each time: worth it when the snapshots
+    are no bigger than the positional bytes a block holds anyway.
+
+    Args:
+        tensors: name -> array (anything with nbytes) of the whole state.
+        positional: name -> axis of the tensors that grow with the tokens.
+        tokens: the tokens the state holds.
+        block_tokens: the chain grid.
+
+    Returns:
+        bool; False when there are no snapshots (every block is a hit anyway).
+    """
+    snapshot = sum(int(a.nbytes) for k, a in tensors.items() if k not in positional)
+    if not snapshot or not tokens:
+        return False
+    per_block = sum(int(a.nbytes) for k, a in tensors.items() if k in positional) * block_tokens // tokens
+    return snapshot <= per_block
+
+
 # --- Which checkpoints an engine can load
 
 def misfit(entry, model_id, ctx_size=None, quant_bits=None, reject_different_quant=False):

@@ -56,7 +56,14 @@ class Engine(Protocol):
     """Extends the live state by tokens; returns the last position's logits."""
 
     def snapshot(self) -> tuple: ...
-    """(tensors, meta) of the live state, captured now (immutable arrays)."""
+    """(tensors, meta) of the live state, captured now (immutable arrays); or
+    (tensors, meta, positional) where positional maps each tensor that holds
+    one row per token to its axis (KVStore.save), so a chained store writes
+    each token's state once."""
+
+    # Optional: text_offsets(tokens, text_len) -> the byte offset where each
+    # token's text starts (len(tokens) + 1 ints) or None; with it a chained
+    # store cuts saves into blocks (a hit at every block boundary).
 
     def restore(self, tensors: dict, meta: dict) -> None: ...
     """Replaces the live state with a stored one."""
@@ -135,7 +142,9 @@ class PromptCache:
             live_n = len(self.live_tokens)
         memory_len = len(self.live_text) if memory_ok else -1
 
-        entry = self.store.find(text)
+        # Only cut points at whole characters: the text after a stored one
+        # is tokenized on its own.
+        entry = self.store.find(text, accept=lambda e: _utf8_boundary(text[:e.text_bytes]))
         req = None
         if entry is not None and entry.text_bytes > memory_len:
             req = self._disk_hit(entry, text)
@@ -252,6 +261,22 @@ class PromptCache:
         if waypoint and waypoint == pos:
             if self._store_live(Reason.CONTINUED, req) is not None:
                 self._last_store = pos
+        elif self._snapshots_are_cheap(pos):
+            # State that does not decompose by position (a sliding window,
+            # a recurrent state) is only whole where it was captured: where
+            # it is small next to the KV a block holds, every chunk boundary
+            # on the block grid gets it (docs/format.md §14).
+            self._store_live(Reason.CONTINUED, req)
+
+    def _snapshots_are_cheap(self, pos):
+        grid = getattr(self.store, "block_tokens", 0) if getattr(self.store, "layout", "") == "chain" else 0
+        if not grid or pos % grid or pos < self.options.min_tokens:
+            return False
+        snap = self.engine.snapshot()
+        if len(snap) < 3:
+            return False
+        tensors, _, positional = snap[0], snap[1], snap[2]
+        return policy.snapshot_every_block(tensors, positional, pos, grid)
 
     def _store_live(self, reason, req):
         """Stores the live state under its exact text; returns the entry (or future)."""
@@ -267,13 +292,17 @@ class PromptCache:
             log.info("kvstore: store_skipped reason=mid_character tokens=%d", n)
             return None
         t = time.perf_counter()
-        tensors, meta = self.engine.snapshot()
-        if self.async_saves:
-            result = self.store.save_async(text, self.live_tokens, tensors, meta=meta, reason=reason,
-                                           ctx_size=self.engine.ctx_size)
-        else:
-            result = self.store.save(text, self.live_tokens, tensors, meta=meta, reason=reason,
-                                     ctx_size=self.engine.ctx_size)
+        snap = self.engine.snapshot()
+        tensors, meta = snap[0], snap[1]
+        chained = {}
+        if len(snap) > 2:
+            chained["positional"] = snap[2]
+            offsets = getattr(self.engine, "text_offsets", None)
+            if offsets is not None:
+                chained["text_offsets"] = offsets(self.live_tokens, len(text))
+        save = self.store.save_async if self.async_saves else self.store.save
+        result = save(text, self.live_tokens, tensors, meta=meta, reason=reason, ctx_size=self.engine.ctx_size,
+                      **chained)
         if req is not None:
             req.save_ms += (time.perf_counter() - t) * 1e3
             if result is not None:

@@ -15,6 +15,11 @@ TieredPromptCache, a subclass that adds a kvstore directory behind it:
       continued waypoints every continued_step tokens of a long prefill
       evict     an entry mlx-lm's LRU drops, when worth keeping
       shutdown  every RAM entry, on SIGINT / SIGTERM
+      blocks    the whole blocks of every finished request's prompt and
+                answer (chained stores, docs/format.md §14): after a restart
+                a prompt that leaves a stored conversation anywhere reuses it
+                up to the last block boundary before it; the evict and
+                shutdown states are then only their last block
 
 Keys.  The server's cache API sees token ids only, so a checkpoint's key is
 the detokenized token stream: the exact bytes of each token, concatenated
@@ -51,10 +56,12 @@ from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from kvstore import remote
+from kvstore.chain import DEFAULT_BLOCK_TOKENS, slice_along
 from kvstore.format import Reason
-from kvstore.mlx import DEFAULT_CTX_SIZE, cache_from_checkpoint, checked_tensors, token_bytes_function
+from kvstore.mlx import (DEFAULT_CTX_SIZE, cache_from_checkpoint, checked_state, text_offsets_function,
+                         token_bytes_function)
 from kvstore.policy import Options, continued_step
-from kvstore.store import DEFAULT_BUDGET_MB, KVStore
+from kvstore.store import DEFAULT_BUDGET_MB, LAYOUTS, KVStore
 
 log = logging.getLogger("kvstore")
 
@@ -146,6 +153,7 @@ class TieredPromptCache(LRUPromptCache):
         self.options = store.options
         self.waypoint_step = continued_step(self.options)
         self._token_bytes = None
+        self._text_offsets = None
         self._incoming = None
         self._held = {}            # (model, tuple(tokens)) -> the cache mlx-lm keeps for it
 
@@ -154,6 +162,7 @@ class TieredPromptCache(LRUPromptCache):
     def _key_bytes(self, tokens):
         if self._token_bytes is None:
             self._token_bytes = token_bytes_function(self.provider.tokenizer)
+            self._text_offsets = text_offsets_function(self._token_bytes)
         return self._token_bytes(tokens)
 
     # -- lookup ---------------------------------------------------------------
@@ -228,6 +237,9 @@ class TieredPromptCache(LRUPromptCache):
             self._persist(model, tokens, prompt_cache, Reason.COLD)
         elif cache_type == WAYPOINT_TYPE and self.waypoint_step and len(tokens) % self.waypoint_step == 0:
             self._persist(model, tokens, prompt_cache, Reason.CONTINUED)
+        elif cache_type == "assistant" and self.store.layout == "chain":
+            # A finished request: its prompt and answer, whole blocks only.
+            self._persist(model, tokens, prompt_cache, Reason.CONTINUED, whole_blocks=True)
 
     def _pushed(self, model, tokens):
         if self._incoming is not None:
@@ -243,11 +255,14 @@ class TieredPromptCache(LRUPromptCache):
         if cache is not None:
             self._persist(model, tokens, cache, Reason.EVICT)
 
-    def _persist(self, model, tokens, cache, reason):
+    def _persist(self, model, tokens, cache, reason, whole_blocks=False):
         """Stores cache under its tokens' bytes on the background writer.
 
         Nothing is stored for another model than the store's, for fewer than
-        min_tokens tokens, or when the same text is stored already.
+        min_tokens tokens, or when the same text is stored already.  With
+        whole_blocks, only the tokens up to the last block boundary are
+        stored, and only when the state is all positional (a recurrent or
+        windowed state would be a link without its snapshot).
         """
         if model != self.model_key:
             return None
@@ -255,15 +270,22 @@ class TieredPromptCache(LRUPromptCache):
             n = cache[0].offset if cache and hasattr(cache[0], "offset") else len(tokens)
             if n > len(tokens) or n < self.options.min_tokens:
                 return None
+            tensors, meta, positional = checked_state(cache, n)
+            if whole_blocks:
+                cut = n // self.store.block_tokens * self.store.block_tokens
+                if cut < self.options.min_tokens or len(positional) != len(tensors):
+                    return None
+                tensors = {k: slice_along(a, positional[k], 0, cut) for k, a in tensors.items()}
+                n = cut
             tokens = list(tokens[:n])
             text = self._key_bytes(tokens)
             have = self.store.find(text)
             if have is not None and have.text_bytes == len(text):
                 return None
-            tensors, meta = checked_tensors(cache, n)
             meta["model"] = self.fingerprint
             return self.store.save_async(text, tokens, tensors, meta=meta, reason=reason,
-                                         ctx_size=self.store.ctx_size)
+                                         ctx_size=self.store.ctx_size, positional=positional,
+                                         text_offsets=self._text_offsets(tokens, len(text)))
         except (TypeError, ValueError) as e:   # a cache class kvstore cannot store
             log.info("kvstore: store_skipped reason=%s detail=%s", Reason(reason).name.lower(),
                      type(e).__name__)
@@ -382,7 +404,7 @@ class _Server:
         self.store = KVStore(cache_dir, budget_mb=opts.budget_mb,
                              model_id=int(self.fingerprint[:2], 16),
                              quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
-                             options=options, **extra)
+                             options=options, layout=opts.layout, block_tokens=opts.block_tokens, **extra)
         if self.store.remote is not None:
             # The bucket's index before the first request (later refreshes
             # run in the background); a remote that is down costs one
@@ -451,6 +473,11 @@ def build_parser():
     p.add_argument("--waypoint-tokens", type=int, default=None,
                    help="store a `continued` checkpoint every this many prompt tokens, rounded up "
                         "to 2048 (default 10000; 0: none)")
+    p.add_argument("--layout", choices=LAYOUTS, default="chain",
+                   help="chain: blocks of --block-tokens, every token's KV written once and a hit at every "
+                        "block boundary (default); whole: one file per checkpoint")
+    p.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
+                   help=f"tokens per block of a chain (default {DEFAULT_BLOCK_TOKENS})")
     remote.add_arguments(p)
     return p
 
@@ -473,6 +500,9 @@ def main(argv=None):
     if local and not os.path.isdir(os.path.expanduser(opts.model)):
         # (Anything else may be a hub repository id, which mlx-lm resolves.)
         print(f"kvstore serve: error: --model {opts.model}: no such model directory", file=sys.stderr)
+        return 2
+    if opts.block_tokens < 1:
+        print(f"kvstore serve: error: --block-tokens {opts.block_tokens} must be >= 1", file=sys.stderr)
         return 2
     for name in ("budget_mb", "min_tokens", "waypoint_tokens"):
         value = getattr(opts, name)

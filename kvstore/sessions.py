@@ -118,7 +118,8 @@ def read_title(entry):
 
 
 def save(store, text, tokens, tensors, meta=None, title=None, system_text=None,
-         system_tokens=None, system_tensors=None, system_meta=None):
+         system_tokens=None, system_tensors=None, system_meta=None, positional=None, text_offsets=None,
+         system_text_offsets=None):
     """Saves the live state as an agent session (and its system prompt's checkpoint).
 
     Args:
@@ -130,6 +131,9 @@ def save(store, text, tokens, tensors, meta=None, title=None, system_text=None,
             prompt's checkpoint, stored with reason agent-system under the
             store's usual rules (it is found by lookup, so min_tokens holds).
             The first three go together.
+        positional, text_offsets, system_text_offsets: as KVStore.save (a
+            chained store then writes only the blocks it lacks; positional
+            applies to both states).
 
     Returns:
         the session's Entry, or None when the store refused it (over budget,
@@ -147,11 +151,12 @@ def save(store, text, tokens, tensors, meta=None, title=None, system_text=None,
         trailers = {ExtFlag.SESSION_TITLE: title}
     if system_text is not None:
         if store.save(system_text, system_tokens, system_tensors, meta=system_meta,
-                      reason=Reason.AGENT_SYSTEM) is None:
+                      reason=Reason.AGENT_SYSTEM, positional=positional,
+                      text_offsets=system_text_offsets) is None:
             # The session is still worth saving; the store logged the refusal.
             log.info("kvstore: session_system_not_saved")
     return store.save(text, tokens, tensors, meta=meta, reason=Reason.AGENT_SESSION,
-                      trailers=trailers, min_tokens=1)
+                      trailers=trailers, min_tokens=1, positional=positional, text_offsets=text_offsets)
 
 
 def list(store):   # noqa: A001 - the verb of docs/format.md §9; the builtin is not used here
@@ -181,7 +186,7 @@ def from_entries(entries):
     out = [SessionInfo(sha=e.sha, title=read_title(e), tokens=e.tokens, hits=e.hits,
                        created_at=e.created_at, last_used=e.last_used, model_id=e.model_id,
                        payload_abi=e.payload_abi, file_size=e.file_size, path=e.path)
-           for e in _fresh(entries) if e.reason == Reason.AGENT_SESSION and e.sha]
+           for e in _fresh(entries) if e.reason == Reason.AGENT_SESSION and e.sha and e.restorable]
     out.sort(key=lambda s: (s.created_at, s.last_used, s.sha), reverse=True)
     return out
 

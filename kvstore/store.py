@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from kvstore import _native, chain, files, payload, policy
+from kvstore import index as index_mod
 from kvstore import trailers as trailer_mod
 from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
                             KVStoreError, StoreClosed, UnsafePath, os_error)
@@ -343,25 +344,23 @@ class KVStore:
         """load() of a chain block: every block of its chain into one allocation per tensor.
 
         A corrupt block removes itself and the blocks after it; the load
-        then looks again for the same prompt (a shorter hit) or is a miss.
+        then falls back to the longest valid ancestor that stands on its own
+        (the same prompt prefixes it), or is a miss.
         """
         with self._lock:
             self._index.refresh()
             cur = self._index.get(entry.sha)
             blocks = self._index.chain(cur) if cur is not None else None
-        if cur is None:
-            try:
-                read_entry(entry.path)
-            except CorruptCheckpoint as e:         # damaged since the lookup
-                self._discard_block(entry, e.reason)
-                return self._miss(entry)
-            except KVStoreError:
-                pass
-            log.info("kvstore: miss reason=vanished file=%s", short_name(entry.name))
-            return self._miss(entry)
         if blocks is None:
-            log.info("kvstore: miss reason=broken_chain file=%s", short_name(entry.name))
-            return self._miss(entry)
+            # Not in the index, or its chain is broken there: the directory
+            # says why.  A block damaged since the lookup drops out of the
+            # index when it is listed again; find it by walking the chain.
+            bad, end, reason = self._walk_chain(entry)
+            if bad is None:
+                log.info("kvstore: miss reason=%s file=%s", reason, short_name(entry.name))
+                return self._miss(entry)
+            self._discard_block(bad, reason)
+            return self._fall_back(entry, end, into, min_tokens, t0, tries)
         try:
             with chain.OpenChain(blocks) as opened:
                 target = opened.entries[-1]
@@ -397,15 +396,7 @@ class KVStore:
         except CorruptCheckpoint as e:
             at = next((i for i, b in enumerate(blocks) if b.path == e.path), len(blocks) - 1)
             self._discard_block(blocks[at], e.reason)
-            # The longest valid ancestor, if one can stand on its own.
-            back = [b for b in blocks[:at] if b.restorable and self._eligible(b, min_tokens)
-                    and (entry.accept is None or entry.accept(b))]
-            if not back or tries <= 1:
-                return self._miss(entry)
-            log.info("kvstore: retry reason=corrupt_block tokens=%d file=%s", back[-1].tokens,
-                     short_name(back[-1].name))
-            return self._load_chain(dataclasses.replace(back[-1], query=entry.query, accept=entry.accept),
-                                    into, min_tokens, t0, tries - 1)
+            return self._fall_back(entry, blocks[at].text_bytes, into, min_tokens, t0, tries)
         dt = time.perf_counter() - t0
         with self._lock:
             self._stats["hits"] += 1
@@ -417,6 +408,52 @@ class KVStore:
         target = dataclasses.replace(target, hits=hits[-1])
         return Checkpoint(entry=target, tokens=tokens, tensors=tensors, meta=layout.meta,
                           text_bytes=text, trailers=trailer_values)
+
+    def _fall_back(self, entry, limit, into, min_tokens, t0, tries):
+        """After a bad block (removed with the blocks after it): load the longest
+        valid hit for the same prompt shorter than limit text bytes (an
+        ancestor of the bad block, or another chain's), or count a miss."""
+        if entry.query is None or tries <= 1:
+            return self._miss(entry)
+
+        def shorter(e):
+            return e.text_bytes < limit and (entry.accept is None or entry.accept(e))
+        with self._lock:
+            self._index.refresh()
+            back = self._index.longest_prefix(entry.query, shorter)
+        if back is None:
+            return self._miss(entry)
+        log.info("kvstore: retry reason=corrupt_block tokens=%d file=%s", back.tokens, short_name(back.name))
+        back = dataclasses.replace(back, query=entry.query, accept=entry.accept)
+        if back.is_block:
+            return self._load_chain(back, into, min_tokens, t0, tries - 1)
+        return self.load(back, into, min_tokens=min_tokens)
+
+    def _walk_chain(self, entry):
+        """Walks entry's chain on disk, from entry towards its first block.
+
+        Returns:
+            (the first bad block met, or None; the text length it ends at;
+            the corruption reason, or the miss reason when nothing is bad:
+            "vanished" or "broken_chain").
+        """
+        name, child, seen = entry.sha, None, 0
+        while seen <= len(self._index.entries) + 1:
+            path = os.path.join(self.path, name + ".kv")
+            try:
+                cur = read_entry(path)
+            except CorruptCheckpoint as e:
+                end = entry.text_bytes if child is None else child.text_start
+                bad = entry if child is None else dataclasses.replace(child, path=path, sha=name, inode=0)
+                return bad, end, e.reason
+            except KVStoreError:
+                return None, 0, "vanished" if child is None else "broken_chain"
+            if child is not None and not index_mod.chain_link_ok(child, cur):
+                return None, 0, "broken_chain"
+            if not cur.is_block or not cur.parent:
+                return None, 0, "broken_chain"
+            child, name, seen = cur, cur.parent, seen + 1
+        return None, 0, "broken_chain"
 
     def _discard_block(self, entry, reason):
         """A bad block goes (removed or quarantined) with the blocks after it in its chains."""
@@ -447,7 +484,8 @@ class KVStore:
         the fetch is a miss, the best local hit for the same prompt (None if none)."""
         if os.path.lexists(entry.path):      # fetched or saved here meanwhile
             return dataclasses.replace(entry, remote=None)
-        got = self.remote.fetch(entry, lambda e: self._eligible(e, min_tokens), self.budget_bytes, self.durable)
+        got = self.remote.fetch(entry, lambda e: self._eligible(e, min_tokens), self.budget_bytes, self.durable,
+                                fits=lambda e: self.misfit(e) is None, have=self._has_block)
         if got is not None:
             with self._lock:
                 self._index.add(got)
@@ -455,12 +493,18 @@ class KVStore:
             return dataclasses.replace(got, query=entry.query)
         with self._lock:
             self._index.refresh()
-            local = self._index.longest_prefix(entry.query) if entry.query is not None else None
+            local = self._index.longest_prefix(entry.query, entry.accept) if entry.query is not None else None
         if local is None:
             with self._lock:
                 self._stats["misses"] += 1
             return None
         return dataclasses.replace(local, query=entry.query)
+
+    def _has_block(self, sha):
+        """True when the block named sha is here (for a remote fetch of its chain)."""
+        with self._lock:
+            self._index.refresh()
+            return self._index.get(sha) is not None
 
     def _miss(self, entry):
         with self._lock:
@@ -626,18 +670,20 @@ class KVStore:
             # Evictors (exclusive lock) wait while the blocks go in, so no
             # parent this save relies on is removed under it.
             with self._dir_lock(fcntl.LOCK_SH):
-                todo = []
+                todo, have = [], 0
                 for b in blocks:
                     restorable = b.last or not snapshots
                     path = os.path.join(self.path, b.name)
                     if b.last:
                         kept = self._keep_existing(path, text, ctx, values, reason, block=b)
                         if kept is not None:
+                            have += kept.file_size
                             continue
                     else:
                         cur = _current(path)
                         if chain.same_block(cur, b) and self.misfit(cur, ctx) is None \
                                 and (cur.restorable or not restorable):
+                            have += cur.file_size
                             continue
                     seg = text[b.text_start:b.text_bytes]
                     plan = payload.Plan(len(seg), tokens[b.token_start:b.tokens],
@@ -645,8 +691,9 @@ class KVStore:
                                         head=CHAIN_HEAD_SIZE)
                     todo.append((b, restorable, path, seg, plan, trailer_raw if b.last else b""))
                 total = sum(PREFIX_SIZE + len(seg) + plan.payload_bytes + len(tr) for _, _, _, seg, plan, tr in todo)
-                if self.budget_bytes and not policy.bytes_fit(total, self.budget_bytes):
-                    return self._refuse("budget", bytes=total, budget=self.budget_bytes)
+                # The whole chain must fit: the blocks it already has stay.
+                if self.budget_bytes and not policy.bytes_fit(have + total, self.budget_bytes):
+                    return self._refuse("budget", bytes=have + total, budget=self.budget_bytes)
                 now = int(time.time())
                 for b, restorable, path, seg, plan, tr in todo:
                     header = Header(quant_bits=self.quant_bits, tokens=b.tokens, ctx_size=ctx or 0,
@@ -666,8 +713,8 @@ class KVStore:
                         if not (chain.same_block(e, b) and (e.restorable or not restorable)):
                             e = files.write_checkpoint(path, header, seg, plan, tr, head, self.durable)
                     written.append(e)
-                    with self._lock:
-                        self._index.add(e)
+                with self._lock:
+                    self._index.add(*written)
         except OSError as e:
             with self._lock:
                 self._stats["save_errors"] += 1
@@ -692,6 +739,10 @@ class KVStore:
                 self.remote.enqueue(e)       # never blocks: a background thread uploads
         entry = kept if kept is not None else written[-1]
         self.evict(protect=entry, incoming_text=text)
+        if not os.path.lexists(entry.path):
+            # Removed at once (by another process's wipe, say): not stored.
+            log.info("kvstore: save_lost reason=removed file=%s", short_name(entry.name))
+            return None
         return entry
 
     def _dir_lock(self, mode):
@@ -720,7 +771,9 @@ class KVStore:
             if self.misfit(e, ctx) is not None or e.text_bytes != len(text) \
                     or os.pread(fd, e.segment_bytes, PREFIX_SIZE) != text[e.text_start:]:
                 return None
-            if e.is_block and not (block is not None and chain.same_block(e, block) and e.restorable):
+            # A block is kept when it stands on its own; by a chained save,
+            # only when it is the very block that save would write.
+            if e.is_block and (not e.restorable or (block is not None and not chain.same_block(e, block))):
                 return None
             if values:
                 e = self._rewrite_trailer(fd, e, values)

@@ -57,8 +57,9 @@ def listing(directory):
 
 
 def stored(store):
-    """(reason, tokens) of every checkpoint in store, sorted: what the prompt cache stored."""
-    return sorted((e.reason.name.lower(), e.tokens) for e in store.entries())
+    """(reason, tokens) of every checkpoint a save asked for in store, sorted: what the
+    prompt cache stored (a whole file, or the last block of a chained save)."""
+    return sorted((e.reason.name.lower(), e.tokens) for e in store.entries() if e.ends_save)
 
 
 def flip(path, offset, mask=0x01):

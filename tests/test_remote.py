@@ -32,6 +32,14 @@ from s3server import WeedServer, weed_binary
 BUCKET = "kvtest"
 
 
+def object_key_of(prefix, fingerprint, e):
+    """The bucket key of a local checkpoint: a whole file's, or a chain block's (its parent in the key)."""
+    if e.is_block:
+        return remote_mod.object_key(prefix, fingerprint, e.sha, e.text_bytes, e.parent, e.restorable)
+    return remote_mod.object_key(prefix, fingerprint, e.sha, e.text_bytes)
+
+
+
 @pytest.fixture(scope="session")
 def aws_profiles(tmp_path_factory):
     """Environment for boto3's credential chain: one profile per identity, no other source."""
@@ -143,8 +151,18 @@ def test_key_layout_and_fingerprint():
     sha = "ab" * 20
     assert remote_mod.object_key("team/cache", fp, sha, 1234) == f"team/cache/v1/{fp}/000000001234/{sha}.kv"
     assert remote_mod.object_key("", fp, sha, 7) == f"v1/{fp}/000000000007/{sha}.kv"
-    assert remote_mod.parse_key(f"team/cache/v1/{fp}/000000001234/{sha}.kv", f"team/cache/v1/{fp}/") == (1234, sha)
-    assert remote_mod.parse_key(f"team/cache/v1/{fp}/1234/{sha}.kv", f"team/cache/v1/{fp}/") is None
+    base = f"team/cache/v1/{fp}/"
+    assert remote_mod.parse_key(f"{base}000000001234/{sha}.kv", base) == (1234, sha, None, True)
+    assert remote_mod.parse_key(f"{base}1234/{sha}.kv", base) is None
+    # A chain block's key names its parent (40 zeros: a first block) and whether it is restorable.
+    parent = "ab" * 20
+    key = remote_mod.object_key("team/cache", fp, sha, 1234, parent=parent, restorable=False)
+    assert key == f"{base}000000001234/{sha}.{parent}.l.kv"
+    assert remote_mod.parse_key(key, base) == (1234, sha, parent, False)
+    first = remote_mod.object_key("team/cache", fp, sha, 99, parent="", restorable=True)
+    assert first == f"{base}000000000099/{sha}.{'0' * 40}.r.kv"
+    assert remote_mod.parse_key(first, base) == (99, sha, "", True) and remote_mod.parse_key(first, base).is_block
+    assert remote_mod.parse_key(f"{base}000000000099/{sha}.{parent}.x.kv", base) is None
     # The identity, the model id and the ABI always count; quant only when it is part of the match.
     assert remote_mod.key_fingerprint(3, 4, False, "org/model@rev2") != fp
     assert remote_mod.key_fingerprint(4, 4, False, "org/model@rev1") != fp
@@ -208,7 +226,7 @@ def test_remote_hit_in_a_second_store_loads_bit_identical(s3, tmp_path, caplog):
         assert a.remote.flush(30)
         st = a.stats()
         assert st["remote_uploads"] == 1 and st["remote_upload_errors"] == 0
-        key = remote_mod.object_key("share", a.remote.fingerprint, ea.sha, ea.text_bytes)
+        key = object_key_of("share", a.remote.fingerprint, ea)
         assert bucket_objects(s3, "share") == {key: ea.file_size}
         assert get_object(s3, key) == open(ea.path, "rb").read()      # the .kv bytes as they are on disk
 
@@ -389,9 +407,9 @@ def test_big_round_trip_then_outage_and_recovery(own_server, tmp_path, caplog):
         wait_for(lambda: a.stats()["remote_breaker"] == "closed", 15, "the breaker to close")
         keys = bucket_objects(srv, "big")
         for s in saved[-3:]:                 # the queue kept the newest three
-            assert remote_mod.object_key("big", a.remote.fingerprint, s.sha, s.text_bytes) in keys
+            assert object_key_of("big", a.remote.fingerprint, s) in keys
         for s in saved[:3]:
-            assert remote_mod.object_key("big", a.remote.fingerprint, s.sha, s.text_bytes) not in keys
+            assert object_key_of("big", a.remote.fingerprint, s) not in keys
         assert "remote_breaker state=closed" in caplog.text
     finally:
         a.close()

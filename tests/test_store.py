@@ -317,7 +317,8 @@ def test_modes_whatever_the_umask(tmp_path, umask):
             e = s.save("perm", [1, 2], small_tensors())
             e2 = s.save("perm2", [1, 2], small_tensors())
             flip(e2.path, e2.file_size - 1, 0x40)            # corrupt: goes to .quarantine
-            assert s.load(s.find("perm2")) is None
+            ck = s.load(s.find("perm2"))
+            assert ck is None or ck.text_bytes == b"perm"    # a miss, or the shorter hit
             mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)
             assert mode(s.path) == 0o700
             assert mode(e.path) == 0o600

@@ -197,9 +197,10 @@ def run_phase(phase, directory, model_path, workdir, progress=None):
         rows.append(row)
         print_row(row)
         if phase == 1 and user == "chloe" and turn == 1:
-            tensors, meta = engine.snapshot()
+            tensors, meta, positional = engine.snapshot()
             sessions.save(store, server.live_text, server.live_tokens, tensors, meta=meta,
-                          title="chloe: dock slots")
+                          title="chloe: dock slots", positional=positional,
+                          text_offsets=engine.text_offsets(server.live_tokens, len(server.live_text)))
     server.close()          # the live session is stored as `shutdown`
     store.close()
     return rows

@@ -13,10 +13,12 @@ Rooms: codecs (each mlx-lm cache class <-> named arrays and a JSON meta, and
 the store calls on top), engine (MLXEngine, token bytes).
 """
 
-from kvstore.mlx.codecs import (CACHE_CLASSES, cache_from_checkpoint, cache_to_tensors, checked_tensors,
-                                load_prompt_cache, save_prompt_cache, supported, tensors_to_cache)
-from kvstore.mlx.engine import DEFAULT_CTX_SIZE, MLXEngine, bytes_to_unicode, token_bytes_function
+from kvstore.mlx.codecs import (CACHE_CLASSES, cache_from_checkpoint, cache_state, cache_to_tensors,
+                                checked_state, checked_tensors, load_prompt_cache, save_prompt_cache, supported,
+                                tensors_to_cache)
+from kvstore.mlx.engine import (DEFAULT_CTX_SIZE, MLXEngine, bytes_to_unicode, text_offsets_function,
+                                token_bytes_function)
 
 __all__ = ["MLXEngine", "save_prompt_cache", "load_prompt_cache", "cache_to_tensors", "tensors_to_cache",
-           "checked_tensors", "cache_from_checkpoint", "supported", "CACHE_CLASSES", "token_bytes_function",
+           "cache_state", "checked_state", "checked_tensors", "cache_from_checkpoint", "supported", "CACHE_CLASSES", "token_bytes_function", "text_offsets_function",
            "bytes_to_unicode", "DEFAULT_CTX_SIZE"]

@@ -18,6 +18,13 @@ from a file ever names a Python object directly), "meta_state" holds the
 class's scalars by name, and "state_is_none" marks the slots that are None
 (an empty ArraysCache slot, an unused left_padding) and so have no tensor.
 
+For chained checkpoints (docs/format.md §14) every slot that holds the
+positions 0..offset along axis 2 (KVCache, QuantizedKVCache and a filled
+ConcatenateKVCache: the KV of every token, MLA latents included) is
+"positional": the store keeps each block's slice of it.  Every other slot (a
+RotatingKVCache window, a ChunkedKVCache chunk, an ArraysCache's recurrent
+state) is a snapshot of the state at the end of the save.
+
 Only the filled part of each buffer is written.  mlx-lm grows KVCache and
 QuantizedKVCache buffers in steps of 256 tokens and its own `state` returns
 the whole buffer, so its save_prompt_cache writes a 300-token cache as 512
@@ -219,23 +226,25 @@ class _Codec:
     build: Callable           # (cls, slots, meta_state, offset, what) -> cache
     fields: tuple = ()        # meta_state keys, each a non-negative int
     has_offset: bool = True   # the cache counts tokens in .offset
+    positional: bool = False  # its slots hold positions 0..offset along axis 2
 
 
 def _codecs():
     table = [
-        ("KVCache", _dump_kv, _build_kv, ()),
-        ("ConcatenateKVCache", _dump_concat, _build_concat, ()),
-        ("QuantizedKVCache", _dump_quantized, _build_quantized, ("group_size", "bits", "parts")),
-        ("RotatingKVCache", _dump_rotating, _build_rotating, ("keep", "max_size", "idx")),
-        ("ChunkedKVCache", _dump_chunked, _build_chunked, ("chunk_size", "start_position")),
-        ("ArraysCache", _dump_arrays, _build_arrays, ("size",)),
-        ("MambaCache", _dump_arrays, _build_arrays, ("size",)),     # older mlx-lm only
+        ("KVCache", _dump_kv, _build_kv, (), True),
+        ("ConcatenateKVCache", _dump_concat, _build_concat, (), True),
+        ("QuantizedKVCache", _dump_quantized, _build_quantized, ("group_size", "bits", "parts"), True),
+        ("RotatingKVCache", _dump_rotating, _build_rotating, ("keep", "max_size", "idx"), False),
+        ("ChunkedKVCache", _dump_chunked, _build_chunked, ("chunk_size", "start_position"), False),
+        ("ArraysCache", _dump_arrays, _build_arrays, ("size",), False),
+        ("MambaCache", _dump_arrays, _build_arrays, ("size",), False),     # older mlx-lm only
     ]
     out = {}
-    for name, dump, build, fields in table:
+    for name, dump, build, fields, positional in table:
         cls = getattr(mlc, name, None)      # a class this mlx-lm lacks is left out
         if cls is not None:
-            out[name] = _Codec(cls, dump, build, fields, has_offset=build is not _build_arrays)
+            out[name] = _Codec(cls, dump, build, fields, has_offset=build is not _build_arrays,
+                               positional=positional)
     return out
 
 
@@ -263,27 +272,32 @@ def _name_of(c):
 
 
 def _dump_layer(c, depth=0):
-    """One cache -> (layer meta, flat slot list)."""
+    """One cache -> (layer meta, flat slot list, the positional axis of each slot or None)."""
     name = _name_of(c)
     if name == "CacheList":
         if depth >= MAX_NESTING:
             raise TypeError(f"CacheList nested deeper than {MAX_NESTING}")
-        children, slots = [], []
+        children, slots, axes = [], [], []
         for sub in c.caches:
-            m, s = _dump_layer(sub, depth + 1)
+            m, s, a = _dump_layer(sub, depth + 1)
             children.append(m)
             slots += s
+            axes += a
         meta = {"class": name, "offset": None, "meta_state": {"children": children}}
     else:
         codec = _CODECS[name]
         slots, ms = codec.dump(c)
         meta = {"class": name, "offset": int(c.offset) if codec.has_offset else None, "meta_state": ms}
+        # Positional: one row per token along axis 2, all of them (a
+        # concatenating cache holding more than offset rows is a snapshot).
+        axes = [2 if codec.positional and a is not None and a.ndim == 4 and a.shape[2] == c.offset else None
+                for a in slots]
     for a in slots:
         if a is not None and not isinstance(a, mx.array):
             raise TypeError(f"{name} state holds a {type(a).__name__}, not an mx.array")
     meta["n_state"] = len(slots)
     meta["state_is_none"] = [a is None for a in slots]
-    return meta, slots
+    return meta, slots, axes
 
 
 def _offsets(layer_meta):
@@ -311,14 +325,28 @@ def cache_to_tensors(cache):
     Raises:
         TypeError: a cache of a class not in CACHE_CLASSES.
     """
-    tensors, layers = {}, []
+    tensors, meta, _ = cache_state(cache)
+    return tensors, meta
+
+
+def cache_state(cache):
+    """cache_to_tensors(cache) and the positional axis of each tensor that has one.
+
+    Returns:
+        (tensors, meta, positional): positional maps the name of every
+        tensor that holds one row per token along an axis to that axis
+        (KVSTore.save's positional=); the other tensors are snapshots.
+    """
+    tensors, layers, positional = {}, [], {}
     for li, c in enumerate(cache):
-        meta, slots = _dump_layer(c)
+        meta, slots, axes = _dump_layer(c)
         layers.append(meta)
-        for i, a in enumerate(slots):
+        for i, (a, axis) in enumerate(zip(slots, axes)):
             if a is not None:
                 tensors[f"{li}.{i}"] = a
-    return tensors, {"version": META_VERSION, "layers": layers}
+                if axis is not None:
+                    positional[f"{li}.{i}"] = axis
+    return tensors, {"version": META_VERSION, "layers": layers}, positional
 
 
 def _nonneg_int(v, what):
@@ -327,8 +355,8 @@ def _nonneg_int(v, what):
     return v
 
 
-def _build_layer(lm, slots_of, what, depth=0):
-    """Layer meta + a function giving its slots -> one cache object."""
+def _build_layer(lm, slots_of, what, depth=0, tokens=None):
+    """Layer meta + a function giving its slots -> one cache object (offsets = tokens when given)."""
     if not isinstance(lm, dict):
         raise _bad(f"{what} is not an object")
     name = lm.get("class")
@@ -351,7 +379,8 @@ def _build_layer(lm, slots_of, what, depth=0):
             k = m.get("n_state") if isinstance(m, dict) else None
             if type(k) is not int or k < 0 or at + k > n:
                 raise _bad(f"{what}.{j}: children slots do not add up")
-            subs.append(_build_layer(m, lambda k=k, at=at: slots_of()[at:at + k], f"{what}.{j}", depth + 1))
+            subs.append(_build_layer(m, lambda k=k, at=at: slots_of()[at:at + k], f"{what}.{j}", depth + 1,
+                                     tokens))
             at += k
         if at != n:
             raise _bad(f"{what}: children hold {at} slots, layer {n}")
@@ -361,13 +390,15 @@ def _build_layer(lm, slots_of, what, depth=0):
     offset = lm.get("offset")
     if codec.has_offset:
         offset = _nonneg_int(offset, f"{what}.offset")
+        if tokens is not None:
+            offset = tokens
     slots = slots_of()
     if len(slots) != n or [a is None for a in slots] != is_none:
         raise _bad(f"{what}: stored slots do not match state_is_none")
     return codec.build(codec.cls, slots, values, offset, what)
 
 
-def tensors_to_cache(tensors, meta):
+def tensors_to_cache(tensors, meta, tokens=None):
     """Rebuilds the mlx-lm prompt cache written by cache_to_tensors.
 
     Args:
@@ -408,7 +439,7 @@ def tensors_to_cache(tensors, meta):
             return out
         return get
 
-    cache = [_build_layer(lm, slots_of(li, lm), f"layer {li}") for li, lm in enumerate(layers)]
+    cache = [_build_layer(lm, slots_of(li, lm), f"layer {li}", tokens=tokens) for li, lm in enumerate(layers)]
     extra = set(tensors) - used
     if extra:
         raise _bad(f"{len(extra)} tensors belong to no layer, e.g. {sorted(extra)[0]!r}")
@@ -435,7 +466,9 @@ def save_prompt_cache(store, text, tokens, cache, reason=Reason.COLD, **kw):
             offset must equal their count.
         cache: list of mlx-lm cache objects (see cache_to_tensors).
         reason: kvstore.Reason recorded in the header.
-        **kw: passed to KVStore.save (ctx_size, trailers).
+        **kw: passed to KVStore.save (ctx_size, trailers, text_offsets: with
+            them a chained store cuts the cache into blocks, each token's KV
+            written once; see KVStore.save).
 
     Returns:
         the Entry written (or kept), or None when the store refused (too few
@@ -445,8 +478,8 @@ def save_prompt_cache(store, text, tokens, cache, reason=Reason.COLD, **kw):
         TypeError: an unsupported cache class.
         ValueError: a cache offset differs from the token count.
     """
-    tensors, meta = checked_tensors(cache, len(tokens))
-    return store.save(text, tokens, tensors, meta=meta, reason=reason, **kw)
+    tensors, meta, positional = checked_state(cache, len(tokens))
+    return store.save(text, tokens, tensors, meta=meta, reason=reason, positional=positional, **kw)
 
 
 def checked_tensors(cache, n):
@@ -456,13 +489,24 @@ def checked_tensors(cache, n):
         TypeError: an unsupported cache class.
         ValueError: a cache offset differs from n.
     """
-    tensors, meta = cache_to_tensors(cache)
+    tensors, meta, _ = checked_state(cache, n)
+    return tensors, meta
+
+
+def checked_state(cache, n):
+    """cache_state(cache) -> (tensors, meta, positional), checking that every layer holds n tokens.
+
+    Raises:
+        TypeError: an unsupported cache class.
+        ValueError: a cache offset differs from n.
+    """
+    tensors, meta, positional = cache_state(cache)
     for li, lm in enumerate(meta["layers"]):
         for off in _offsets(lm):
             if off != n:
                 raise ValueError(f"layer {li} ({lm['class']}) holds {off} tokens, "
                                  f"but {n} token ids were given")
-    return tensors, meta
+    return tensors, meta, positional
 
 
 def load_prompt_cache(store, prompt):
@@ -496,10 +540,20 @@ def cache_from_checkpoint(store, ckpt):
     A checkpoint whose payload loaded but whose meta and tensors disagree is
     corrupt: it is removed (or quarantined) from store.
     """
+    n = len(ckpt.tokens)
     try:
-        cache = tensors_to_cache(ckpt.tensors, ckpt.meta)
+        if ckpt.entry.is_block:
+            # A chain block's meta is the one of the save it came from, which
+            # may have ended later: the growing slots hold exactly n tokens
+            # (the store assembled them), so every offset is n.
+            cache = tensors_to_cache(ckpt.tensors, ckpt.meta, tokens=n)
+            for li, lm in enumerate(ckpt.meta["layers"]):
+                if any(off < n for off in _offsets(lm)):
+                    raise _bad(f"layer {li} holds fewer tokens than the chain", "cache_offset")
+        else:
+            cache = tensors_to_cache(ckpt.tensors, ckpt.meta)
         for li, lm in enumerate(ckpt.meta["layers"]):
-            if any(off != len(ckpt.tokens) for off in _offsets(lm)):
+            if not ckpt.entry.is_block and any(off != n for off in _offsets(lm)):
                 raise _bad(f"layer {li} holds a different token count than the file", "cache_offset")
     except CorruptCheckpoint as e:
         _discard(store, ckpt.entry, e.reason)

@@ -11,11 +11,12 @@ is bytes, the engine's state is token ids).
 import time
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from kvstore.mlx.codecs import cache_to_tensors, tensors_to_cache
+from kvstore.mlx.codecs import cache_state, tensors_to_cache
 
-__all__ = ["MLXEngine", "token_bytes_function", "bytes_to_unicode", "DEFAULT_CTX_SIZE"]
+__all__ = ["MLXEngine", "token_bytes_function", "text_offsets_function", "bytes_to_unicode", "DEFAULT_CTX_SIZE"]
 
 # A context size for models whose config names none.
 DEFAULT_CTX_SIZE = 32768
@@ -67,7 +68,33 @@ def token_bytes_function(tokenizer):
 
     def from_decode(ids):
         return tokenizer.decode([int(i) for i in ids]).encode("utf-8")
+    # decode() may merge or drop spaces across tokens: the bytes of a
+    # sequence are not the tokens' own bytes joined.
+    from_decode.concatenative = False
     return from_decode
+
+
+def text_offsets_function(token_bytes):
+    """A function (ids, text length) -> where each token's text starts, for chained saves.
+
+    Returns an array of len(ids) + 1 byte offsets (offsets[i]: the bytes of
+    the first i tokens), built from each token's own bytes (cached per id),
+    or None when token_bytes(ids) is not the concatenation of the tokens' own
+    bytes (a decode() that merges across tokens): the store then saves the
+    sequence as one block.
+    """
+    lengths = {}
+    if not getattr(token_bytes, "concatenative", True):
+        return lambda ids, text_len: None
+
+    def offsets(ids, text_len):
+        ids = [int(i) for i in ids]
+        for i in set(ids) - lengths.keys():
+            lengths[i] = len(token_bytes([i]))
+        out = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter((lengths[i] for i in ids), dtype=np.int64, count=len(ids)), out=out[1:])
+        return out if int(out[-1]) == text_len else None
+    return offsets
 
 
 def _model_quant_bits(model):
@@ -107,6 +134,7 @@ class MLXEngine:
         self.assistant_id = self._marker_id(assistant_marker, "assistant_id")
         self.max_kv_size = max_kv_size
         self.token_bytes = token_bytes_function(tokenizer)
+        self.text_offsets = text_offsets_function(self.token_bytes)
         self.cache = make_prompt_cache(model, max_kv_size)
         self.eos_ids = self._eos_ids()
         self._no_specials = _accepts_special_flag(tokenizer)
@@ -148,7 +176,7 @@ class MLXEngine:
         return last
 
     def snapshot(self):
-        return cache_to_tensors(self.cache)
+        return cache_state(self.cache)
 
     def restore(self, tensors, meta):
         self.cache = tensors_to_cache(tensors, meta)

@@ -13,11 +13,12 @@ docs/format.md §13.
 import logging
 
 from kvstore.errors import RemoteError
+from kvstore.format import PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS
 from kvstore.remote.breaker import CircuitBreaker, Health
 from kvstore.remote.index import RemoteIndex
 from kvstore.remote.janitor import (GC_MIN_AGE_S, GC_THREADS, RemoteObject, abort_stale_uploads, gc,
                                     list_objects, read_header)
-from kvstore.remote.options import (add_arguments, key_fingerprint, layout_prefix, object_key,
+from kvstore.remote.options import (KeyInfo, add_arguments, key_fingerprint, layout_prefix, object_key,
                                     options_from_args, parse_key, parse_url, resolve_options, store_kwargs)
 from kvstore.remote.s3 import CONFLICT, DENIED, ERROR, MISSING, UNAVAILABLE, Bucket, Failure, classify
 from kvstore.remote.tier import RemoteTier
@@ -31,13 +32,17 @@ def open_tier(url, store, options=None):
     if store.model_identity is None:
         log.warning("kvstore: remote_model_identity_unset model_id=%d (every model with this id "
                     "shares one key prefix; pass model_identity=)", store.model_id)
-    fp = key_fingerprint(store.model_id, store.quant_bits, store.reject_different_quant, store.model_identity)
+    # A chained store shares blocks (payload ABI 17), a whole one ABI 16 files:
+    # two namespaces, since neither can continue the other's objects.
+    abi = PAYLOAD_ABI_CHAIN if store.layout == "chain" else PAYLOAD_ABI_TENSORS
+    fp = key_fingerprint(store.model_id, store.quant_bits, store.reject_different_quant, store.model_identity,
+                         payload_abi=abi)
     return RemoteTier(url, store.path, fp, options)
 
 
 register_remote("s3", open_tier)
 
-__all__ = ["RemoteTier", "Bucket", "CircuitBreaker", "Health", "RemoteIndex", "RemoteObject", "RemoteError",
+__all__ = ["KeyInfo", "RemoteTier", "Bucket", "CircuitBreaker", "Health", "RemoteIndex", "RemoteObject", "RemoteError",
            "Failure", "classify", "UNAVAILABLE", "DENIED", "MISSING", "CONFLICT", "ERROR",
            "parse_url", "parse_key", "object_key", "layout_prefix", "key_fingerprint", "resolve_options",
            "add_arguments", "options_from_args", "store_kwargs", "list_objects", "read_header", "gc",

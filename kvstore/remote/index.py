@@ -5,17 +5,22 @@ import time
 
 import numpy as np
 
+from kvstore.remote.options import KeyInfo
+
+
 class RemoteIndex:
     """The model's objects as the last listing (plus this process's uploads) saw them.
 
     Lookups read one immutable snapshot (shas sorted by text length, their
     lengths, their digests joined), replaced whole on every change, so a
-    lookup takes no lock.
+    lookup takes no lock.  Only objects that can be loaded on their own are
+    in it: whole checkpoints and restorable chain blocks; chain() gives the
+    blocks a hit's chain is made of.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._objects = {}          # sha -> (text length, size)
+        self._objects = {}          # sha -> (KeyInfo, size)
         self._rejected = set()      # shas this process found unusable (not eligible, corrupt)
         self._listing = False
         self._added = {}            # during a listing: objects added meanwhile
@@ -32,10 +37,31 @@ class RemoteIndex:
 
     def get(self, sha):
         """(text length, object size) of a listed object; (0, 0) if unknown."""
-        return self._objects.get(sha, (0, 0))
+        info = self._objects.get(sha)
+        return (info[0].text_bytes, info[1]) if info else (0, 0)
+
+    def info(self, sha):
+        """The KeyInfo of a listed object, or None."""
+        info = self._objects.get(sha)
+        return info[0] if info else None
 
     def text_bytes(self, sha):
-        return self._objects.get(sha, (0, 0))[0]
+        return self.get(sha)[0]
+
+    def chain(self, sha):
+        """The shas of a block's chain, first block first (a whole object: itself);
+        None when a block of it is not listed."""
+        out, seen = [], set()
+        info = self.info(sha)
+        while info is not None:
+            if info.sha in seen:
+                return None
+            seen.add(info.sha)
+            out.append(info.sha)
+            if not info.parent:
+                return out[::-1]
+            info = self.info(info.parent)
+        return None
 
     def begin_listing(self):
         with self._lock:
@@ -43,7 +69,8 @@ class RemoteIndex:
             self._added, self._dropped = {}, set()
 
     def finish_listing(self, objects):
-        """Replaces the index with a complete listing, keeping what changed meanwhile."""
+        """Replaces the index with a complete listing ({sha: (KeyInfo, size)}),
+        keeping what changed meanwhile."""
         with self._lock:
             objects = dict(objects)
             objects.update(self._added)
@@ -60,13 +87,14 @@ class RemoteIndex:
         with self._lock:
             self._listing = False
 
-    def add(self, sha, text_bytes, size):
+    def add(self, sha, text_bytes, size, parent=None, restorable=True):
+        value = (KeyInfo(text_bytes, sha, parent, restorable), size)
         with self._lock:
             if self._listing:
-                self._added[sha] = (text_bytes, size)
+                self._added[sha] = value
                 self._dropped.discard(sha)
-            if self._objects.get(sha) != (text_bytes, size):
-                self._objects[sha] = (text_bytes, size)
+            if self._objects.get(sha) != value:
+                self._objects[sha] = value
                 self._rebuild()
 
     def discard(self, sha, reject=False):
@@ -80,7 +108,8 @@ class RemoteIndex:
                 self._rebuild()
 
     def _rebuild(self):
-        live = sorted(((n, sha) for sha, (n, _) in self._objects.items() if sha not in self._rejected))
+        live = sorted((info.text_bytes, sha) for sha, (info, _) in self._objects.items()
+                      if sha not in self._rejected and info.restorable)
         shas = tuple(sha for _, sha in live)
         lengths = np.fromiter((n for n, _ in live), dtype=np.uint64, count=len(live))
         digests = b"".join(bytes.fromhex(sha) for sha in shas)

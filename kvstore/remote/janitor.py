@@ -35,6 +35,7 @@ class RemoteObject:
     text_bytes: int
     size: int
     modified: float
+    parent: str = None           # a chain block's parent ("" for a first block); None: a whole checkpoint
 
 
 def list_objects(bucket):
@@ -43,9 +44,9 @@ def list_objects(bucket):
     out = []
     for key, size, modified in bucket.list(base):
         fp, _, rest = key[len(base):].partition("/")
-        parsed = parse_key(key, f"{base}{fp}/") if fp else None
-        if parsed is not None:
-            out.append(RemoteObject(key, fp, parsed[1], parsed[0], size, modified))
+        info = parse_key(key, f"{base}{fp}/") if fp else None
+        if info is not None:
+            out.append(RemoteObject(key, fp, info.sha, info.text_bytes, size, modified, info.parent))
     return out
 
 
@@ -66,14 +67,15 @@ def read_header(bucket, obj):
                  ext_flags=h.ext_flags, model_id=h.model_id, tokens=h.tokens, hits=h.hits,
                  ctx_size=h.ctx_size, payload_abi=h.payload_abi, created_at=h.created_at,
                  last_used=h.last_used, payload_bytes=h.payload_bytes, text_bytes=text_len,
-                 file_size=obj.size, remote=obj.key)
+                 file_size=obj.size, remote=obj.key, parent=obj.parent or "")
 
 
 def _unreadable(obj):
     """An Entry for an object whose header cannot be read: no tokens, no times, so it scores 0."""
     return Entry(sha=obj.sha, path=obj.key, quant_bits=16, reason=Reason.UNKNOWN, ext_flags=ExtFlag(0),
                  model_id=0, tokens=0, hits=0, ctx_size=0, payload_abi=0, created_at=0, last_used=0,
-                 payload_bytes=0, text_bytes=obj.text_bytes, file_size=obj.size, remote=obj.key)
+                 payload_bytes=0, text_bytes=obj.text_bytes, file_size=obj.size, remote=obj.key,
+                 parent=obj.parent or "")
 
 
 def gc(bucket, budget_bytes, now=None, dry_run=False, max_age_s=None, min_age_s=0.0, threads=GC_THREADS):
@@ -81,7 +83,9 @@ def gc(bucket, budget_bytes, now=None, dry_run=False, max_age_s=None, min_age_s=
 
     Objects older than max_age_s (by last-modified) go first; then, while
     over budget, kvstore.policy.select_victims picks from each object's
-    header (read by one 52-byte ranged GET), as the local tier does.  Headers
+    header (read by one 52-byte ranged GET), as the local tier does: chain
+    blocks leaves first (their keys name their parents), so no chain in the
+    bucket is cut in the middle.  Headers
     in the bucket keep the hit counts they were uploaded with: objects are
     never rewritten, so a hit on a fetched copy is counted locally only.
     Objects younger than min_age_s are kept (a just-published checkpoint

@@ -3,10 +3,13 @@
 Keys are ``<prefix>/v1/<fingerprint>/<text length, 12 digits>/<sha1>.kv``: the
 fingerprint keeps one model's checkpoints apart from another's, and the text
 length in the key lets a listing fill the lookup index without reading any
-object.  Also here: the argparse wiring that `kvstore serve` and the command
+object.  A chain block's key also names its parent and whether it is
+restorable on its own, ``<sha1>.<parent sha1, or 40 zeros>.<r|l>.kv``, so a
+listing knows every chain without a GET.  Also here: the argparse wiring that `kvstore serve` and the command
 line share.
 """
 
+import collections
 import hashlib
 import json
 import re
@@ -51,7 +54,8 @@ BREAKER_MAX_COOLDOWN_S = 60.0
 # is open: a dead remote must not hold up a shutdown).
 CLOSE_TIMEOUT_S = 10.0
 
-_KEY_TAIL_RE = re.compile(r"^(\d{12})/([0-9a-f]{40})\.kv$")
+_KEY_TAIL_RE = re.compile(r"^(\d{12})/([0-9a-f]{40})(?:\.([0-9a-f]{40})\.([rl]))?\.kv$")
+_ROOT = "0" * 40
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$")
 
 _OPTION_DEFAULTS = {
@@ -124,17 +128,34 @@ def layout_prefix(prefix):
     return f"{prefix}/{LAYOUT}/" if prefix else f"{LAYOUT}/"
 
 
-def object_key(prefix, fingerprint, sha, text_bytes):
-    """``<prefix>/v1/<fingerprint>/<text length, 12 digits>/<sha1>.kv``."""
-    return f"{layout_prefix(prefix)}{fingerprint}/{int(text_bytes):012d}/{sha}.kv"
+class KeyInfo(collections.namedtuple("KeyInfo", "text_bytes sha parent restorable")):
+    """What an object's key says: its text length and digest; for a chain
+    block its parent ("" for a first block) and whether it is restorable
+    on its own; parent None for a whole (ABI 16) checkpoint."""
+
+    @property
+    def is_block(self):
+        return self.parent is not None
+
+
+def object_key(prefix, fingerprint, sha, text_bytes, parent=None, restorable=True):
+    """``<prefix>/v1/<fingerprint>/<text length, 12 digits>/<sha1>.kv``, or for a
+    chain block (parent not None) ``.../<sha1>.<parent or 40 zeros>.<r|l>.kv``."""
+    tail = "" if parent is None else f".{parent or _ROOT}.{'r' if restorable else 'l'}"
+    return f"{layout_prefix(prefix)}{fingerprint}/{int(text_bytes):012d}/{sha}{tail}.kv"
 
 
 def parse_key(key, base):
-    """(text length, sha) of a key under base (``.../<fingerprint>/``), or None."""
+    """The KeyInfo of a key under base (``.../<fingerprint>/``), or None."""
     if not key.startswith(base):
         return None
     m = _KEY_TAIL_RE.match(key[len(base):])
-    return (int(m.group(1)), m.group(2)) if m else None
+    if not m:
+        return None
+    if m.group(3) is None:
+        return KeyInfo(int(m.group(1)), m.group(2), None, True)
+    parent = "" if m.group(3) == _ROOT else m.group(3)
+    return KeyInfo(int(m.group(1)), m.group(2), parent, m.group(4) == "r")
 
 
 def resolve_options(options):

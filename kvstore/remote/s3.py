@@ -121,8 +121,8 @@ class Bucket:
         except Exception:                   # noqa: BLE001 - an odd model: use the header hook
             return False
 
-    def key(self, fingerprint, sha, text_bytes):
-        return object_key(self.prefix, fingerprint, sha, text_bytes)
+    def key(self, fingerprint, sha, text_bytes, parent=None, restorable=True):
+        return object_key(self.prefix, fingerprint, sha, text_bytes, parent, restorable)
 
     def model_base(self, fingerprint):
         return f"{layout_prefix(self.prefix)}{fingerprint}/"

@@ -28,7 +28,8 @@ import time
 from kvstore import _native, policy
 from kvstore.errors import CheckpointOSError, KVStoreError
 from kvstore.files import TempFile, short_name, verify_file
-from kvstore.format import PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Entry, ExtFlag, Reason, entry_from_fd
+from kvstore.format import (CHAIN_RESTORABLE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Entry, ExtFlag,
+                            Reason, entry_from_fd)
 from kvstore.remote.breaker import CircuitBreaker, Health
 from kvstore.remote.index import RemoteIndex
 from kvstore.remote.options import parse_key
@@ -140,9 +141,10 @@ class RemoteTier:
             objects = {}
             try:
                 for key, size, _ in self.bucket.list(self.base):
-                    parsed = parse_key(key, self.base)
-                    if parsed is not None and size >= PREFIX_SIZE + parsed[0]:
-                        objects[parsed[1]] = (parsed[0], size)
+                    info = parse_key(key, self.base)
+                    # (A block stores only its own text segment.)
+                    if info is not None and size >= PREFIX_SIZE + (0 if info.is_block else info.text_bytes):
+                        objects[info.sha] = (info, size)
             except Exception as e:          # noqa: BLE001 - classified and logged
                 self.index.abort_listing()
                 self.health.failed("list", e)
@@ -170,18 +172,23 @@ class RemoteTier:
     def entry(self, sha):
         """The Entry of a remote lookup hit: ``path`` where it will land, ``remote`` its key.
 
-        Only sha, text_bytes and file_size are known until fetch() reads the header.
+        Only sha, text_bytes, file_size and (for a chain block) the parent are
+        known until fetch() reads the header.
         """
         n, size = self.index.get(sha)
+        info = self.index.info(sha)
+        block = info is not None and info.is_block
         return Entry(sha=sha, path=os.path.join(self.local_dir, sha + ".kv"), quant_bits=0,
                      reason=Reason.UNKNOWN, ext_flags=ExtFlag(0), model_id=0, tokens=0, hits=0,
-                     ctx_size=0, payload_abi=PAYLOAD_ABI_TENSORS, created_at=0, last_used=0,
-                     payload_bytes=0, text_bytes=n, file_size=size,
-                     remote=self.bucket.key(self.fingerprint, sha, n))
+                     ctx_size=0, payload_abi=PAYLOAD_ABI_CHAIN if block else PAYLOAD_ABI_TENSORS,
+                     created_at=0, last_used=0, payload_bytes=0, text_bytes=n, file_size=size,
+                     parent=info.parent if block else "", chain_flags=CHAIN_RESTORABLE if block else 0,
+                     remote=self.bucket.key(self.fingerprint, sha, n, info.parent if block else None,
+                                            info.restorable if block else True))
 
     # -- fetch --------------------------------------------------------------
 
-    def fetch(self, entry, eligible, budget_bytes=0, durable=True):
+    def fetch(self, entry, eligible, budget_bytes=0, durable=True, fits=None, have=None):
         """Copies a remote hit into the local directory; returns its local Entry or None.
 
         The object lands in a TempFile (0600; removed on any failure, and by
@@ -195,8 +202,17 @@ class RemoteTier:
         tokens, model), does not fit the budget, fails a check, the remote is
         unreachable, or the local disk failed.  Vanished and unusable objects
         leave the index.
+
+        A chain block comes with every block of its chain this directory
+        lacks (have(sha) says which it has): fetched in parallel, then
+        checked and published parent first, so the directory never holds a
+        block whose parent is missing (fits judges the ancestors, eligible
+        the block itself).
         """
         self._check_fork()
+        if entry.is_block:
+            return self._fetch_chain(entry, eligible, fits or eligible, have or (lambda sha: False),
+                                     budget_bytes, durable)
         sha = entry.sha
         if budget_bytes and not policy.file_size_fits(0, max(0, entry.file_size - PREFIX_SIZE), 0, budget_bytes):
             return self._miss(sha, "budget", drop=False, reject=True)
@@ -219,7 +235,54 @@ class RemoteTier:
                  short_name(sha))
         return local
 
-    def _download(self, tmp, entry, eligible, budget_bytes):
+    def _fetch_chain(self, entry, eligible, fits, have, budget_bytes, durable):
+        shas = self.index.chain(entry.sha)
+        if shas is None:
+            return self._miss(entry.sha, "broken_chain", drop=False)
+        missing = [self.entry(s) for s in shas if not have(s)]
+        if not missing:
+            return None
+        need = sum(max(0, e.file_size - PREFIX_SIZE) for e in missing)
+        if budget_bytes and not policy.file_size_fits(0, need, 0, budget_bytes):
+            return self._miss(entry.sha, "budget", drop=False, reject=True)
+        if not self.breaker.closed():
+            return self._miss(entry.sha, "breaker_open", drop=False)
+        t0 = time.perf_counter()
+        tmps = []
+        try:
+            for e in missing:
+                tmps.append(TempFile(os.path.join(self.local_dir, e.sha + ".kv")))
+
+            def one(et):
+                e, tmp = et
+                check = eligible if e.sha == entry.sha else fits
+                return self._download(tmp, e, check, budget_bytes, verify=False)
+            with concurrent.futures.ThreadPoolExecutor(min(len(missing), int(self.options["fetch_threads"])),
+                                                       thread_name_prefix="kvstore-fetch-chain") as ex:
+                got = list(ex.map(one, zip(missing, tmps)))
+            if any(g is None for g in got):
+                return None
+            local = None
+            for e, tmp in zip(missing, tmps):       # parent first: a block's checks read its parents
+                reason = verify_file(tmp.path, name=e.sha + ".kv")
+                if reason is not None:
+                    log.warning("kvstore: remote_corrupt reason=%s file=%s", reason.split(":")[0], short_name(e.sha))
+                    return self._miss(e.sha, "corrupt", reject=True)
+                tmp.publish(durable, exclusive=True)   # (another process may have put it there first)
+                local = entry_from_fd(tmp.fd, os.fstat(tmp.fd), tmp.final)
+        except OSError as e:                # the local disk (full, failing): a miss, not the remote's fault
+            return self._local_failed(entry.sha, e)
+        finally:
+            for tmp in tmps:
+                tmp.close()
+        dt = time.perf_counter() - t0
+        nbytes = sum(e.file_size for e in missing)
+        self.health.count(hits=1, bytes_fetched=nbytes, fetch_s=dt)
+        log.info("kvstore: remote_hit tokens=%d text=%d blocks=%d bytes=%d fetch_ms=%.1f file=%s", local.tokens,
+                 local.text_bytes, len(missing), nbytes, dt * 1e3, short_name(entry.sha))
+        return local
+
+    def _download(self, tmp, entry, eligible, budget_bytes, verify=True):
         """The object into the temporary file, checked; True, or None after recording the miss."""
         sha, key, fd = entry.sha, entry.remote, tmp.fd
         # A checkpoint of one range comes in one GET; a bigger one starts
@@ -254,7 +317,7 @@ class RemoteTier:
         if failure is not None:
             return self._fetch_failed(sha, failure)
         self.breaker.success()
-        reason = verify_file(tmp.path, name=sha + ".kv")
+        reason = verify_file(tmp.path, name=sha + ".kv") if verify else None
         if reason is not None:
             log.warning("kvstore: remote_corrupt reason=%s file=%s", reason.split(":")[0], short_name(sha))
             return self._miss(sha, "corrupt", reject=True)

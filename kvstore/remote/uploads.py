@@ -25,10 +25,20 @@ log = logging.getLogger("kvstore")
 
 @dataclasses.dataclass
 class Upload:
-    """One queued checkpoint: its digest, local path and text length."""
+    """One queued checkpoint: its digest, local path and text length; for a
+    chain block its parent ("" for a first block) and whether it is
+    restorable (parent None for a whole checkpoint)."""
     sha: str
     path: str
     text_bytes: int
+    parent: str = None
+    restorable: bool = True
+
+    @classmethod
+    def of(cls, entry):
+        if entry.is_block:
+            return cls(entry.sha, entry.path, entry.text_bytes, entry.parent, entry.restorable)
+        return cls(entry.sha, entry.path, entry.text_bytes)
 
 
 class _Exists(Exception):
@@ -91,7 +101,7 @@ class UploadQueue:
             if len(self._queue) >= self.limit:
                 dropped = self._queue.popleft()
                 self._queued.discard(dropped.sha)
-            self._queue.append(Upload(entry.sha, entry.path, entry.text_bytes))
+            self._queue.append(Upload.of(entry))
             self._queued.add(entry.sha)
             self._cond.notify_all()
         if dropped is not None:
@@ -138,7 +148,9 @@ class UploadQueue:
             True when done with it (uploaded, already there, gone locally, or
             refused for good), False to keep it queued (the remote is down).
         """
-        key = self.bucket.key(self.fingerprint, item.sha, item.text_bytes)
+        if not isinstance(item, Upload):
+            item = Upload.of(item)
+        key = self.bucket.key(self.fingerprint, item.sha, item.text_bytes, item.parent, item.restorable)
         t0 = time.perf_counter()
         # A corrupt file must not reach a tier that other hosts trust.  (A
         # save of the same text may replace the file between this check
@@ -193,7 +205,7 @@ class UploadQueue:
 
     def _uploaded(self, item, size, exists):
         self.breaker.success()
-        self.index.add(item.sha, item.text_bytes, size)
+        self.index.add(item.sha, item.text_bytes, size, item.parent, item.restorable)
         if exists:
             self.health.count(upload_exists=1)
             log.info("kvstore: remote_upload_exists file=%s", short_name(item.sha))
