@@ -70,7 +70,9 @@ def cut_points(n, grid, text_offsets, text_len):
         grid: block_tokens.
         text_offsets: None (one block: the store cannot cut without them), a
             sequence of n + 1 byte lengths (text_offsets[i]: bytes of the text
-            of the first i tokens), or a callable i -> that length.
+            of the first i tokens), a callable i -> that length, or a dict
+            {i: length} that knows only some cut points (the others are
+            passed over).
         text_len: the save's text length (text_offsets[n] must equal it).
 
     Raises:
@@ -78,7 +80,9 @@ def cut_points(n, grid, text_offsets, text_len):
     """
     if text_offsets is None:
         return [(n, text_len)]
-    if callable(text_offsets):
+    if isinstance(text_offsets, dict):
+        get = {n: text_len, **text_offsets}.get
+    elif callable(text_offsets):
         get = text_offsets
     else:
         if len(text_offsets) != n + 1:
@@ -89,7 +93,10 @@ def cut_points(n, grid, text_offsets, text_len):
         raise ValueError(f"text_offsets[{n}]={end} is not the text length {text_len}")
     cuts, prev = [], 0
     for c in range(grid, n, grid):
-        off = int(get(c))
+        off = get(c)
+        if off is None:
+            continue
+        off = int(off)
         if not 0 <= off <= text_len or off < prev:
             raise ValueError(f"text_offsets[{c}]={off} is outside {prev}..{text_len} (offsets must not go down)")
         if off == prev or off == text_len:

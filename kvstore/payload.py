@@ -153,11 +153,18 @@ class Plan:
             block's 64-byte header).
     """
 
-    def __init__(self, text_len, tokens, tensors, meta, axes=None, head=0):
+    def __init__(self, text_len, tokens, tensors, meta, axes=None, head=0, cuts=None, dtypes=None):
         self.payload_start = PREFIX_SIZE + text_len + head
         self.head = head
         self.tokens = np.ascontiguousarray(tokens, dtype="<u4").reshape(-1)
         self.sources = [(name,) + tensor_source(name, a) for name, a in tensors.items()]
+        # A NumPy array of uint16 holds bfloat16 bits: dtypes names what to record.
+        for i, (name, dtype, shape, nbytes, mat) in enumerate(self.sources):
+            want = (dtypes or {}).get(name, dtype)
+            if want != dtype:
+                if not (want == "bfloat16" and dtype == "uint16"):
+                    raise ValueError(f"tensor {name!r}: cannot record dtype {want!r} for {dtype!r} data")
+                self.sources[i] = (name, want, shape, nbytes, mat)
         if meta is None:
             meta = {}
         if not isinstance(meta, dict):
@@ -172,6 +179,8 @@ class Plan:
             "tensors": [],
             "meta": meta,
         }
+        if cuts:
+            self.manifest["cuts"] = [[int(t), int(n)] for t, n in sorted(cuts.items())]
         for name, dtype, shape, nbytes, _ in self.sources:
             row = {"name": name, "dtype": dtype, "shape": list(shape),
                    "offset": 0, "nbytes": nbytes, "crc32c": _CRC_PLACEHOLDER}
@@ -246,6 +255,7 @@ class Manifest:
     def __init__(self, raw, entry, data_offset):
         path = entry.path
         self.axes = {}
+        self.cuts = {}
         try:
             m = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
@@ -320,6 +330,13 @@ class Manifest:
         if not isinstance(meta, dict):
             raise CorruptCheckpoint("bad_manifest", path, "meta is not an object")
         self.meta = meta
+        # Optional: where the sequence may be cut into blocks (an exported
+        # chain's boundaries): [[tokens, text length], ...], both growing.
+        cuts = m.get("cuts", [])
+        if not isinstance(cuts, list) or len(cuts) > entry.stored_tokens or not all(
+                isinstance(c, list) and len(c) == 2 and all(type(v) is int and v > 0 for v in c) for c in cuts):
+            raise CorruptCheckpoint("bad_manifest", path, "cuts is not a list of [tokens, text length] pairs")
+        self.cuts = {t: n for t, n in cuts if t <= entry.stored_tokens}
 
 
 def read_manifest(fd, entry):
@@ -652,6 +669,7 @@ class ChainLayout:
     token_pieces: list
     tensors: list
     meta: dict
+    axes: dict = dataclasses.field(default_factory=dict)
 
 
 def chain_layout(blocks):
@@ -716,7 +734,7 @@ def chain_layout(blocks):
                 pieces.append(Piece(fd, e.path, e.tensors_offset + got[3], run, outer, total * inner,
                                     e.token_start * inner, got[5], f"tensor {name!r} of {e.name[:12]}"))
         tensors.append(ChainTensor(name, dtype, full, math.prod(full) * item, pieces))
-    return ChainLayout(total, token_pieces, tensors, m_t.meta)
+    return ChainLayout(total, token_pieces, tensors, m_t.meta, dict(m_t.axes))
 
 
 def _piece_jobs(piece, mv, crc0):

@@ -84,6 +84,14 @@ class Checkpoint:
     text_bytes: bytes = dataclasses.field(repr=False)
     # Prompt content too (the tool-call text map): kept out of repr, like the text.
     trailers: dict = dataclasses.field(default_factory=dict, repr=False)
+    # name -> axis of the tensors that hold one row per token (KVStore.save's
+    # positional=), as the file recorded them.
+    positional: dict = dataclasses.field(default_factory=dict)
+    # {tokens: text length} where the stored sequence may be cut into blocks
+    # (a chain's block boundaries; an exported file's "cuts").
+    cuts: dict = dataclasses.field(default_factory=dict, repr=False)
+    # name -> the dtype the file stores (a NumPy load gives bfloat16 as uint16).
+    dtypes: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
 def _as_bytes(text):
@@ -338,7 +346,8 @@ class KVStore:
                  dt * 1e3, short_name(entry.name))
         cur = dataclasses.replace(cur, hits=hits)
         return Checkpoint(entry=cur, tokens=tokens, tensors=tensors, meta=manifest.meta,
-                          text_bytes=text, trailers=trailer_values)
+                          text_bytes=text, trailers=trailer_values, positional=dict(manifest.axes),
+                          cuts=dict(manifest.cuts), dtypes={t[0]: t[1] for t in manifest.tensors})
 
     def _load_chain(self, entry, into, min_tokens, t0, tries=LOAD_TRIES):
         """load() of a chain block: every block of its chain into one allocation per tensor.
@@ -407,7 +416,9 @@ class KVStore:
                  target.text_bytes, len(blocks), dt * 1e3, short_name(entry.name))
         target = dataclasses.replace(target, hits=hits[-1])
         return Checkpoint(entry=target, tokens=tokens, tensors=tensors, meta=layout.meta,
-                          text_bytes=text, trailers=trailer_values)
+                          text_bytes=text, trailers=trailer_values, positional=dict(layout.axes),
+                          cuts={b.tokens: b.text_bytes for b in blocks},
+                          dtypes={t.name: t.dtype for t in layout.tensors})
 
     def _fall_back(self, entry, limit, into, min_tokens, t0, tries):
         """After a bad block (removed with the blocks after it): load the longest
@@ -570,7 +581,7 @@ class KVStore:
         return None
 
     def save(self, text, tokens, tensors, meta=None, reason=Reason.COLD, ctx_size=None,
-             trailers=None, *, min_tokens=None, positional=None, text_offsets=None):
+             trailers=None, *, min_tokens=None, positional=None, text_offsets=None, dtypes=None):
         """Stores a checkpoint for the prompt text.
 
         With layout "chain" (the default) the state is cut into blocks of
@@ -595,7 +606,10 @@ class KVStore:
                 snapshots of the state at the end.
             text_offsets: the byte length of the text of the first i tokens,
                 for i in 0..len(tokens) (a sequence of len(tokens) + 1 ints,
-                or a callable i -> int): where blocks may be cut.
+                or a callable i -> int, or a dict {i: length} of some cut
+                points): where blocks may be cut.
+            dtypes: name -> the dtype to record for a tensor whose array
+                cannot hold it (bfloat16 bits in a NumPy uint16 array).
 
         Returns:
             the new (or kept) Entry, or None when refused (too few tokens, over
@@ -619,8 +633,8 @@ class KVStore:
         trailer_raw, ext = trailer_mod.encode_trailer(values) if values else (b"", 0)
         if self.layout == "chain":
             return self._save_chain(text, tokens, tensors, meta, Reason(reason), ctx, values, trailer_raw, ext,
-                                    axes, text_offsets)
-        plan = payload.Plan(len(text), tokens, tensors, meta, axes=axes)
+                                    axes, text_offsets, dtypes)
+        plan = payload.Plan(len(text), tokens, tensors, meta, axes=axes, dtypes=dtypes)
         if self.budget_bytes and not policy.file_size_fits(len(text), plan.payload_bytes, len(trailer_raw),
                                                            self.budget_bytes):
             return self._refuse("budget", bytes=PREFIX_SIZE + len(text) + plan.payload_bytes,
@@ -659,7 +673,8 @@ class KVStore:
         self.evict(protect=entry, incoming_text=text)
         return entry
 
-    def _save_chain(self, text, tokens, tensors, meta, reason, ctx, values, trailer_raw, ext, axes, text_offsets):
+    def _save_chain(self, text, tokens, tensors, meta, reason, ctx, values, trailer_raw, ext, axes, text_offsets,
+                    dtypes=None):
         """save() in the chain layout: the blocks not stored yet, parent first."""
         blocks = chain.plan_blocks(text, tokens, self.block_tokens, text_offsets)
         snapshots = any(k not in axes for k in tensors)
@@ -688,7 +703,7 @@ class KVStore:
                     seg = text[b.text_start:b.text_bytes]
                     plan = payload.Plan(len(seg), tokens[b.token_start:b.tokens],
                                         chain.block_tensors(tensors, axes, b, restorable), meta, axes=axes,
-                                        head=CHAIN_HEAD_SIZE)
+                                        head=CHAIN_HEAD_SIZE, dtypes=dtypes)
                     todo.append((b, restorable, path, seg, plan, trailer_raw if b.last else b""))
                 total = sum(PREFIX_SIZE + len(seg) + plan.payload_bytes + len(tr) for _, _, _, seg, plan, tr in todo)
                 # The whole chain must fit: the blocks it already has stay.

@@ -434,3 +434,172 @@ def test_demo_without_its_dependencies_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["kvstore: error: kvstore demo needs MLX, mlx-lm and tokenizers (tokenizers is missing): "
                    "pip install 'kvstore[demo]'"]
+
+
+# ---- chains (docs/format.md §14) -------------------------------------------------------
+
+CHAIN_GRID = 16
+
+
+def chain_text(n, tag="sequence"):
+    """A text of n tokens, 4 bytes each, holding SECRET: token i renders to text[4i:4i+4]."""
+    return (f"{SECRET} {tag} ".encode() + b"".join(b"%04d" % i for i in range(n)))[:4 * n]
+
+
+def save_chain(s, n, tag="sequence", reason=Reason.COLD, seed=0, title=None):
+    text = chain_text(n, tag)
+    ts = tensors(n, seed)
+    kw = dict(positional={"layers.0.k": 1, "layers.0.v": 1}, text_offsets=[4 * i for i in range(n + 1)])
+    if title is not None:
+        return sessions.save(s, text, np.arange(n), ts, title=title, **kw), text
+    return s.save(text, np.arange(n), ts, reason=reason, **kw), text
+
+
+@pytest.fixture
+def chains(tmp_path):
+    """A directory with two chains that share their first 32 tokens, and a titled session."""
+    d = str(tmp_path / "chains")
+    s = make_store(d, block_tokens=CHAIN_GRID)
+    a, text_a = save_chain(s, 70, "shared prefix")
+    b_text = text_a[:4 * 40] + b"X" * (4 * 20)
+    b = s.save(b_text, np.arange(60), tensors(60, 3), reason=Reason.EVICT,
+               positional={"layers.0.k": 1, "layers.0.v": 1}, text_offsets=[4 * i for i in range(61)])
+    sess, _ = save_chain(s, 50, "a session", title="chain session", seed=5)
+    s.close()
+    return d, {"a": a, "b": b, "session": sess, "text_a": text_a}
+
+
+def test_ls_folds_chains_into_sequences(chains, cwd):
+    d, r = chains
+    p = run(cwd, "ls", d)
+    assert p.returncode == 0, p.stderr
+    rows = {line.split()[0]: line.split() for line in p.stdout.splitlines()[1:-1]}
+    files_ = kvstore.KVStore(d, budget_mb=0).entries()
+    assert set(rows) == {r["a"].sha[:12], r["b"].sha[:12], r["session"].sha[:12]}
+    # a: 70 tokens in blocks 0..16..32..48..64..70; b shares 0..16..32 and adds 32..48..60.
+    assert rows[r["a"].sha[:12]][1:4] == ["cold", "70", "5"]
+    assert rows[r["b"].sha[:12]][1:4] == ["evict", "60", "4"]
+    assert rows[r["session"].sha[:12]][1:4] == ["agent-session", "50", "4"]
+    assert p.stdout.splitlines()[-1].startswith(f"3 stored sequences in {len(files_)} files ({len(files_)} chain blocks)")
+    assert "chain session" in p.stdout
+    data = json.loads(run(cwd, "ls", d, "--json").stdout)
+    a = next(x for x in data if x["sha"] == r["a"].sha)
+    assert a["blocks"] == 5 and a["token_start"] == 64 and a["restorable"] is True
+    # The chain's bytes: the files whose names are digests of prefixes of a's text.
+    assert a["chain_bytes"] == sum(e.file_size for e in files_
+                                   if kvstore.sha1(r["text_a"][:e.text_bytes]).hex() == e.sha)
+
+
+def test_ls_blocks_unfolds_every_file_with_parent_and_range(chains, cwd):
+    d, r = chains
+    p = run(cwd, "ls", d, "--blocks")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].split()[:5] == ["SHA", "REASON", "TOKENS", "PARENT", "LOADS"]
+    rows = {line.split()[0]: line.split() for line in lines[1:-1]}
+    entries = {e.sha[:12]: e for e in kvstore.KVStore(d, budget_mb=0).entries()}
+    assert set(rows) == set(entries)
+    for prefix, e in entries.items():
+        assert rows[prefix][2] == f"{e.token_start}..{e.tokens}"
+        assert rows[prefix][3] == (e.parent[:12] if e.parent else "-")
+    data = json.loads(run(cwd, "ls", d, "--blocks", "--json").stdout)
+    assert len(data) == len(entries)
+    assert all(x["parent"] == (entries[x["prefix"]].parent or None) for x in data)
+
+
+def test_inspect_shows_a_blocks_parent_range_and_chain(chains, cwd):
+    d, r = chains
+    e = r["a"]
+    p = run(cwd, "inspect", e.sha[:10], "--dir", d)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    for want in (f"parent       {e.parent}", "block        tokens 64..70 of the sequence, grid 16",
+                 f"text         24 bytes stored ({64 * 4}..{70 * 4} of the sequence)", "payload abi  17 (loadable)",
+                 "restorable   yes", "ends a save  yes", "chain        5 blocks", "axis 1"):
+        assert want in out, want
+    first = kvstore.KVStore(d, budget_mb=0)._index.chain(kvstore.read_entry(e.path))[0]
+    p = run(cwd, "inspect", first.sha[:10], "--dir", d)
+    assert "parent       none (the first block)" in p.stdout and "chain        1 block," in p.stdout
+    # --text prints the whole sequence, its parents' segments first.
+    p = run(cwd, "inspect", e.sha[:10], "--dir", d, "--text")
+    assert p.stdout.split("text:\n", 1)[1].rstrip("\n").encode() == r["text_a"]
+    # A missing parent: inspect says the chain is broken.
+    os.unlink(os.path.join(d, e.parent + ".kv"))
+    p = run(cwd, "inspect", e.sha[:10], "--dir", d)
+    assert f"BROKEN: parent {e.parent[:12]} is missing" in p.stdout
+
+
+def test_verify_walks_chains(chains, cwd):
+    d, r = chains
+    p = run(cwd, "verify", d)
+    n = len(kvstore.KVStore(d, budget_mb=0).entries())
+    assert p.returncode == 0 and f"verified {n} files" in p.stdout and f"{n} ok, 0 corrupt" in p.stdout
+    # A middle block's text byte flipped: it and every block after it fail the
+    # digest of their whole text (their names).
+    mid = kvstore.read_entry(os.path.join(d, r["a"].parent + ".kv"))     # tokens 48..64
+    flip(mid.path, 52 + 1, 0x20)
+    p = run(cwd, "verify", d)
+    assert p.returncode == 1
+    bad = {line.split(":")[0] for line in p.stdout.splitlines() if ".kv:" in line}
+    assert bad == {mid.name, r["a"].name}
+    assert f"{r['a'].name}: text_hash" in p.stdout
+    # A missing parent is a broken chain.
+    os.unlink(mid.path)
+    p = run(cwd, "verify", d)
+    assert f"{r['a'].name}: broken_chain: parent {mid.sha[:12]} is missing" in p.stdout
+
+
+def test_export_and_import_a_chain(chains, cwd, tmp_path):
+    d, r = chains
+    out = tmp_path / "share.kv"
+    p = run(cwd, "export", r["a"].sha[:8], out, "--dir", d)
+    assert p.returncode == 0, p.stderr
+    assert f"exported {r['a'].sha[:12]} (70 tokens" in p.stdout
+    e = kvstore.read_entry(out)
+    assert e.payload_abi == 16 and e.tokens == 70 and e.text_bytes == 280 and e.reason == Reason.COLD
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
+    assert files.verify_file(out, name=kvstore.sha1(r["text_a"]).hex() + ".kv") is None
+    # Into a chained store with another grid: cut again where the export can be cut.
+    d2 = tmp_path / "other"
+    p = run(cwd, "import", out, "--dir", d2, "--block-tokens", "32")
+    assert p.returncode == 0, p.stderr
+    with kvstore.KVStore(d2, budget_mb=0, options=kvstore.Options(min_tokens=1)) as s:
+        blocks = sorted((x.token_start, x.tokens) for x in s.entries())
+        assert blocks == [(0, 32), (32, 64), (64, 70)]
+        ck = s.load(s.find(r["text_a"] + b"!"))
+        want = tensors(70, 0)
+        assert ck.tokens.tolist() == list(range(70)) and ck.text_bytes == r["text_a"]
+        assert all(np.array_equal(ck.tensors[k], want[k]) for k in want)
+        # Every block boundary of the import is a hit.
+        assert s.load(s.find(r["text_a"][:40 * 4])).tokens.size == 32
+    # Into a whole-file store: one ABI 16 file.
+    d3 = tmp_path / "whole"
+    assert run(cwd, "import", out, "--dir", d3, "--layout", "whole").returncode == 0
+    assert [x.payload_abi for x in kvstore.KVStore(d3, budget_mb=0).entries()] == [16]
+    # A session comes with its title.
+    out2 = tmp_path / "session.kv"
+    assert run(cwd, "export", r["session"].sha[:8], out2, "--dir", d).returncode == 0
+    assert run(cwd, "import", out2, "--dir", d2).returncode == 0
+    p = run(cwd, "session", "list", d2)
+    assert "chain session" in p.stdout and "50" in p.stdout
+
+
+def test_export_and_import_errors_are_one_line(chains, cwd, tmp_path):
+    d, r = chains
+    p = run(cwd, "export", "ffff", tmp_path / "x.kv", "--dir", d)
+    assert p.returncode == 2 and "no checkpoint" in p.stderr
+    p = run(cwd, "import", tmp_path / "missing.kv", "--dir", tmp_path / "d")
+    assert p.returncode == 2 and "no such file" in p.stderr
+    garbage = tmp_path / "garbage.kv"
+    garbage.write_bytes(b"KVC\x01" + b"\x00" * 100)
+    p = run(cwd, "import", garbage, "--dir", tmp_path / "d")
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and "corrupt" in p.stderr
+    # An export with a flipped tensor byte fails import's checks.
+    out = tmp_path / "share.kv"
+    assert run(cwd, "export", r["b"].sha[:8], out, "--dir", d).returncode == 0
+    flip(out, os.path.getsize(out) - 3)
+    p = run(cwd, "import", out, "--dir", tmp_path / "d2")
+    assert p.returncode == 1 and "crc" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    # A block (ABI 17) is not an export: import refuses it.
+    p = run(cwd, "import", r["a"].path, "--dir", tmp_path / "d3")
+    assert p.returncode == 1 and "only whole (ABI 16) files" in p.stderr

@@ -23,7 +23,7 @@ LAYERS = [
     ["kvstore.format", "kvstore.payload", "kvstore.index", "kvstore.policy", "kvstore.trailers",
      "kvstore.files", "kvstore.writer", "kvstore.chain"],
     ["kvstore.store"],
-    ["kvstore.remote", "kvstore.mlx", "kvstore.prompt_cache", "kvstore.sessions"],
+    ["kvstore.remote", "kvstore.mlx", "kvstore.prompt_cache", "kvstore.sessions", "kvstore.exchange"],
     ["kvstore"],
     ["kvstore.serve", "kvstore.demo"],
     ["kvstore.cli", "kvstore.__main__"],

@@ -36,6 +36,7 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 from mlx_lm.models import cache as mlc  # noqa: E402
 
 import kvstore  # noqa: E402
+from kvstore import chain  # noqa: E402
 from kvstore import mlx as kvmlx  # noqa: E402
 
 V = 256             # vocab of every tiny config (ids are drawn below 100)
@@ -869,3 +870,223 @@ def test_unsupported_cache_is_refused(arch, tmp_path):
         with pytest.raises(TypeError, match="|".join(sorted(names))):
             kvmlx.save_prompt_cache(store, b"arch " + arch.encode(), ids, cache)
         assert store.find(b"arch " + arch.encode()) is None
+
+
+# ---- chained checkpoints (storage v2) ----------------------------------------
+#
+# A chained store (layout="chain") cuts a save into blocks of B tokens.  Slots
+# that hold one row per token along axis 2 (KVCache, QuantizedKVCache, MLA
+# latents, a filled ConcatenateKVCache) are positional: each block keeps its
+# slice.  Every other slot (a RotatingKVCache window, a ChunkedKVCache chunk,
+# ArraysCache recurrent state) is a snapshot, kept only by the last block of a
+# save, so with snapshots only that block is restorable.
+
+B = 8                       # block_tokens of the chain tests
+CHAIN_IDS = 5 * B + 3       # five whole blocks and a 3-token tail
+CHAIN_DECODE = 3            # greedy steps after the restore at the last boundary
+TEXT_WIDTH = 6              # bytes each token renders to
+
+
+def chain_text(ids):
+    """(text, offsets): token i renders to TEXT_WIDTH bytes; offsets are the len(ids) + 1 byte offsets."""
+    text = b"".join(b"%06d" % t for t in ids)
+    offsets = [TEXT_WIDTH * i for i in range(len(ids) + 1)]
+    assert len(text) == offsets[-1]
+    return text, offsets
+
+
+def chain_store(path):
+    return kvstore.KVStore(path, layout="chain", block_tokens=B, options=kvstore.Options(min_tokens=1),
+                           durable=False)
+
+
+def boundaries(n):
+    """Every block boundary of a save of n tokens: B, 2B, ... and n."""
+    return sorted({*range(B, n, B), n})
+
+
+def all_positional(cache):
+    """True when every tensor of the cache is positional (no snapshot slot)."""
+    tensors, _, positional = kvmlx.cache_state(cache)
+    return set(positional) == set(tensors)
+
+
+def frozen_tensors(cache):
+    """cache_to_tensors(cache) as evaluated copies that later in-place cache updates cannot reach."""
+    tensors, meta = kvmlx.cache_to_tensors(cache)
+    copies = {k: mx.array(v) for k, v in tensors.items()}
+    mx.eval(copies)
+    return copies, meta
+
+
+def leaf_caches(cache):
+    """[(path, cache object)] of every layer, CacheList children included."""
+    out = []
+
+    def walk(c, path):
+        if isinstance(c, mlc.CacheList):
+            for j, sub in enumerate(c.caches):
+                walk(sub, f"{path}.{j}")
+        else:
+            out.append((path, c))
+    for li, c in enumerate(cache):
+        walk(c, str(li))
+    return out
+
+
+def slot_class(meta, name):
+    """The cache class that tensor "{layer}.{i}" belongs to (a CacheList child's own class)."""
+    li, i = (int(x) for x in name.split("."))
+    lm = meta["layers"][li]
+    while lm["class"] == "CacheList":
+        for child in lm["meta_state"]["children"]:
+            if i < child["n_state"]:
+                lm = child
+                break
+            i -= child["n_state"]
+    return lm["class"]
+
+
+def without_offsets(meta):
+    """The meta with every per-layer "offset" left out (CacheList children included)."""
+    def strip(lm):
+        lm = {k: v for k, v in lm.items() if k != "offset"}
+        if lm["class"] == "CacheList":
+            lm["meta_state"] = {"children": [strip(m) for m in lm["meta_state"]["children"]]}
+        return lm
+    return {**meta, "layers": [strip(lm) for lm in meta["layers"]]}
+
+
+def assert_same_tensors(want, got, meta, what):
+    assert sorted(want) == sorted(got), f"{what}: tensor names {sorted(want)} vs {sorted(got)}"
+    for name in want:
+        assert _same_array(want[name], got[name]), \
+            f"{what}: {slot_class(meta, name)} slot {name}: {_diff(want[name], got[name])}"
+
+
+def assert_offsets(cache, k, what):
+    for path, c in leaf_caches(cache):
+        if hasattr(c, "offset"):
+            assert c.offset == k, f"{what}: layer {path} ({type(c).__name__}) offset {c.offset}, expected {k}"
+
+
+def kv_files(path):
+    """{name: (inode, mtime_ns, size)} of every .kv file in the store directory."""
+    out = {}
+    for p in path.iterdir():
+        if p.suffix == ".kv":
+            st = p.stat()
+            out[p.name] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    return out
+
+
+def load_at(store, text, offsets, ids, k):
+    """load_prompt_cache for a prompt that continues after boundary k; asserts a k-token hit."""
+    got = kvmlx.load_prompt_cache(store, text[:offsets[k]] + b"|")
+    assert got is not None, f"boundary {k}: no hit"
+    restored, tokens, text_bytes = got
+    assert len(tokens) == k, f"boundary {k}: hit of {len(tokens)} tokens"
+    assert tokens.tolist() == ids[:k]
+    assert text_bytes == text[:offsets[k]]
+    return restored
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_chain_restores_bit_exact_at_every_loadable_block(arch, tmp_path):
+    """A save at every block boundary (as PromptCache does when snapshots are small):
+    each boundary restores the state it was saved with, bit for bit, and decoding
+    from the last one matches the live cache."""
+    model, _ = build(arch)
+    ids = token_ids(arch, CHAIN_IDS)
+    n = len(ids)
+    text, offsets = chain_text(ids)
+    cache = mlc.make_prompt_cache(model)
+    path = tmp_path / "kv"
+    refs, logits, files_before, at = {}, None, {}, 0
+    with chain_store(path) as store:
+        for k in boundaries(n):
+            logits = model(mx.array([ids[at:k]]), cache=cache)
+            mx.eval(logits, cache_arrays(cache))
+            at = k
+            entry = kvmlx.save_prompt_cache(store, text[:offsets[k]], ids[:k], cache,
+                                            text_offsets=offsets[:k + 1])
+            assert entry is not None and entry.tokens == k and entry.restorable
+            refs[k] = frozen_tensors(cache)
+            # Blocks are written once: one new file per save, the older ones untouched.
+            files = kv_files(path)
+            assert len(files) == len(files_before) + 1, f"save at {k}: {len(files)} files"
+            assert {f: files[f] for f in files_before} == files_before, f"save at {k} rewrote a block"
+            files_before = files
+        positional = all_positional(cache)
+
+        entries = store.entries()
+        assert len(entries) == len(boundaries(n)) == 6
+        assert sorted(e.tokens for e in entries) == boundaries(n)
+        # Every block was the end of a save, so every block is restorable
+        # (whether or not the cache has snapshot slots).
+        assert all(e.restorable for e in entries), (positional, [(e.tokens, e.restorable) for e in entries])
+
+        restored = None
+        for k in boundaries(n):
+            restored = load_at(store, text, offsets, ids, k)
+            want, want_meta = refs[k]
+            got, got_meta = kvmlx.cache_to_tensors(restored)
+            assert_same_tensors(want, got, want_meta, f"{arch} boundary {k}")
+            assert without_offsets(got_meta) == without_offsets(want_meta), f"{arch} boundary {k}: meta"
+            assert got_meta == want_meta, f"{arch} boundary {k}: meta offsets"
+            assert_offsets(restored, k, f"{arch} boundary {k}")
+        assert len(kv_files(path)) == 6
+
+    # Decode from the restore at n and from the live cache: bit-identical logits.
+    x = mx.argmax(logits[:, -1:, :], axis=-1)
+    blank = model(x, cache=mlc.make_prompt_cache(model))
+    for step in range(CHAIN_DECODE):
+        live = model(x, cache=cache)
+        other = model(x, cache=restored)
+        mx.eval(live, other)
+        if step == 0:
+            assert not mx.array_equal(live, blank).item(), "decode logits do not depend on the cache"
+        assert _same_array(live, other), f"{arch} decode step {step} logits: {_diff(live, other)}"
+        x = mx.argmax(live[:, -1:, :], axis=-1)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_chain_from_one_save_restores_every_block_of_positional_models(arch, tmp_path):
+    """One save of n tokens (prefilled in chunks that do not fall on blocks): with
+    only positional slots every block boundary restores the first k tokens of the
+    state; with snapshot slots only the save's last block is restorable."""
+    model, _ = build(arch)
+    ids = token_ids(arch, CHAIN_IDS)
+    n = len(ids)
+    text, offsets = chain_text(ids)
+    cache = mlc.make_prompt_cache(model)
+    prefill(model, cache, ids, chunks=(2 * B + 5, n - 2 * B - 5))
+    tensors, meta, positional = kvmlx.cache_state(cache)
+    snapshots = sorted(set(tensors) - set(positional))
+    path = tmp_path / "kv"
+    with chain_store(path) as store:
+        entry = kvmlx.save_prompt_cache(store, text, ids, cache, text_offsets=offsets)
+        assert entry is not None and entry.tokens == n and entry.restorable
+        entries = store.entries()
+        assert len(kv_files(path)) == len(entries) == len(boundaries(n)) == 6
+        assert sorted(e.tokens for e in entries) == boundaries(n)
+        restorable = sorted(e.tokens for e in entries if e.restorable)
+        if snapshots:
+            assert restorable == [n], f"{arch}: snapshot slots {snapshots[:4]}"
+            for k in boundaries(n)[:-1]:
+                assert kvmlx.load_prompt_cache(store, text[:offsets[k]] + b"|") is None, \
+                    f"{arch} boundary {k}: a block without the snapshots loaded"
+            restored = load_at(store, text, offsets, ids, n)
+            got, got_meta = kvmlx.cache_to_tensors(restored)
+            assert_same_tensors(tensors, got, meta, f"{arch} boundary {n}")
+            assert got_meta == meta
+            assert_offsets(restored, n, f"{arch} boundary {n}")
+            return
+        assert restorable == boundaries(n)
+        for k in boundaries(n):
+            restored = load_at(store, text, offsets, ids, k)
+            want = {name: chain.slice_along(a, positional[name], 0, k) for name, a in tensors.items()}
+            got, got_meta = kvmlx.cache_to_tensors(restored)
+            assert_same_tensors(want, got, meta, f"{arch} boundary {k}")
+            assert without_offsets(got_meta) == without_offsets(meta), f"{arch} boundary {k}: meta"
+            assert_offsets(restored, k, f"{arch} boundary {k}")

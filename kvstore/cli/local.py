@@ -1,4 +1,8 @@
-"""The local commands: ls, inspect, verify, evict, stats, wipe, session list.
+"""The local commands: ls, inspect, verify, evict, stats, wipe, session list, export, import.
+
+A chained checkpoint (docs/format.md §14) is many block files: `ls` folds
+them into one row per stored sequence (a save's last block, or a leaf) and
+`ls --blocks` shows every file with its parent and range.
 
 The listing commands (ls, inspect, stats, session list, verify without
 --quarantine, evict --dry-run) never write to the directory: they read the
@@ -27,7 +31,9 @@ from kvstore.errors import CheckpointMissing, CorruptCheckpoint, KVStoreError, U
 from kvstore.files import QUARANTINE_DIR, checkpoint_names, describe_error, scan_directory
 from kvstore.format import ExtFlag, entry_from_fd, open_checkpoint, read_entry
 from kvstore.payload import read_manifest
-from kvstore.store import DEFAULT_BUDGET_MB, KVStore
+from kvstore.chain import DEFAULT_BLOCK_TOKENS
+from kvstore.exchange import export_checkpoint, import_checkpoint
+from kvstore.store import DEFAULT_BUDGET_MB, LAYOUTS, KVStore
 
 
 def _directory(path):
@@ -65,6 +71,29 @@ def _rank(entries, now):
 
 # ---- commands -----------------------------------------------------------------
 
+def _chains(entries):
+    """(sequences, chain of each entry): the rows `ls` folds blocks into.
+
+    A sequence is a whole file, the last block of a save, or a block no
+    other block continues; its chain is its blocks in the directory, first
+    block first (as far as the parents are there).
+    """
+    by_sha = {e.sha: e for e in entries if e.sha}
+    parents = {e.parent for e in entries if e.is_block and e.parent}
+
+    def chain(e):
+        out = [e]
+        while out[-1].is_block and out[-1].parent in by_sha and len(out) <= len(entries):
+            out.append(by_sha[out[-1].parent])
+        return out[::-1]
+    seqs = [e for e in entries if e.ends_save or (e.is_block and e.sha not in parents)]
+    return seqs, {e.name: chain(e) for e in seqs}
+
+
+def _block_range(e):
+    return f"{e.token_start}..{e.tokens}" if e.is_block else f"0..{e.tokens}"
+
+
 def cmd_ls(args):
     if args.remote:
         if args.dir is not None:
@@ -76,32 +105,59 @@ def cmd_ls(args):
     entries, bad = scan_directory(d)
     now = int(time.time())
     ranked = _rank(entries, now)
-    titles = {e.name: sessions.read_title(e) for e in entries}
+    blocks = [e for e in entries if e.is_block]
+    seqs, chains = _chains(entries)
+    if not args.blocks:
+        shown = {e.name for e in seqs}
+        ranked = [(score, e) for score, e in ranked if e.name in shown]
+    titles = {e.name: sessions.read_title(e) for _, e in ranked}
     if args.json:
-        out = [{
-            "sha": e.sha, "prefix": e.sha[:12], "reason": text.reason_name(e.reason),
-            "tokens": e.tokens, "hits": e.hits, "ctx_size": e.ctx_size, "quant_bits": e.quant_bits,
-            "model_id": e.model_id, "payload_abi": e.payload_abi, "loadable": e.loadable,
-            "file_size": e.file_size, "created_at": e.created_at, "last_used": e.last_used,
-            "age_s": max(0, now - e.created_at) if e.created_at else None,
-            "idle_s": max(0, now - e.last_used) if e.last_used else None,
-            "title": titles[e.name], "score": score,
-        } for score, e in ranked]
+        out = []
+        for score, e in ranked:
+            row = {
+                "sha": e.sha, "prefix": e.sha[:12], "reason": text.reason_name(e.reason),
+                "tokens": e.tokens, "hits": e.hits, "ctx_size": e.ctx_size, "quant_bits": e.quant_bits,
+                "model_id": e.model_id, "payload_abi": e.payload_abi, "loadable": e.loadable,
+                "file_size": e.file_size, "created_at": e.created_at, "last_used": e.last_used,
+                "age_s": max(0, now - e.created_at) if e.created_at else None,
+                "idle_s": max(0, now - e.last_used) if e.last_used else None,
+                "title": titles[e.name], "score": score,
+            }
+            if e.is_block:
+                row.update(parent=e.parent or None, token_start=e.token_start, text_start=e.text_start,
+                           restorable=e.restorable, ends_save=e.ends_save)
+            if not args.blocks and e.name in chains:
+                row.update(blocks=len(chains[e.name]) if e.is_block else 0,
+                           chain_bytes=sum(b.file_size for b in chains[e.name]))
+            out.append(row)
         print(json.dumps(out, indent=2, ensure_ascii=False))
         return 0
     budget = text.mib_bytes(args.budget_mb)
-    if ranked:
-        rows = [(e.sha[:12], text.reason_name(e.reason), e.tokens, e.hits, e.ctx_size, e.quant_bits,
-                 e.model_id, text.abi(e), text.size(e.file_size), text.age(e.created_at, now), text.used(e, now),
+    if ranked and args.blocks:
+        rows = [(e.sha[:12], text.reason_name(e.reason), _block_range(e), e.parent[:12] if e.parent else "-",
+                 "yes" if e.restorable else "link", e.hits, text.abi(e), text.size(e.file_size),
+                 text.age(e.created_at, now), text.used(e, now), text.printable(titles[e.name], text.TITLE_COLUMN))
+                for _, e in ranked]
+        print(text.table(rows, ("SHA", "REASON", "TOKENS", "PARENT", "LOADS", "HITS", "ABI", "SIZE", "AGE",
+                                "USED", "TITLE"), right={5, 7}))
+    elif ranked:
+        rows = [(e.sha[:12], text.reason_name(e.reason), e.tokens,
+                 len(chains[e.name]) if e.is_block else "whole", e.hits, e.ctx_size, e.quant_bits,
+                 e.model_id, text.abi(e), text.size(sum(b.file_size for b in chains[e.name])),
+                 text.age(e.created_at, now), text.used(e, now),
                  text.printable(titles[e.name], text.TITLE_COLUMN))
                 for _, e in ranked]
-        print(text.table(rows, ("SHA", "REASON", "TOKENS", "HITS", "CTX", "QUANT", "MODEL", "ABI",
-                            "SIZE", "AGE", "USED", "TITLE"), right={2, 3, 4, 5, 6, 8}))
+        print(text.table(rows, ("SHA", "REASON", "TOKENS", "BLOCKS", "HITS", "CTX", "QUANT", "MODEL", "ABI",
+                                "SIZE", "AGE", "USED", "TITLE"), right={2, 3, 4, 5, 6, 7, 9}))
     else:
         print(f"no checkpoints in {d}")
     total = sum(e.file_size for e in entries)
     foreign = sum(1 for e in entries if not e.loadable)
-    print(f"{len(entries)} checkpoint{'s' if len(entries) != 1 else ''}, {text.budget_line(total, budget)}")
+    if blocks:
+        print(f"{text.plural(len(seqs), 'stored sequence')} in {text.plural(len(entries), 'file')} "
+              f"({text.plural(len(blocks), 'chain block')}), {text.budget_line(total, budget)}")
+    else:
+        print(f"{len(entries)} checkpoint{'s' if len(entries) != 1 else ''}, {text.budget_line(total, budget)}")
     if foreign:
         print(f"{foreign} with a foreign payload ABI: listed and counted in the budget, not loadable")
     if bad:
@@ -155,11 +211,14 @@ def cmd_inspect(args):
              else f"{e.payload_abi} (foreign: listed and counted, not loadable by this build)"),
             ("created", text.stamp(e.created_at, now)),
             ("last used", text.stamp(e.last_used, now) if e.last_used else "never"),
-            ("text", f"{e.text_bytes} bytes"),
+            ("text", f"{e.text_bytes} bytes" if not e.is_block
+             else f"{e.segment_bytes} bytes stored ({e.text_start}..{e.text_bytes} of the sequence)"),
             ("payload", f"{e.payload_bytes} bytes"),
             ("trailer", f"{e.file_size - e.trailer_offset} bytes"),
             ("file size", f"{e.file_size} bytes ({text.size(e.file_size)})"),
         ]
+        if e.is_block:
+            rows += _block_rows(e, os.path.dirname(path))
         w = max(len(k) for k, _ in rows)
         for k, v in rows:
             print(f"{k.ljust(w)}  {v}")
@@ -171,15 +230,17 @@ def cmd_inspect(args):
                 status = 1
             else:
                 print("manifest:")
-                print(f"  tokens: count={e.tokens} bytes={4 * e.tokens} offset={m.tokens[0]} "
+                print(f"  tokens: count={e.stored_tokens} bytes={4 * e.stored_tokens} offset={m.tokens[0]} "
                       f"crc32c=0x{m.tokens[2]:08x}")
                 trows = [(text.printable(name), dtype, "(" + ", ".join(str(x) for x in shape)
-                          + ("," if len(shape) == 1 else "") + ")", n)
+                          + ("," if len(shape) == 1 else "") + ")", n,
+                          f"axis {m.axes[name]}" if name in m.axes else "snapshot")
                          for name, dtype, shape, _, n, _ in m.tensors]
                 print(f"  tensors ({len(trows)}):")
                 if trows:
                     print("\n".join("    " + line for line in
-                                    text.table(trows, ("NAME", "DTYPE", "SHAPE", "BYTES"), right={3}).split("\n")))
+                                    text.table(trows, ("NAME", "DTYPE", "SHAPE", "BYTES", "KIND"),
+                                               right={3}).split("\n")))
                 print(f"  meta keys: {', '.join(text.printable(k) for k in sorted(m.meta)) or '-'}")
         sections = list(trailers.trailer_sections(fd, e))
         print(f"trailer sections ({len(sections)}):")
@@ -193,7 +254,7 @@ def cmd_inspect(args):
         if args.text:
             print("text:")
             sys.stdout.flush()
-            _copy_text(fd, e, sys.stdout.buffer)
+            _copy_text(fd, e, sys.stdout.buffer, os.path.dirname(path))
             sys.stdout.buffer.write(b"\n")
             sys.stdout.buffer.flush()
     finally:
@@ -201,10 +262,50 @@ def cmd_inspect(args):
     return status
 
 
-def _copy_text(fd, e, out, chunk=1 << 20):
-    """Writes the stored prompt text to out, a bounded chunk at a time."""
-    for off in range(0, e.text_bytes, chunk):
-        data = os.pread(fd, min(chunk, e.text_bytes - off), e.text_offset + off)
+def _block_rows(e, d):
+    """inspect's rows for a chain block: its range, its parent, its chain in d."""
+    chain, cur = [e], e
+    while cur.parent:
+        try:
+            cur = read_entry(os.path.join(d, cur.parent + ".kv"))
+        except (KVStoreError, OSError):
+            break
+        chain.append(cur)
+    complete = not chain[-1].parent
+    return [
+        ("block", f"tokens {e.token_start}..{e.tokens} of the sequence, grid {e.block_grid}"),
+        ("parent", e.parent or "none (the first block)"),
+        ("restorable", "yes: loads with its chain" if e.restorable
+         else "no: a link (the state's snapshots are in a later block)"),
+        ("ends a save", "yes" if e.ends_save else "no"),
+        ("chain", f"{text.plural(len(chain), 'block')}, {text.size(sum(b.file_size for b in chain))}"
+         + ("" if complete else f"; BROKEN: parent {chain[-1].parent[:12]} is missing or unreadable")),
+    ]
+
+
+def _copy_text(fd, e, out, d, chunk=1 << 20):
+    """Writes the stored prompt text to out, a bounded chunk at a time; for a
+    chain block, its whole sequence's text (its parents' segments first)."""
+    parts, cur = [], e
+    while cur.is_block and cur.parent:
+        try:
+            cur = read_entry(os.path.join(d, cur.parent + ".kv"))
+        except (KVStoreError, OSError):
+            raise UsageError(f"{e.name}: parent {cur.parent[:12]} is missing: the text before "
+                             f"byte {cur.text_start} is not here") from None
+        parts.append(cur)
+    for p in reversed(parts):
+        pfd, _ = open_checkpoint(p.path)
+        try:
+            _copy_segment(pfd, p, out, chunk)
+        finally:
+            os.close(pfd)
+    _copy_segment(fd, e, out, chunk)
+
+
+def _copy_segment(fd, e, out, chunk):
+    for off in range(0, e.segment_bytes, chunk):
+        data = os.pread(fd, min(chunk, e.segment_bytes - off), e.text_offset + off)
         if not data:
             break
         out.write(data)
@@ -289,10 +390,10 @@ def _quarantine(d, path, before):
     return True, f"moved to {QUARANTINE_DIR}/"
 
 
-def _open_store(d):
+def _open_store(d, **kw):
     """A KVStore over d that evicts nothing on open (budget 0 = unlimited)."""
     try:
-        return KVStore(d, budget_mb=0)
+        return KVStore(d, budget_mb=0, **kw)
     except UnsafePath:
         raise UsageError(f"{d}: not a directory (kvstore never follows symlinks)") from None
 
@@ -411,6 +512,59 @@ def cmd_wipe(args):
     return 0
 
 
+def cmd_export(args):
+    d = _directory(args.dir)
+    name = _match(checkpoint_names(d), args.target, d)
+    try:
+        e = read_entry(os.path.join(d, name))
+    except CorruptCheckpoint as err:
+        print(f"{PROG}: error: {name}: corrupt envelope: {describe_error(err)}", file=sys.stderr)
+        return 1
+    if os.path.isdir(args.file):
+        raise UsageError(f"{args.file}: is a directory (give the file to write)")
+    # A model id of the file's own: export reads any model's checkpoint.
+    store = _open_store(d, model_id=e.model_id, quant_bits=e.quant_bits)
+    try:
+        out = export_checkpoint(store, e, args.file)
+    except CorruptCheckpoint as err:
+        print(f"{PROG}: error: {name}: {describe_error(err)}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    print(f"exported {name[:12]} ({e.tokens} tokens, {text.size(out.file_size)}) to {args.file}")
+    return 0
+
+
+def cmd_import(args):
+    if not os.path.isfile(args.file):
+        raise UsageError(f"{args.file}: no such file")
+    if args.block_tokens < 1:
+        raise UsageError(f"--block-tokens {args.block_tokens} must be >= 1")
+    try:
+        e = read_entry(args.file)
+    except CorruptCheckpoint as err:
+        print(f"{PROG}: error: {args.file}: corrupt envelope: {describe_error(err)}", file=sys.stderr)
+        return 1
+    try:
+        store = KVStore(args.dir, budget_mb=args.budget_mb, model_id=e.model_id, quant_bits=e.quant_bits,
+                        layout=args.layout, block_tokens=args.block_tokens)
+    except UnsafePath:
+        raise UsageError(f"{args.dir}: not a directory (kvstore never follows symlinks)") from None
+    try:
+        got = import_checkpoint(store, args.file)
+    except CorruptCheckpoint as err:
+        print(f"{PROG}: error: {args.file}: {describe_error(err)}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    if got is None:
+        print(f"{PROG}: error: {args.file}: not stored (over the {text.size(text.mib_bytes(args.budget_mb))} "
+              "budget; see --budget-mb)", file=sys.stderr)
+        return 1
+    print(f"imported {e.tokens} tokens as {got.name[:12]} in {args.dir}")
+    return 0
+
+
 def cmd_session_list(args):
     d = _directory(args.dir)
     found = sessions.from_entries(scan_directory(d)[0])
@@ -439,6 +593,7 @@ def add_parsers(sub):
     s.add_argument("--json", action="store_true", help="a JSON list of objects")
     s.add_argument("--budget-mb", type=text.megabytes, default=DEFAULT_BUDGET_MB,
                    help=f"budget shown against the total (default {DEFAULT_BUDGET_MB}; 0: none)")
+    s.add_argument("--blocks", action="store_true", help="one row per chain block (parent, range), not per sequence")
     remote.add_arguments(s)
     s.set_defaults(func=cmd_ls)
 
@@ -471,6 +626,21 @@ def add_parsers(sub):
     s.add_argument("prefix", metavar="SHA-PREFIX", nargs="?")
     s.add_argument("--yes", action="store_true", help="really do it")
     s.set_defaults(func=cmd_wipe)
+
+    s = sub.add_parser("export", help="write one stored sequence (a chain, or a whole file) as one .kv file")
+    s.add_argument("target", metavar="SHA-PREFIX")
+    s.add_argument("file", metavar="FILE")
+    s.add_argument("--dir", default=".", help="the cache directory (default: .)")
+    s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("import", help="store a .kv file (from export) in a cache directory")
+    s.add_argument("file", metavar="FILE")
+    s.add_argument("--dir", required=True, help="the cache directory (created if missing)")
+    s.add_argument("--layout", choices=LAYOUTS, default="chain", help="how to store it (default: chain)")
+    s.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
+                   help=f"chain grid (default {DEFAULT_BLOCK_TOKENS})")
+    s.add_argument("--budget-mb", type=text.megabytes, default=DEFAULT_BUDGET_MB)
+    s.set_defaults(func=cmd_import)
 
     s = sub.add_parser("session", help="agent sessions")
     ss = s.add_subparsers(dest="session_command", metavar="SUBCOMMAND", required=True)
