@@ -163,7 +163,7 @@ def test_ls_skips_bad_envelopes_and_sanitises_titles(tmp_path, cwd):
         f.write("ignored")
     p = run(cwd, "ls", d)
     assert p.returncode == 0
-    assert "1 checkpoint," in p.stdout and "1 file with a bad envelope" in p.stdout
+    assert "1 stored sequence in 1 file (1 chain block)," in p.stdout and "1 file with a bad envelope" in p.stdout
     assert "\x1b" not in p.stdout and "red?[31m?next" in p.stdout
     assert json.loads(run(cwd, "ls", d, "--json").stdout)[0]["sha"] == e.sha
     empty = tmp_path / "empty"

@@ -18,6 +18,13 @@ here but whose cache class kvstore.mlx refuses (they are in LEFT_OUT too).
 Weights that a model initialises to all zeros are randomised (see
 _random_weights), and each round trip checks that the decode logits depend on
 the cache at all, so that the bit-exact comparison of logits is not vacuous.
+
+The chain tests store the same architectures as chained checkpoints (blocks of
+B tokens, docs/format.md §14).  Saved at every block boundary, each boundary
+must restore the state it was saved with bit for bit, each block must be
+written once, and decoding from the last one must match the live cache.  Saved
+once, a cache with only positional slots must restore every boundary (the
+first k tokens of each slot), and a cache with snapshot slots only the end.
 """
 
 import importlib

@@ -325,7 +325,8 @@ def test_eight_publishers_one_object(s3, tmp_path, size):
         assert sum(st["remote_upload_errors"] + st["remote_errors"] for st in stats) == 0
         objs = bucket_objects(s3, prefix)
         assert list(objs.values()) == [entries[0].file_size]
-        assert get_object(s3, next(iter(objs))) == open(entries[0].path, "rb").read()
+        # One writer's bytes (their created times may differ by a second).
+        assert get_object(s3, next(iter(objs))) in {open(e.path, "rb").read() for e in entries}
         pending = writer_client(s3).list_multipart_uploads(Bucket=BUCKET, Prefix=prefix + "/")
         assert not pending.get("Uploads")                # the losers' uploads were aborted
     finally:

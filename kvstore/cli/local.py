@@ -141,14 +141,18 @@ def cmd_ls(args):
         print(text.table(rows, ("SHA", "REASON", "TOKENS", "PARENT", "LOADS", "HITS", "ABI", "SIZE", "AGE",
                                 "USED", "TITLE"), right={5, 7}))
     elif ranked:
-        rows = [(e.sha[:12], text.reason_name(e.reason), e.tokens,
-                 len(chains[e.name]) if e.is_block else "whole", e.hits, e.ctx_size, e.quant_bits,
-                 e.model_id, text.abi(e), text.size(sum(b.file_size for b in chains[e.name])),
-                 text.age(e.created_at, now), text.used(e, now),
-                 text.printable(titles[e.name], text.TITLE_COLUMN))
+        # A BLOCKS column where chains are (a directory of whole files keeps
+        # the table it always had).
+        rows = [(e.sha[:12], text.reason_name(e.reason), e.tokens)
+                + ((len(chains[e.name]) if e.is_block else "whole",) if blocks else ())
+                + (e.hits, e.ctx_size, e.quant_bits, e.model_id, text.abi(e),
+                   text.size(sum(b.file_size for b in chains[e.name])), text.age(e.created_at, now),
+                   text.used(e, now), text.printable(titles[e.name], text.TITLE_COLUMN))
                 for _, e in ranked]
-        print(text.table(rows, ("SHA", "REASON", "TOKENS", "BLOCKS", "HITS", "CTX", "QUANT", "MODEL", "ABI",
-                                "SIZE", "AGE", "USED", "TITLE"), right={2, 3, 4, 5, 6, 7, 9}))
+        head = ("SHA", "REASON", "TOKENS") + (("BLOCKS",) if blocks else ()) + (
+            "HITS", "CTX", "QUANT", "MODEL", "ABI", "SIZE", "AGE", "USED", "TITLE")
+        print(text.table(rows, head, right={i for i, h in enumerate(head)
+                                            if h in ("TOKENS", "BLOCKS", "HITS", "CTX", "QUANT", "MODEL", "SIZE")}))
     else:
         print(f"no checkpoints in {d}")
     total = sum(e.file_size for e in entries)
