@@ -241,3 +241,35 @@ def test_split_at_waypoints_cuts_at_absolute_multiples():
     assert sum(segs, []) == list(range(23))
     ends = [sum(len(s) for s in segs[:i + 1]) for i in range(len(segs))]
     assert ends == [4, 5, 8, 12, 16, 20, 23]
+
+
+def test_a_prompt_that_leaves_the_conversation_reuses_it_up_to_its_last_block(model_dir, workdir, tmp_path):
+    """Chains: after a restart, a client that renders the last answer differently
+    (its reasoning stripped, say) gets the stored conversation back up to the
+    last block boundary before the difference, not only the system anchor."""
+    from kvstore.demo.model import make_tokenizer
+    tok = make_tokenizer(tmp_path / "tok")             # the model directory's tokenizer, trained alike
+    tools = prose(["json", "csv", "logging", "argparse"])
+    turns = [f"Tool output {i}:\n{tools[3000 * i:3000 * i + 2400]}" for i in range(3)]
+    cache = os.path.join(workdir, "cache-edited")
+    first = kvstore_server(model_dir, cache, workdir, "edited-first")
+    try:
+        messages, _, _ = conversation(first, turns)
+    finally:
+        assert first.stop() == 0
+    # The client sends back the third answer rewritten: the prompt leaves the
+    # stored conversation where that answer starts.
+    edited = messages[:-1] + [{"role": "assistant", "content": "(reasoning removed) Done."}]
+    second = kvstore_server(model_dir, cache, workdir, "edited-second")
+    try:
+        _, _, usages = conversation(second, ["Thanks, one more question."], edited)
+    finally:
+        second.stop()
+    stored = tok.encode(tok.render_chat(messages[:-1]))            # the third turn's prompt
+    new = tok.encode(tok.render_chat(edited + [{"role": "user", "content": "Thanks, one more question."}]))
+    common = next((i for i, (a, b) in enumerate(zip(stored, new)) if a != b), min(len(stored), len(new)))
+    anchor = len(tok.encode(tok.render_chat(messages[:1] + [{"role": "user", "content": ""}])))
+    cached = usages[0]["prompt_tokens_details"]["cached_tokens"]
+    assert common > 3 * 256 and anchor < 0.8 * common              # the system anchor alone would miss
+    assert common - 256 <= cached <= common and cached >= 0.9 * common, (cached, common)
+    assert second.request_lines()[0].startswith("request source=disk ")
