@@ -23,10 +23,16 @@ the medians:
    ``np.load`` of the tensors as .npy and a raw sequential read of the .kv
    file: every sample is a new ``python -c`` child timed after its imports,
    and a child that exits non-zero or aborts ("terminate called ...") is
-   reported.
+   reported.  The same state is also stored as a chain (docs/format.md §14,
+   payload ABI 17) of CHAIN_BLOCKS blocks and loaded by the same children,
+   against the ABI 16 file and against mlx-lm.
 3. Save (docs/format.md §6) of the same state, durable and not, against mlx-lm's
    ``save_prompt_cache``, ``mx.save_safetensors`` and ``np.save``; the file
    sizes against mlx-lm's.
+
+Every store here that writes passes its layout explicitly: KVStore's default
+is now "chain" (docs/format.md §14), and the lookup, ABI 16 load and save rows
+are about one whole ABI 16 file per checkpoint (layout="whole").
 
 The JSON (--json) also holds the lookup curve and the GB/s of every load and
 save method, which ``python -m bench`` plots (bench/plots.py).
@@ -96,6 +102,14 @@ CHILD_TIMEOUT_S = 300
 CHILD_SETTLE_S = 0.2             # after the imports, before the first timed load
 
 LOAD_MAX_TIME_RATIO = 1.0        # kvstore first load vs mlx-lm load_prompt_cache
+# The same state as a chain (docs/format.md §14): CONTEXT_TOKENS / CHAIN_BLOCKS
+# tokens per block (128: 256 KiB of each of the 64 tensors per block, read as
+# 8 strided runs of 32 KiB).  The prompt text is CHECKPOINT_TEXT_BYTES /
+# CONTEXT_TOKENS = 4 bytes per token, so every cut adds text.
+CHAIN_BLOCKS = 32
+CHAIN_BLOCK_TOKENS = CONTEXT_TOKENS // CHAIN_BLOCKS
+LOAD_CHAIN_MIN_SPEED = 0.95      # chain load speed vs the ABI 16 file's: time ratio ≤ 1 / 0.95
+LOAD_CHAIN_MAX_TIME_RATIO = 1.0  # chain first load vs mlx-lm load_prompt_cache
 SAVE_MAX_TIME_RATIO = 1.0        # kvstore save (durable=False) vs mlx-lm save_prompt_cache
 RSS_SLACK_MIB = 64               # docs/format.md §5: peak RSS above the arrays themselves
 
@@ -341,11 +355,16 @@ class LookupDir:
         self.lengths = rng.sample(range(1, MAX_TEXT_BYTES), max(LOOKUP_SIZES) - 1)
         self.names = [d.hex() + ".kv" for d in kvstore.sha1_prefixes(bytes(MAX_TEXT_BYTES), self.lengths)]
         self.options = kvstore.Options()
+        # layout="whole": the real entry is an ABI 16 file like the sparse ones,
+        # so find() takes the flat pass of docs/format.md §4 (a chain block
+        # would make the directory a lookup forest, §14).
         self.store = kvstore.KVStore(directory, budget_mb=UNLIMITED_BUDGET_MB, quant_bits=ENTRY_QUANT_BITS,
-                                     ctx_size=ENTRY_CTX_SIZE, options=self.options, durable=False)
+                                     ctx_size=ENTRY_CTX_SIZE, options=self.options, durable=False,
+                                     layout="whole")
         self.real = self.store.save(self.hit_prompt[:MAX_TEXT_BYTES], np.arange(ENTRY_TOKENS, dtype=np.uint32),
                                     {"x": np.zeros(16, np.float16)})
         assert self.real is not None, "the real lookup entry was refused"
+        assert self.real.payload_abi == 16, self.real.payload_abi
         self.header = sparse_entry_header()
         self.n = 1
 
@@ -466,14 +485,20 @@ _CHILD_KV = _CHILD_PRELUDE + textwrap.dedent("""
     with open(text_path, "rb") as f:
         text = f.read()
     store = kvstore.KVStore(store_dir, budget_mb=%(budget)d, verify=True)
+    info = {}
     def once():
         t0 = time.perf_counter()
         ck = store.load(store.find(text), into=into)
         arrays = list(ck.tensors.values())
         if into == "mlx":
             mx.eval(arrays)
-        return time.perf_counter() - t0, arrays
+        dt = time.perf_counter() - t0
+        # Untimed: what was loaded (an ABI 16 file, or a chain of how many blocks).
+        info["payload_abi"] = ck.entry.payload_abi
+        info["blocks"] = len(ck.cuts) if ck.entry.is_block else 1
+        return dt, arrays
     out = measure(once)
+    out.update(info)
     store.close()
     print(json.dumps(out))
 """) % {"budget": UNLIMITED_BUDGET_MB}
@@ -611,9 +636,10 @@ def bench_load(report, tmp, rng, tensors, quick):
     with open(text_path, "wb") as f:
         f.write(text)
     tokens = np.arange(CONTEXT_TOKENS, dtype=np.uint32)
-    with kvstore.KVStore(store_dir, budget_mb=UNLIMITED_BUDGET_MB) as store:
+    # One whole ABI 16 file (layout="whole": KVStore's default is "chain").
+    with kvstore.KVStore(store_dir, budget_mb=UNLIMITED_BUDGET_MB, layout="whole") as store:
         entry = store.save(text, tokens, tensors, meta=kv_meta())
-        assert entry is not None
+        assert entry is not None and entry.payload_abi == 16, entry
         # Correctness before speed: every tensor comes back bit-exact.
         ck = store.load(store.find(text), into="mlx")
         assert ck is not None and np.array_equal(ck.tokens, tokens)
@@ -621,6 +647,26 @@ def bench_load(report, tmp, rng, tensors, quick):
             assert mx.array_equal(ck.tensors[k], a).item(), k
         del ck
     kv_path = entry.path
+    # The same state, text and tokens as a chain of CHAIN_BLOCKS blocks
+    # (docs/format.md §14): every KV tensor grows along axis 2, one row per
+    # token; text_offsets[i] is the byte length of the text of the first i tokens.
+    chain_dir = os.path.join(tmp, "load-chain")
+    per_token = len(text) // CONTEXT_TOKENS
+    assert per_token * CONTEXT_TOKENS == len(text)
+    with kvstore.KVStore(chain_dir, budget_mb=UNLIMITED_BUDGET_MB, layout="chain",
+                         block_tokens=CHAIN_BLOCK_TOKENS) as store:
+        last = store.save(text, tokens, tensors, meta=kv_meta(), positional={k: 2 for k in tensors},
+                          text_offsets=[per_token * i for i in range(CONTEXT_TOKENS + 1)])
+        assert last is not None and last.is_block and last.tokens == CONTEXT_TOKENS, last
+        ck = store.load(store.find(text), into="mlx")
+        assert ck is not None and ck.entry.is_block and np.array_equal(ck.tokens, tokens)
+        assert sorted(ck.cuts) == list(range(CHAIN_BLOCK_TOKENS, CONTEXT_TOKENS + 1, CHAIN_BLOCK_TOKENS)), ck.cuts
+        for k, a in tensors.items():
+            assert mx.array_equal(ck.tensors[k], a).item(), k
+        del ck
+    chain_paths = sorted(os.path.join(chain_dir, n) for n in os.listdir(chain_dir) if n.endswith(".kv"))
+    assert len(chain_paths) == CHAIN_BLOCKS, (len(chain_paths), CHAIN_BLOCKS)
+    chain_size = sum(os.path.getsize(p) for p in chain_paths)
     st_path = os.path.join(tmp, "peer.safetensors")
     save_prompt_cache(st_path, peer_caches(tensors))
     npy_path = os.path.join(tmp, "peer.npy")
@@ -628,7 +674,7 @@ def bench_load(report, tmp, rng, tensors, quick):
 
     # Warm page cache: read the files once before any timed load.
     buf = bytearray(RAW_READ_BUFFER)
-    for path in (kv_path, st_path, npy_path):
+    for path in (kv_path, st_path, npy_path, *chain_paths):
         read_raw(path, buf)
 
     # (child code, its arguments, samples quick/full).  The target pair gets
@@ -636,6 +682,7 @@ def bench_load(report, tmp, rng, tensors, quick):
     variants = {
         "kv_mlx": (_CHILD_KV, [store_dir, text_path, "mlx"], 2, 11),
         "peer": (_CHILD_MLX_LM, [st_path], 2, 11),
+        "kv_chain": (_CHILD_KV, [chain_dir, text_path, "mlx"], 2, 11),
         "kv_numpy": (_CHILD_KV, [store_dir, text_path, "numpy"], 1, 5),
         "mx_load": (_CHILD_MX_LOAD, [st_path], 1, 5),
         "np_load": (_CHILD_NP_LOAD, [npy_path, str(len(tensors))], 1, 5),
@@ -670,6 +717,11 @@ def bench_load(report, tmp, rng, tensors, quick):
     if not all(runs[v] for v in names):
         missing = [v for v in names if not runs[v]]
         raise RuntimeError(f"no successful child sample for {missing}; see the CHILD lines above")
+    # What the children loaded: the ABI 16 file, and the whole chain.
+    loaded = {v: sorted({(r["payload_abi"], r["blocks"]) for r in runs[v]})
+              for v in ("kv_mlx", "kv_numpy", "kv_chain")}
+    assert loaded["kv_mlx"] == loaded["kv_numpy"] == [(16, 1)], loaded
+    assert loaded["kv_chain"] == [(17, CHAIN_BLOCKS)], loaded
     first_kv = stats(times("kv_mlx", "first_s"), KV_BYTES)
     report.add(f"load {KV_BYTES // MiB} MiB, 1st in a fresh process, into MLX, CRC on "
                "vs mlx_lm load_prompt_cache + eval", first_kv,
@@ -677,6 +729,21 @@ def bench_load(report, tmp, rng, tensors, quick):
                note=f"{len(runs['kv_mlx'])}/{len(runs['peer'])} samples, warm page cache; median of per-round "
                     f"ratios {paired_ratio(times('kv_mlx', 'first_s'), times('peer', 'first_s')):.2f}; "
                     f"{abort_note}")
+    first_chain = stats(times("kv_chain", "first_s"), KV_BYTES)
+    chain_rss = statistics.median(rss("kv_chain"))
+    report.add(f"load {KV_BYTES // MiB} MiB chain ({CHAIN_BLOCKS} blocks), 1st in a fresh process, into MLX, "
+               "CRC on vs the same state as one ABI 16 file", first_chain, first_kv, 1 / LOAD_CHAIN_MIN_SPEED,
+               note=f"{len(runs['kv_chain'])}/{len(runs['kv_mlx'])} samples; {CHAIN_BLOCK_TOKENS} tokens a block "
+                    f"(payload ABI 17), same store.find + store.load(into='mlx'); target: chain speed ≥ "
+                    f"{LOAD_CHAIN_MIN_SPEED}× the file's; median of per-round ratios "
+                    f"{paired_ratio(times('kv_chain', 'first_s'), times('kv_mlx', 'first_s')):.2f}; "
+                    f"peak RSS increase {chain_rss:.0f} MiB; chain files {chain_size:,} B "
+                    f"vs {kv_size:,} B")
+    report.add(f"load {KV_BYTES // MiB} MiB chain ({CHAIN_BLOCKS} blocks), 1st in a fresh process, into MLX, "
+               "CRC on vs mlx_lm load_prompt_cache + eval", first_chain,
+               stats(times("peer", "first_s"), KV_BYTES), LOAD_CHAIN_MAX_TIME_RATIO,
+               note=f"{len(runs['kv_chain'])}/{len(runs['peer'])} samples; median of per-round ratios "
+                    f"{paired_ratio(times('kv_chain', 'first_s'), times('peer', 'first_s')):.2f}")
     report.add(f"load {KV_BYTES // MiB} MiB, 1st in a fresh process, into NumPy, CRC on "
                "vs mlx_lm load_prompt_cache + eval", stats(times("kv_numpy", "first_s"), KV_BYTES),
                stats(times("peer", "first_s"), KV_BYTES), None, note=plural(len(runs["kv_numpy"]), "sample"))
@@ -707,18 +774,20 @@ def bench_load(report, tmp, rng, tensors, quick):
     fresh, warm = "load, 1st in a fresh process", "load, 2nd in the same process"
     throughput = [bar(op, method, KV_BYTES, ns) for op, method, ns in (
         (fresh, "kvstore → MLX", times("kv_mlx", "first_s")),
+        (fresh, f"kvstore chain ({CHAIN_BLOCKS} blocks) → MLX", times("kv_chain", "first_s")),
         (fresh, "kvstore → NumPy", times("kv_numpy", "first_s")),
         (fresh, "mlx_lm load_prompt_cache", times("peer", "first_s")),
         (fresh, "mx.load(safetensors)", times("mx_load", "first_s")),
         (fresh, "np.load(.npy)", times("np_load", "first_s")),
         (warm, "kvstore → MLX", times("kv_mlx", "warm_s")),
+        (warm, f"kvstore chain ({CHAIN_BLOCKS} blocks) → MLX", times("kv_chain", "warm_s")),
         (warm, "mlx_lm load_prompt_cache", times("peer", "warm_s")),
         (warm, "mx.load(safetensors)", times("mx_load", "warm_s")),
         (warm, "np.load(.npy)", times("np_load", "warm_s")),
         ("raw sequential read of the .kv", "os.preadv, 16 MiB buffer", raw["raw"]))]
-    for path in (kv_path, st_path, npy_path, text_path):
+    for path in (kv_path, st_path, npy_path, text_path, *chain_paths):
         os.unlink(path)
-    return children, {"kv_bytes": kv_size, "safetensors_bytes": st_size}, throughput
+    return children, {"kv_bytes": kv_size, "chain_bytes": chain_size, "safetensors_bytes": st_size}, throughput
 
 
 # ---------------------------------------------------------------- save
@@ -732,9 +801,11 @@ def bench_save(report, tmp, rng, tensors, quick):
     caches = peer_caches(tensors)
     meta = kv_meta()
     stores = {
-        "kv_fast": kvstore.KVStore(os.path.join(tmp, "save-fast"), budget_mb=UNLIMITED_BUDGET_MB, durable=False),
+        # One ABI 16 file per save, as the rows say (KVStore's default is "chain").
+        "kv_fast": kvstore.KVStore(os.path.join(tmp, "save-fast"), budget_mb=UNLIMITED_BUDGET_MB, durable=False,
+                                   layout="whole"),
         "kv_durable": kvstore.KVStore(os.path.join(tmp, "save-durable"), budget_mb=UNLIMITED_BUDGET_MB,
-                                      durable=True),
+                                      durable=True, layout="whole"),
     }
     st_path = os.path.join(tmp, "save-peer.safetensors")
     npy_path = os.path.join(tmp, "save-peer.npy")
@@ -743,6 +814,7 @@ def bench_save(report, tmp, rng, tensors, quick):
     def kv_save(name):
         e = stores[name].save(text, tokens, tensors, meta=meta)
         assert e is not None, f"{name}: save refused"
+        assert e.payload_abi == 16, e.payload_abi
         sizes[name] = e.file_size
         return e.path
 

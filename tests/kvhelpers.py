@@ -38,9 +38,15 @@ OPTS = Options(min_tokens=1)
 # ---- stores and their directories -------------------------------------------------------
 
 def make_store(path, **kw):
-    """A KVStore for tests: min_tokens=1 and no fsync unless asked."""
+    """A KVStore for tests: min_tokens=1 and no fsync unless asked.
+
+    The layout is the package's default ("chain") unless asked, or unless
+    KVSTORE_TEST_LAYOUT names another: CI runs the store's tests once more
+    with KVSTORE_TEST_LAYOUT=whole, so both layouts keep every promise.
+    """
     kw.setdefault("options", OPTS)
     kw.setdefault("durable", False)
+    kw.setdefault("layout", os.environ.get("KVSTORE_TEST_LAYOUT", "chain"))
     return KVStore(path, **kw)
 
 

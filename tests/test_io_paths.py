@@ -188,3 +188,43 @@ def test_a_save_without_preallocation_writes_the_same_file(tmp_path, monkeypatch
     # Equal but for the header's created_at and last_used (bytes 24-39): clock time.
     assert len(without) == len(with_prealloc)
     assert without[:24] + without[40:] == with_prealloc[:24] + with_prealloc[40:]
+
+
+# ---- strided reads: a chain block's slice into its place in a whole tensor ---------------
+
+@pytest.mark.parametrize("outer,run,stride,at", [(1, 10, 10, 0), (3, 8, 24, 8), (5, 4096 + 3, 3 * 4096, 4096),
+                                                 (2, (1 << 20) + 5, 3 << 20, 7)])
+def test_strided_read_lands_runs_in_place_with_the_file_crc(tmp_path, read_route, outer, run, stride, at):
+    rng = np.random.default_rng(run)
+    src = rng.integers(0, 256, outer * run + 100, dtype=np.uint8).tobytes()
+    path = tmp_path / "f"
+    path.write_bytes(src)
+    size = at + (outer - 1) * stride + run
+    buf = bytearray(b"\xee" * (size + 16))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        crc = _native.pread_strided(fd, buf, at, run, outer, stride, 50, crc=0)
+    finally:
+        os.close(fd)
+    want = bytearray(b"\xee" * (size + 16))
+    for i in range(outer):
+        want[at + i * stride:at + i * stride + run] = src[50 + i * run:50 + (i + 1) * run]
+    assert buf == want                                     # nothing outside the runs is touched
+    assert crc == _reference.crc32c(src[50:50 + outer * run])
+
+
+def test_strided_read_refuses_runs_past_the_buffer_and_short_files(tmp_path, read_route):
+    path = tmp_path / "f"
+    path.write_bytes(bytes(100))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError):
+            _native.pread_strided(fd, bytearray(30), 0, 10, 3, 11, 0)        # 2 * 11 + 10 > 30
+        with pytest.raises(ValueError):
+            _native.pread_strided(fd, bytearray(30), 25, 10, 1, 10, 0)
+        with pytest.raises(ValueError):
+            _native.pread_strided(fd, bytearray(30), 0, 10, 2, 5, 0)          # runs would overlap
+        with pytest.raises(CorruptCheckpoint):
+            _native.pread_strided(fd, bytearray(300), 0, 60, 2, 100, 0)       # the file ends first
+    finally:
+        os.close(fd)
