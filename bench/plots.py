@@ -2,7 +2,9 @@
 
 - lookup.png: time per lookup against the number of entries (log-log),
   kvstore's find against the ds4 loop and one hashlib pass, miss and hit;
-- throughput.png: GB/s of each load and save method on the same KV state.
+- throughput.png: GB/s of each load and save method on the same KV state;
+- chains.png: the blocks that three sessions leave in a chained store
+  (bench/chains.py), along the token axis, with their parents.
 
 matplotlib is the ``bench`` extra (``pip install ".[bench]"``) and is imported
 here only: when it is missing the plots are skipped with one message.
@@ -35,18 +37,27 @@ def draw(results, out):
     except ImportError:
         print('bench: matplotlib is not installed (pip install ".[bench]"): no plots', file=sys.stderr)
         return []
-    path = os.path.join(results, "store.json")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        store = json.load(f)
     written = []
+    store = _load(results, "store.json")
     if store.get("lookup_curve"):
         written.append(("lookup scaling", lookup(plt, store["lookup_curve"], os.path.join(out, "lookup.png"))))
     if store.get("throughput"):
         written.append(("load and save throughput",
                         throughput(plt, store["throughput"], os.path.join(out, "throughput.png"))))
+    chains = _load(results, "chains.json")
+    if chains.get("chain_picture"):
+        written.append(("chained checkpoints", chain_blocks(plt, chains["chain_picture"],
+                                                            os.path.join(out, "chains.png"))))
     return written
+
+
+def _load(results, name):
+    """A harness's JSON results, or {} when it has none."""
+    path = os.path.join(results, name)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def lookup(plt, curve, path):
@@ -92,6 +103,82 @@ def throughput(plt, bars, path):
     ax.set_xlabel("GB/s (median, written at the bar's end; tick: best sample)")
     ax.set_title("Load and save of the same KV state (kvstore in blue)")
     ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# chains.png: fill by how many stored sequences run through a block.
+CHAIN_FILLS = ((1, "#c6dbef", "on one stored sequence"), (2, "#6baed6", "shared by 2"),
+               (3, "#2171b5", "shared by 3 or more"))
+# Blocks are drawn this many tokens short of each end, so that the arrow
+# from a block to its parent shows even when they sit side by side.
+CHAIN_INSET = 14
+
+
+def chain_blocks(plt, pic, path):
+    """One row per save (in the order they were made), holding the blocks that
+    save wrote; each block a box over its token range, an arrow to its parent.
+
+    A box with a solid edge is a hit (restorable and at least min_tokens long:
+    the lookup can return it); a hatched one only links its children.
+    """
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
+
+    blocks = {b["sha"]: b for b in pic["blocks"]}
+    saves = pic["saves"]
+    grid, end = pic["grid"], max(b["end"] for b in pic["blocks"])
+    fig, ax = plt.subplots(figsize=(9, 0.7 * len(saves) + 1.6))
+    h = 0.62
+    for b in pic["blocks"]:
+        row = b["save"]
+        fill = next(c for n, c, _ in reversed(CHAIN_FILLS) if b["sequences"] >= n)
+        x0, x1 = b["start"] + CHAIN_INSET, b["end"] - CHAIN_INSET
+        ax.add_patch(Rectangle((x0, row - h / 2), x1 - x0, h, facecolor=fill,
+                               edgecolor="black", linewidth=1.2 if b["hit"] else 0.8,
+                               linestyle="-" if b["hit"] else "--", hatch=None if b["hit"] else "///"))
+        label = f"{b['start']:,}–{b['end']:,}"
+        dark = b["sequences"] >= CHAIN_FILLS[-1][0]
+        wide = x1 - x0 > 200
+        size = 7 if wide else 6.5
+        ax.text((x0 + x1) / 2, row, label if wide else label.replace("–", "–\n"), ha="center",
+                va="center", fontsize=size, color="white" if dark and b["hit"] else "black",
+                bbox=None if b["hit"] else dict(boxstyle="round,pad=0.15", facecolor="white", linewidth=0))
+        if b["ends_save"]:
+            ax.text(x1, row - h / 2 - 0.04, b["reason"], ha="right", va="bottom", fontsize=7, fontweight="bold",
+                    color="tab:red")
+        parent = blocks.get(b["parent"])
+        if parent is not None:
+            # Side by side: edge to edge; from a row below: the child's top
+            # left corner to the parent's bottom right one.
+            px, prow = parent["end"] - CHAIN_INSET, parent["save"]
+            tail, head = ((x0, row), (px, prow)) if prow == row else ((x0, row - h / 2), (px, prow + h / 2))
+            ax.add_patch(FancyArrowPatch(tail, head, arrowstyle="-|>", mutation_scale=9, linewidth=1.0,
+                                         color="0.2", shrinkA=0, shrinkB=0, zorder=3))
+    for x in range(0, end + grid, grid):
+        ax.axvline(x, color="0.85", linewidth=0.6, zorder=0)
+    ax.set_xlim(-20, (end // grid + 1) * grid + 20)
+    ax.set_ylim(len(saves) - 0.4, -0.75)
+    ax.set_yticks(range(len(saves)))
+    ax.set_yticklabels([s["label"] for s in saves], fontsize=8)
+    ax.set_xticks(range(0, end + grid, grid))
+    ax.tick_params(axis="x", labelsize=8)
+    ax.set_xlabel(f"tokens (grid lines every {grid}: the block size)")
+    notes = "; ".join(f"{s['label']} reused {s['first']['reused_tokens']:,} from disk"
+                      for s in pic["sessions"] if s["first"]["source"] == "disk")
+    ax.set_title(f"A chained store after three sessions (one row per save: the blocks it wrote)\n"
+                 f"after a restart {notes}", fontsize=9)
+    handles = [Patch(facecolor=c, edgecolor="black", label=t) for _, c, t in CHAIN_FILLS]
+    handles += [Patch(facecolor="white", edgecolor="black",
+                      label=f"a hit (restorable, ≥ {pic['min_tokens']} tokens)"),
+                Patch(facecolor="white", edgecolor="black", hatch="///", linestyle="--",
+                      label=f"a link only (< {pic['min_tokens']} tokens)"),
+                Line2D([], [], color="0.25", marker=">", markersize=4, linewidth=0.9, label="to its parent")]
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.45, -0.17), ncol=3, frameon=False)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

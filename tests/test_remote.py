@@ -12,6 +12,7 @@ PID at the end.
 import functools
 import logging
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 
 import kvstore
+from kvstore import files
 from kvstore import remote as remote_mod
 from kvstore.format import Reason
 
@@ -586,3 +588,126 @@ def test_serve_with_remote_shares_across_cache_directories(s3, tmp_path):
     assert usages[0]["prompt_tokens_details"]["cached_tokens"] == anchors[0].tokens
     assert "kvstore: remote_hit " in b.text()
     assert b.request_lines()[0].startswith(f"request source=disk reused={anchors[0].tokens} ")
+
+
+# ---- chains in the bucket (docs/format.md §14) ----------------------------------------
+
+GRID = 16
+
+
+def chain_save(store, n, tag, seed=0, reason=Reason.COLD):
+    """Saves n tokens as a chain (4 text bytes a token, KV growing on axis 2); returns (entry, text, k)."""
+    text = (f"{tag} " + "w" * 4 * n).encode()[:4 * n]
+    k = np.random.default_rng(seed).standard_normal((1, 2, n, 64)).astype(np.float16)
+    e = store.save(text, np.arange(n), {"k": k, "v": k + 1}, reason=reason, positional={"k": 2, "v": 2},
+                   text_offsets=[4 * i for i in range(n + 1)])
+    return e, text, k
+
+
+def test_remote_chain_fetches_its_missing_blocks_and_loads_bit_identical(s3, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvstore")
+    kw = dict(store_kw=dict(block_tokens=GRID))
+    with open_store(s3, tmp_path / "a", "chains", **kw) as a:
+        e, text, k = chain_save(a, 100, "shared")
+        assert a.remote.flush(30)
+        blocks = sorted(a.entries(), key=lambda x: x.tokens)
+        assert [(x.token_start, x.tokens) for x in blocks] == [(16 * i, 16 * i + 16) for i in range(6)] + [(96, 100)]
+        # One object per block; the key names the parent (40 zeros: the first block).
+        objs = bucket_objects(s3, "chains")
+        assert set(objs) == {object_key_of("chains", a.remote.fingerprint, x) for x in blocks}
+        assert all(f".{x.parent or '0' * 40}.r.kv" in object_key_of("chains", a.remote.fingerprint, x)
+                   for x in blocks)
+        assert all(get_object(s3, object_key_of("chains", a.remote.fingerprint, x)) == open(x.path, "rb").read()
+                   for x in blocks)
+        # The same chain saved by another host: nothing new goes up (deduped by
+        # name: listed blocks are not even queued, unlisted ones meet If-None-Match).
+        with open_store(s3, tmp_path / "a2", "chains", **kw) as a2:
+            assert a2.remote.refresh()
+            chain_save(a2, 100, "shared")
+            assert a2.remote.flush(30)
+            assert a2.stats()["remote_uploads"] == 0 and a2.stats()["remote_upload_errors"] == 0
+        with open_store(s3, tmp_path / "a3", "chains", upload=False, **kw) as a3:
+            chain_save(a3, 100, "shared")
+            assert all(a3.remote.upload(x) for x in a3.entries())
+            assert a3.stats()["remote_uploads"] == 0 and a3.stats()["remote_upload_exists"] == 7
+        assert bucket_objects(s3, "chains") == objs
+
+    # A host with nothing: a hit fetches the whole chain (every block, parent first) and loads it.
+    with open_store(s3, tmp_path / "b", "chains", **kw) as b:
+        assert b.remote.refresh()
+        found = b.find(text + b" and then")
+        assert found is not None and found.remote is not None and found.is_block and found.sha == e.sha
+        caplog.clear()
+        ck = b.load(found)
+        assert ck is not None and ck.tokens.tolist() == list(range(100)) and ck.text_bytes == text
+        assert np.array_equal(ck.tensors["k"], k) and np.array_equal(ck.tensors["v"], k + 1)
+        assert "remote_hit tokens=100" in caplog.text and "blocks=7 " in caplog.text
+        assert sorted(x.name for x in b.entries()) == sorted(x.name for x in blocks)
+        assert all(files.verify_file(x.path) is None for x in b.entries())
+        # Every block boundary of the fetched chain is now a local hit.
+        assert b.find(text[:4 * 70]).tokens == 64 and b.find(text[:4 * 70]).remote is None
+
+    # A host that holds the first three blocks fetches only the four it lacks.
+    c_dir = tmp_path / "c"
+    os.makedirs(c_dir, mode=0o700)
+    for x in blocks[:3]:
+        shutil.copy(x.path, c_dir / x.name)
+    with open_store(s3, c_dir, "chains", **kw) as c:
+        assert c.remote.refresh()
+        found = c.find(text)
+        assert found.remote is not None
+        caplog.clear()
+        assert c.load(found) is not None
+        assert "blocks=4 " in caplog.text
+        assert c.stats()["remote_bytes_fetched"] == sum(x.file_size for x in blocks[3:])
+
+
+def test_remote_chain_with_a_missing_parent_is_a_clean_miss(s3, tmp_path):
+    kw = dict(store_kw=dict(block_tokens=GRID))
+    with open_store(s3, tmp_path / "a", "broken", **kw) as a:
+        e, text, k = chain_save(a, 60, "broken")
+        assert a.remote.flush(30)
+        blocks = sorted(a.entries(), key=lambda x: x.tokens)
+        # The bucket loses a middle block (a janitor on another host, say).
+        writer_client(s3).delete_object(Bucket=BUCKET, Key=object_key_of("broken", a.remote.fingerprint, blocks[1]))
+    with open_store(s3, tmp_path / "b", "broken", **kw) as b:
+        assert b.remote.refresh()
+        # The blocks after the hole cannot be fetched: the longest hit is the first block.
+        found = b.find(text)
+        assert found is not None and found.remote is not None and found.sha == blocks[0].sha
+        ck = b.load(found)
+        assert ck is not None and ck.tokens.tolist() == list(range(16))
+        assert np.array_equal(ck.tensors["k"], k[:, :, :16])
+        assert [x.name for x in b.entries()] == [blocks[0].name]
+        assert not [n for n in os.listdir(b.path) if ".tmp." in n]
+
+
+def test_janitor_removes_chain_leaves_first(s3, tmp_path):
+    kw = dict(store_kw=dict(block_tokens=GRID), upload=False)
+    w = open_store(s3, tmp_path / "w", "gcchain", **kw)
+    a, text_a, _ = chain_save(w, 96, "left", seed=1)
+    b_text = text_a[:4 * 48] + b"R" * (4 * 48)
+    w.save(b_text, np.arange(96), {"k": np.zeros((1, 2, 96, 64), np.float16), "v": np.ones((1, 2, 96, 64), np.float16)},
+           positional={"k": 2, "v": 2}, text_offsets=[4 * i for i in range(97)])
+    entries = w.entries()
+    for e in entries:
+        assert w.remote.upload(e)
+    w.close()
+    objs = bucket_objects(s3, "gcchain")
+    assert len(objs) == len(entries) == 9                 # 3 shared + 3 + 3
+    total = sum(objs.values())
+    bucket = remote_mod.Bucket(f"s3://{BUCKET}/gcchain", {"endpoint_url": s3.endpoint, "profile": "kvwriter"})
+    # Keep about two thirds: only leaves may go, so every chain left is whole.
+    victims, before, after = remote_mod.gc(bucket, int(total * 0.6), min_age_s=0)
+    assert victims and before == total and after <= total * 0.6
+    left = {k: v for k, v in bucket_objects(s3, "gcchain").items()}
+    infos = [remote_mod.parse_key(k, k[:k.rindex("/", 0, k.rindex("/")) + 1]) for k in left]
+    shas = {i.sha for i in infos}
+    assert all(not i.parent or i.parent in shas for i in infos)           # no block without its parent
+    gone = [o.sha for o, _ in victims]
+    # In deletion order, each victim was a leaf when it went.
+    remaining = {i.sha: i.parent for i in (remote_mod.parse_key(k, k[:k.rindex("/", 0, k.rindex("/")) + 1])
+                                           for k in objs)}
+    for sha in gone:
+        assert sha not in remaining.values(), "a block went while another still named it as parent"
+        del remaining[sha]

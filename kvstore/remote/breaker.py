@@ -79,8 +79,8 @@ class CircuitBreaker:
             self._open_until = None
             self._prober = None
             self._cooldown = self.base_cooldown
-        if was_open:
-            log.warning("kvstore: remote_breaker state=closed")
+            if was_open:
+                log.warning("kvstore: remote_breaker state=closed")
 
     def failure(self):
         with self._lock:
@@ -92,8 +92,9 @@ class CircuitBreaker:
                 return
             self._open_until = time.monotonic() + self._cooldown
             self.opened += 1
-            fails, cooldown = self._fails, self._cooldown
-        log.warning("kvstore: remote_breaker state=open failures=%d cooldown_s=%.1f", fails, cooldown)
+            # Logged under the lock: whoever sees the breaker open sees the line.
+            log.warning("kvstore: remote_breaker state=open failures=%d cooldown_s=%.1f", self._fails,
+                        self._cooldown)
 
 class Health:
     """Counters of the remote calls, the last failure, and the breaker they feed."""

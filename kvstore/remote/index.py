@@ -14,8 +14,8 @@ class RemoteIndex:
     Lookups read one immutable snapshot (shas sorted by text length, their
     lengths, their digests joined), replaced whole on every change, so a
     lookup takes no lock.  Only objects that can be loaded on their own are
-    in it: whole checkpoints and restorable chain blocks; chain() gives the
-    blocks a hit's chain is made of.
+    in it: whole checkpoints and restorable chain blocks whose whole chain
+    is listed; chain() gives the blocks a hit's chain is made of.
     """
 
     def __init__(self):
@@ -107,9 +107,32 @@ class RemoteIndex:
             if self._objects.pop(sha, None) is not None or reject:
                 self._rebuild()
 
+    def _complete(self):
+        """The shas whose chain is all listed (a whole object: itself)."""
+        done = {}
+        for sha in self._objects:
+            path = []
+            cur = sha
+            while cur not in done:
+                info = self._objects.get(cur)
+                if info is None or cur in path:
+                    ok = False
+                    break
+                path.append(cur)
+                if not info[0].parent:
+                    ok = True
+                    break
+                cur = info[0].parent
+            else:
+                ok = done[cur]
+            for p in path:
+                done[p] = ok
+        return {sha for sha, ok in done.items() if ok}
+
     def _rebuild(self):
+        complete = self._complete()
         live = sorted((info.text_bytes, sha) for sha, (info, _) in self._objects.items()
-                      if sha not in self._rejected and info.restorable)
+                      if sha not in self._rejected and info.restorable and sha in complete)
         shas = tuple(sha for _, sha in live)
         lengths = np.fromiter((n for n, _ in live), dtype=np.uint64, count=len(live))
         digests = b"".join(bytes.fromhex(sha) for sha in shas)
