@@ -339,7 +339,7 @@ def main(argv=None):
     report = ServeReport()
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-serve-") as tmp:
         model = os.path.join(tmp, "model")
-        _, tok = demo_model.write_model_dir(model, **spec)
+        _, demo_tok = demo_model.write_model_dir(model, **spec)
         base_cmds = {"stock": [sys.executable, "-m", "mlx_lm", "server", "--model", model],
                      "kvstore": [sys.executable, "-m", "kvstore", "serve", "--model", model]}
         cmds = {"stock": base_cmds["stock"],
@@ -355,7 +355,7 @@ def main(argv=None):
                           f"{usage['prompt_tokens_details']['cached_tokens']} of {usage['prompt_tokens']} "
                           "tokens", file=sys.stderr, flush=True)
         t_reasoning = time.perf_counter()
-        reasoning = bench_reasoning(report, base_cmds, system, model, tok, rounds, tmp)
+        reasoning = bench_reasoning(report, base_cmds, system, model, demo_tok, rounds, tmp)
         reasoning["elapsed_s"] = time.perf_counter() - t_reasoning
     tokens = {tok for v in seen.values() for _, tok in v}
     if len(tokens) != 1:

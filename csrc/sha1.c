@@ -527,17 +527,18 @@ static uint32_t heap_pop(uint32_t *h, size_t *n, const uint64_t *key)
 
 size_t kvs_sha1_forest(const uint8_t *data, size_t len,
                        const uint64_t *lengths, const uint8_t *digests, size_t n_nodes,
-                       const uint32_t *roots, size_t n_roots,
-                       const uint32_t *first, const uint32_t *count, const uint32_t *kids,
+                       int32_t first_root, const int32_t *first_child, const int32_t *next_sibling,
                        uint32_t *heap, uint32_t *matched)
 {
     kvs_sha1_ctx ctx;
     uint8_t digest[KVS_SHA1_DIGEST];
     uint64_t at = 0, digest_at = UINT64_MAX;
-    size_t nheap = 0, nmatched = 0;
+    size_t nheap = 0, nmatched = 0, steps = 0;
 
-    for (size_t i = 0; i < n_roots && nheap < n_nodes; i++)
-        if (lengths[roots[i]] <= len) heap_push(heap, &nheap, lengths, roots[i]);
+    /* Every node sits in one list, so a lookup walks at most n_nodes links
+     * in all; more means a cycle in the caller's arrays. */
+    for (int32_t r = first_root; r >= 0 && (size_t)r < n_nodes && steps++ < n_nodes; r = next_sibling[r])
+        if (lengths[r] <= len && nheap < n_nodes) heap_push(heap, &nheap, lengths, (uint32_t)r);
     kvs_sha1_begin(&ctx);
     while (nheap) {
         uint32_t node = heap_pop(heap, &nheap, lengths);
@@ -550,14 +551,14 @@ size_t kvs_sha1_forest(const uint8_t *data, size_t len,
         }
         if (memcmp(digest, digests + (size_t)KVS_SHA1_DIGEST * node, KVS_SHA1_DIGEST) != 0)
             continue;
-        if (nmatched == n_nodes) break;      /* only with repeated kids: never overflow */
+        if (nmatched == n_nodes) break;      /* only with a malformed forest: never overflow */
         matched[nmatched++] = node;
-        for (uint32_t k = 0; k < count[node]; k++) {
-            uint32_t child = kids[first[node] + k];
+        for (int32_t c = first_child[node]; c >= 0 && (size_t)c < n_nodes && steps++ < n_nodes;
+             c = next_sibling[c]) {
             /* Longer than the parent (so the pass never goes back) and
              * within the data; never more nodes than the heap holds. */
-            if (lengths[child] > want && lengths[child] <= len && nheap < n_nodes)
-                heap_push(heap, &nheap, lengths, child);
+            if (lengths[c] > want && lengths[c] <= len && nheap < n_nodes)
+                heap_push(heap, &nheap, lengths, (uint32_t)c);
         }
     }
     return nmatched;

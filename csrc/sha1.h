@@ -53,15 +53,17 @@ size_t kvs_sha1_prefixes(const uint8_t *data, size_t len,
  * roots no longer than len plus the children of every match, however many
  * nodes hang below the roots that did not match.
  *
- * roots[0..n_roots) are node indices; node i's children are
- * kids[first[i] .. first[i] + count[i]).  A child no longer than its
- * parent, or longer than len, is never tried.  heap is scratch for n_nodes
- * indices; matched receives the matching nodes (at most n_nodes), shortest
- * first.  Returns the number of matches. */
+ * The forest is linked (so that the caller can add and remove nodes in
+ * place): the roots are first_root, next_sibling[first_root], ...; node
+ * i's children are first_child[i], next_sibling[first_child[i]], ...; -1
+ * ends a list.  A child no longer than its parent, or longer than len, is
+ * never tried; an index outside 0..n_nodes-1, or a list longer than
+ * n_nodes (a cycle), ends its list.  heap is scratch for n_nodes indices;
+ * matched receives the matching nodes (at most n_nodes), shortest first.
+ * Returns the number of matches. */
 size_t kvs_sha1_forest(const uint8_t *data, size_t len,
                        const uint64_t *lengths, const uint8_t *digests, size_t n_nodes,
-                       const uint32_t *roots, size_t n_roots,
-                       const uint32_t *first, const uint32_t *count, const uint32_t *kids,
+                       int32_t first_root, const int32_t *first_child, const int32_t *next_sibling,
                        uint32_t *heap, uint32_t *matched);
 
 /* The block function in use, for tests of each path in isolation. */

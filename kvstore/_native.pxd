@@ -1,5 +1,5 @@
 # Declarations of csrc/ for kvstore/_native.pyx.
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 
 cdef extern from "dispatch.h" nogil:
     enum:
@@ -21,8 +21,8 @@ cdef extern from "sha1.h" nogil:
     size_t kvs_sha1_prefixes(const uint8_t *data, size_t n, const uint64_t *lengths,
                              size_t count, size_t *order, uint8_t *out)
     size_t kvs_sha1_forest(const uint8_t *data, size_t n, const uint64_t *lengths,
-                           const uint8_t *digests, size_t n_nodes, const uint32_t *roots, size_t n_roots,
-                           const uint32_t *first, const uint32_t *count, const uint32_t *kids,
+                           const uint8_t *digests, size_t n_nodes, int32_t first_root,
+                           const int32_t *first_child, const int32_t *next_sibling,
                            uint32_t *heap, uint32_t *matched)
 
 cdef extern from "crc32c.h" nogil:

@@ -12,7 +12,7 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyOb
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp
 
@@ -218,7 +218,7 @@ def sha1_prefix_matches(data, lengths, expected):
     return matches
 
 
-def sha1_forest_matches(data, lengths, digests, roots, first, count, kids):
+def sha1_forest_matches(data, lengths, digests, int first_root, first_child, next_sibling):
     """The nodes of a prefix forest whose digest matches data, in one pass (shortest first).
 
     Node i claims sha1(data[:lengths[i]]) == digests[20*i:20*i+20]; a node is
@@ -230,48 +230,37 @@ def sha1_forest_matches(data, lengths, digests, roots, first, count, kids):
         data: any buffer-protocol object (the prompt).
         lengths: C-contiguous uint64 buffer, one length per node.
         digests: a buffer of 20 bytes per node.
-        roots: C-contiguous uint32 buffer of root node indices.
-        first, count: C-contiguous uint32 buffers, one per node: node i's
-            children are kids[first[i]:first[i] + count[i]].
-        kids: C-contiguous uint32 buffer of child node indices.
+        first_root: the first root's index (-1: no roots).
+        first_child, next_sibling: C-contiguous int32 buffers, one per node:
+            the roots are first_root, next_sibling[first_root], ...; node
+            i's children first_child[i], next_sibling[first_child[i]], ...;
+            -1 ends a list.  An index out of range ends its list.
 
     Returns:
         list of matching node indices.
 
     Raises:
-        ValueError: sizes disagree or an index is out of range.
+        ValueError: the arrays' sizes disagree.
     """
     cdef const uint64_t[::1] lens = lengths
-    cdef const uint32_t[::1] r = roots
-    cdef const uint32_t[::1] f = first
-    cdef const uint32_t[::1] c = count
-    cdef const uint32_t[::1] k = kids
+    cdef const int32_t[::1] fc = first_child
+    cdef const int32_t[::1] ns = next_sibling
     cdef Py_ssize_t n = lens.shape[0], i
     cdef size_t got = 0
     cdef uint32_t *heap = NULL
     cdef uint32_t *matched = NULL
     cdef Py_buffer view, dig
-    cdef uint32_t dummy = 0
-    if n == 0 or r.shape[0] == 0:
+    if fc.shape[0] < n or ns.shape[0] < n:
+        raise ValueError(f"first_child and next_sibling need one entry per node ({n})")
+    if n == 0 or first_root < 0:
         return []
-    if f.shape[0] != n or c.shape[0] != n:
-        raise ValueError(f"first and count need one entry per node ({n})")
-    if n >= 0xFFFFFFFF:
-        raise ValueError(f"{n} nodes: too many for uint32 indices")
-    for i in range(r.shape[0]):
-        if r[i] >= n:
-            raise ValueError(f"root {r[i]} is not a node index (< {n})")
-    for i in range(n):
-        if <uint64_t>f[i] + c[i] > <uint64_t>k.shape[0]:
-            raise ValueError(f"children of node {i} run past the kids array")
-    for i in range(k.shape[0]):
-        if k[i] >= n:
-            raise ValueError(f"kid {k[i]} is not a node index (< {n})")
+    if n >= 0x7FFFFFFF:
+        raise ValueError(f"{n} nodes: too many for int32 indices")
     PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
     try:
         PyObject_GetBuffer(digests, &dig, PyBUF_SIMPLE)
         try:
-            if dig.len != 20 * n:
+            if dig.len < 20 * n:
                 raise ValueError(f"digests hold {dig.len} bytes, need 20 * {n}")
             heap = <uint32_t *>malloc(n * sizeof(uint32_t))
             matched = <uint32_t *>malloc(n * sizeof(uint32_t))
@@ -279,8 +268,8 @@ def sha1_forest_matches(data, lengths, digests, roots, first, count, kids):
                 raise MemoryError()
             with nogil:
                 got = kvs_sha1_forest(<const uint8_t *>view.buf, <size_t>view.len, &lens[0],
-                                      <const uint8_t *>dig.buf, <size_t>n, &r[0], <size_t>r.shape[0],
-                                      &f[0], &c[0], &k[0] if k.shape[0] else &dummy, heap, matched)
+                                      <const uint8_t *>dig.buf, <size_t>n, first_root, &fc[0], &ns[0],
+                                      heap, matched)
             return [matched[i] for i in range(<Py_ssize_t>got)]
         finally:
             PyBuffer_Release(&dig)

@@ -50,6 +50,97 @@ def chain_link_ok(child, parent):
             and parent.token_digest == child.parent_token_digest and parent.model_id == child.model_id)
 
 
+class _Forest:
+    """The lookup forest, changed in place: a node per ABI 16 file that may be
+    found and per block whose chain reaches a first block.
+
+    Node arrays grow by doubling; a removed node is unlinked and left dead
+    until dead nodes outnumber live ones (then the store rebuilds it).
+    Children and roots are linked lists (first_child / next_sibling), so
+    adding or removing a node costs its siblings, not the forest.
+    """
+
+    def __init__(self, capacity=64):
+        self.n = 0
+        self.live = 0
+        self.lengths = np.zeros(capacity, dtype=np.uint64)
+        self.digests = bytearray(20 * capacity)
+        self.first_child = np.full(capacity, -1, dtype=np.int32)
+        self.next_sibling = np.full(capacity, -1, dtype=np.int32)
+        self.parent = np.full(capacity, -1, dtype=np.int32)
+        self.entry = [None] * capacity
+        self.first_root = -1
+
+    def _grow(self):
+        cap = 2 * len(self.entry)
+        self.lengths = np.resize(self.lengths, cap)
+        self.digests.extend(bytes(len(self.digests)))
+        for name in ("first_child", "next_sibling", "parent"):
+            old = getattr(self, name)
+            new = np.full(cap, -1, dtype=np.int32)
+            new[:len(old)] = old
+            setattr(self, name, new)
+        self.entry.extend([None] * (cap - len(self.entry)))
+
+    def add(self, entry, parent=-1):
+        """A new node for entry under parent (-1: a root); returns its index."""
+        if self.n == len(self.entry):
+            self._grow()
+        i = self.n
+        self.n += 1
+        self.live += 1
+        self.lengths[i] = entry.text_bytes
+        self.digests[20 * i:20 * i + 20] = bytes.fromhex(entry.sha)
+        self.entry[i] = entry
+        self.parent[i] = parent
+        self.first_child[i] = -1
+        if parent < 0:
+            self.next_sibling[i] = self.first_root
+            self.first_root = i
+        else:
+            self.next_sibling[i] = self.first_child[parent]
+            self.first_child[parent] = i
+        return i
+
+    def unlink(self, i):
+        """Takes node i (and so its subtree) out of the forest and marks it dead."""
+        parent = int(self.parent[i])
+        head = self.first_root if parent < 0 else int(self.first_child[parent])
+        if head == i:
+            nxt = int(self.next_sibling[i])
+            if parent < 0:
+                self.first_root = nxt
+            else:
+                self.first_child[parent] = nxt
+        else:
+            while head >= 0 and int(self.next_sibling[head]) != i:
+                head = int(self.next_sibling[head])
+            if head >= 0:
+                self.next_sibling[head] = self.next_sibling[i]
+        self.kill(i)
+
+    def kill(self, i):
+        """Marks node i dead (its list is unlinked from the roots already)."""
+        self.entry[i] = None
+        self.live -= 1
+
+    def subtree(self, i):
+        """The nodes below i (not i)."""
+        out, todo = [], [i]
+        while todo:
+            c = int(self.first_child[todo.pop()])
+            while c >= 0:
+                out.append(c)
+                todo.append(c)
+                c = int(self.next_sibling[c])
+        return out
+
+    def matches(self, data):
+        n = self.n
+        return _native.sha1_forest_matches(data, self.lengths[:n], memoryview(self.digests)[:20 * n],
+                                           self.first_root, self.first_child[:n], self.next_sibling[:n])
+
+
 class DirectoryIndex:
     """Every valid .kv envelope of one directory, kept current cheaply.
 
@@ -71,8 +162,13 @@ class DirectoryIndex:
         self._mtime = None
         self._listed_ns = 0        # time.time_ns() when the last listing started
         self.generation = 0        # bumped on every change
-        self.orphans = []          # chain blocks that do not reach a first block
-        self._rebuild()
+        self._by_sha = {}          # sha -> Entry
+        self._forest = _Forest()
+        self._node = {}            # sha -> forest node of an entry that is in the forest
+        self._waiting = {}         # parent sha -> {sha: Entry} of blocks whose parent is not in the forest
+        self._blocks = 0           # chain blocks in the forest (none: the flat lookup)
+        self._bytes = 0            # the file sizes of every entry
+        self._flat = None          # (generation, the flat lookup arrays), built when asked for
 
     # -- upkeep ------------------------------------------------------------
 
@@ -104,7 +200,7 @@ class DirectoryIndex:
         for name in list(self.entries):
             e = self.entries[name]
             if seen.get(name) != (e.inode, e.mtime_ns, e.file_size):
-                del self.entries[name]
+                self._remove(name)
                 changed = True
         for name in list(self._bad):
             if seen.get(name) != self._bad[name]:
@@ -117,28 +213,110 @@ class DirectoryIndex:
             except KVStoreError:
                 self._bad[name] = key
                 continue
-            self.entries[name] = entry
+            self._insert(entry)
             changed = True
         self._mtime = st.st_mtime_ns
         self._listed_ns = now
         if changed:
-            self._rebuild()
+            self._changed()
         return changed
 
     def add(self, *entries):
         """Records entries this process just wrote (no listing needed)."""
         for entry in entries:
-            self.entries[entry.name] = entry
-        self._rebuild()
+            self._remove(entry.name)
+            self._insert(entry)
+        self._changed()
 
     def discard(self, name):
         """Forgets a file this process just deleted."""
-        if self.entries.pop(name, None) is not None:
-            self._rebuild()
+        if self._remove(name):
+            self._changed()
 
     def get(self, sha):
         """The entry whose name is sha (40 lowercase hex digits, any case on disk), or None."""
         return self._by_sha.get(sha) if sha else None
+
+    @property
+    def orphans(self):
+        """The chain blocks that fit this store but whose chain does not reach a first block."""
+        return [e for kids in self._waiting.values() for e in kids.values()]
+
+    def _insert(self, e):
+        self.entries[e.name] = e
+        self._bytes += e.file_size
+        if e.sha:
+            self._by_sha[e.sha] = e
+        if not e.sha or not e.loadable or not self.fits(e):
+            return
+        if not e.is_block:
+            if e.tokens >= self.min_tokens:
+                self._node[e.sha] = self._forest.add(e)
+            return
+        parent = self._node.get(e.parent) if e.parent else -1
+        if e.parent and (parent is None or not chain_link_ok(e, self._forest.entry[parent])):
+            self._waiting.setdefault(e.parent, {})[e.sha] = e
+            return
+        self._attach(e, parent)
+
+    def _attach(self, e, parent):
+        """Puts block e in the forest under parent, and the blocks waiting for it below it."""
+        todo = [(e, parent)]
+        while todo:
+            e, parent = todo.pop()
+            self._node[e.sha] = node = self._forest.add(e, parent)
+            self._blocks += 1
+            for kid in self._waiting.pop(e.sha, {}).values():
+                if chain_link_ok(kid, e):
+                    todo.append((kid, node))
+                else:
+                    self._waiting.setdefault(e.sha, {})[kid.sha] = kid
+
+    def _remove(self, name):
+        e = self.entries.pop(name, None)
+        if e is None:
+            return False
+        self._bytes -= e.file_size
+        if e.sha and self._by_sha.get(e.sha) is e:
+            del self._by_sha[e.sha]
+        waiting = self._waiting.get(e.parent)
+        if waiting is not None and waiting.get(e.sha) is e:
+            del waiting[e.sha]
+            if not waiting:
+                del self._waiting[e.parent]
+        node = self._node.get(e.sha) if e.sha else None
+        if node is None or self._forest.entry[node] is not e:
+            return True
+        # The blocks below it leave the forest and wait for their parents
+        # again (a replacement of e, coming back at once, takes them back).
+        below = self._forest.subtree(node)
+        self._forest.unlink(node)
+        del self._node[e.sha]
+        self._blocks -= e.is_block
+        for c in below:
+            kid = self._forest.entry[c]
+            self._forest.kill(c)
+            del self._node[kid.sha]
+            self._blocks -= 1
+            self._waiting.setdefault(kid.parent, {})[kid.sha] = kid
+        return True
+
+    def _changed(self):
+        self.generation += 1
+        f = self._forest
+        if f.n > 1024 and f.live * 2 < f.n:
+            self._rebuild()
+
+    def _rebuild(self):
+        """The forest from scratch (drops dead nodes)."""
+        entries = list(self.entries.values())
+        self.entries, self._by_sha, self._node, self._waiting = {}, {}, {}, {}
+        self._forest = _Forest(max(64, 2 * len(entries)))
+        self._blocks = self._bytes = 0
+        # Parents first, so that children attach at once.
+        for e in sorted(entries, key=lambda x: (x.token_start, x.tokens)):
+            self._insert(e)
+        self.generation += 1
 
     # -- the chain structure -------------------------------------------------
 
@@ -171,55 +349,10 @@ class DirectoryIndex:
                     todo.append(k.sha)
         return out
 
-    def _rebuild(self):
-        """The lookup forest over the entries that fit, and the orphan list."""
-        self._by_sha = {e.sha: e for e in self.entries.values() if e.sha}
-        blocks = {e.sha: e for e in self.entries.values() if e.is_block and e.sha}
-        kids = {}
-        for e in blocks.values():
-            if e.parent:
-                kids.setdefault(e.parent, []).append(e)
-        # Reachable blocks: from the first blocks down unbroken, fitting links.
-        reach, todo = [], [e for e in blocks.values() if not e.parent]
-        while todo:
-            e = todo.pop()
-            if not self.fits(e):
-                continue
-            reach.append(e)
-            todo += [c for c in kids.get(e.sha, ()) if chain_link_ok(c, e)]
-        reached = {e.sha for e in reach}
-        self.orphans = [e for e in blocks.values() if e.sha not in reached and self.fits(e)]
-        whole = [e for e in self.entries.values()
-                 if e.sha and not e.is_block and e.loadable and e.tokens >= self.min_tokens and self.fits(e)]
-        nodes = whole + reach
-        at = {e.sha: i for i, e in enumerate(nodes)}
-        self._nodes = nodes
-        self._lengths = np.fromiter((e.text_bytes for e in nodes), dtype=np.uint64, count=len(nodes))
-        self._digests = b"".join(bytes.fromhex(e.sha) for e in nodes)
-        self._selectable = [not e.is_block or (e.restorable and e.tokens >= self.min_tokens) for e in nodes]
-        roots, first, count, flat_kids = [], [], [], []
-        for e in nodes:
-            if not e.is_block or not e.parent:
-                roots.append(at[e.sha])
-            children = [at[c.sha] for c in kids.get(e.sha, ()) if c.sha in reached and chain_link_ok(c, e)] \
-                if e.is_block else []
-            first.append(len(flat_kids))
-            count.append(len(children))
-            flat_kids += children
-        self._roots = np.array(roots, dtype=np.uint32)
-        self._first = np.array(first, dtype=np.uint32)
-        self._count = np.array(count, dtype=np.uint32)
-        self._kids = np.array(flat_kids, dtype=np.uint32) if flat_kids else _EMPTY_U32
-        # The selectable entries sorted by text length (ties: fewer tokens
-        # first): the flat lookup, and the local half of a two-tier lookup.
-        self._sorted = sorted((e for e, ok in zip(nodes, self._selectable) if ok),
-                              key=lambda e: (e.text_bytes, e.tokens))
-        self._sorted_lengths = np.fromiter((e.text_bytes for e in self._sorted), dtype=np.uint64,
-                                           count=len(self._sorted))
-        self._sorted_digests = b"".join(bytes.fromhex(e.sha) for e in self._sorted)
-        self.generation += 1
-
     # -- lookup ------------------------------------------------------------
+
+    def _selectable(self, e):
+        return not e.is_block or (e.restorable and e.tokens >= self.min_tokens)
 
     def longest_prefix(self, data, accept=None):
         """The selectable entry with the longest text that is a prefix of data.
@@ -232,17 +365,16 @@ class DirectoryIndex:
             accept: optional predicate on Entry; a match it refuses is passed
                 over for the next longest.
         """
-        if not len(self._kids):
-            n = int(np.searchsorted(self._sorted_lengths, len(data), side="right"))
+        if not self._blocks:
+            entries, lengths, digests = self.lookup_arrays()
+            n = int(np.searchsorted(lengths, len(data), side="right"))
             if n == 0:
                 return None
-            matches = _native.sha1_prefix_matches(data, self._sorted_lengths[:n],
-                                                  memoryview(self._sorted_digests)[:20 * n])
-            found = [self._sorted[i] for i in matches]
+            found = [entries[i] for i in _native.sha1_prefix_matches(data, lengths[:n],
+                                                                     memoryview(digests)[:20 * n])]
         else:
-            matched = _native.sha1_forest_matches(data, self._lengths, self._digests, self._roots, self._first,
-                                                  self._count, self._kids)
-            found = sorted((self._nodes[i] for i in matched if self._selectable[i]),
+            nodes = self._forest.entry
+            found = sorted((nodes[i] for i in self._forest.matches(data) if self._selectable(nodes[i])),
                            key=lambda e: (e.text_bytes, e.tokens))
         for e in reversed(found):
             if accept is None or accept(e):
@@ -252,11 +384,18 @@ class DirectoryIndex:
     def lookup_arrays(self):
         """(selectable entries sorted by text length, their lengths as uint64, their
         digests joined): what a flat lookup searches, for a caller that
-        searches this index together with another one in the same pass."""
-        return self._sorted, self._sorted_lengths, self._sorted_digests
+        searches this index together with another one in the same pass.
+        Built when asked for, kept until the index changes."""
+        if self._flat is None or self._flat[0] != self.generation:
+            live = sorted((e for e in self._forest.entry[:self._forest.n] if e is not None and self._selectable(e)),
+                          key=lambda e: (e.text_bytes, e.tokens))
+            lengths = np.fromiter((e.text_bytes for e in live), dtype=np.uint64, count=len(live))
+            self._flat = (self.generation, (live, lengths, b"".join(bytes.fromhex(e.sha) for e in live)))
+        return self._flat[1]
 
     def total_bytes(self):
-        return sum(e.file_size for e in self.entries.values())
+        """The bytes of every valid envelope listed (kept as entries come and go)."""
+        return self._bytes
 
 
 def _merge(local, remote):

@@ -500,7 +500,7 @@ class KVStore:
         if got is not None:
             with self._lock:
                 self._index.add(got)
-            self.evict(protect=got)
+            self._evict_if_over(got)
             return dataclasses.replace(got, query=entry.query)
         with self._lock:
             self._index.refresh()
@@ -670,7 +670,7 @@ class KVStore:
                  Reason(reason).name.lower(), n, len(text), entry.file_size, dt * 1e3, short_name(name))
         if self.remote is not None:
             self.remote.enqueue(entry)       # never blocks: a background thread uploads
-        self.evict(protect=entry, incoming_text=text)
+        self._evict_if_over(entry, text)
         return entry
 
     def _save_chain(self, text, tokens, tensors, meta, reason, ctx, values, trailer_raw, ext, axes, text_offsets,
@@ -753,7 +753,7 @@ class KVStore:
             for e in written:
                 self.remote.enqueue(e)       # never blocks: a background thread uploads
         entry = kept if kept is not None else written[-1]
-        self.evict(protect=entry, incoming_text=text)
+        self._evict_if_over(entry, text)
         if not os.path.lexists(entry.path):
             # Removed at once (by another process's wipe, say): not stored.
             log.info("kvstore: save_lost reason=removed file=%s", short_name(entry.name))
@@ -928,6 +928,18 @@ class KVStore:
                 if self._delete(victim, "budget"):
                     evicted.append(victim)
         return evicted
+
+    def _evict_if_over(self, protect, incoming_text=None):
+        """evict() after a new file, when the directory as last listed is over the
+        budget (or a maximum age applies).  Under the budget the pass is
+        skipped: it re-lists and re-reads the whole directory under the
+        exclusive lock, which in a directory of 100,000 blocks costs far more
+        than the save.  Another process's files count from its next listing;
+        its own saves run this check too."""
+        with self._lock:
+            total = self._index.total_bytes()
+        if self.max_age_s is not None or (self.budget_bytes and total > self.budget_bytes):
+            self.evict(protect=protect, incoming_text=incoming_text)
 
     def _expire(self, entries, now, protect):
         """Deletes checkpoints unused for max_age_s, chain blocks leaves first."""

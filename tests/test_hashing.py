@@ -417,56 +417,54 @@ def test_crc32c_combine_every_power_of_two_length(impl):
 
 # ---- sha1_forest_matches: the chain lookup ------------------------------------------------
 
-def forest_reference(data, lengths, digests, roots, first, count, kids):
+def forest_reference(data, lengths, digests, first_root, first_child, next_sibling):
     """The nodes whose digest matches, a node tried only where its parent matched (hashlib)."""
-    out, todo = [], [r for r in roots if lengths[r] <= len(data)]
+    def siblings(i):
+        while i >= 0:
+            yield i
+            i = int(next_sibling[i])
+    out, todo = [], [r for r in siblings(first_root) if lengths[r] <= len(data)]
     while todo:
         i = todo.pop()
         if hashlib.sha1(bytes(data[:lengths[i]])).digest() == digests[20 * i:20 * i + 20]:
             out.append(i)
-            todo += [k for k in kids[first[i]:first[i] + count[i]]
-                     if lengths[i] < lengths[k] <= len(data)]
+            todo += [k for k in siblings(int(first_child[i])) if lengths[i] < lengths[k] <= len(data)]
     return sorted(out)
 
 
 def random_forest(rng, data, n_chains=6, depth=12):
     """Chains of prefixes of data (true digests) with a few wrong nodes hung among them."""
-    lengths, digests, first, count, kids, roots = [], b"", [], [], [], []
-    children = []
+    lengths, digests, parents = [], b"", []
     for _ in range(n_chains):
-        at, parent = 0, None
+        at, parent = 0, -1
         for _ in range(int(rng.integers(1, depth))):
             at += int(rng.integers(1, 200))
             node = len(lengths)
             lengths.append(at)
             good = rng.random() > 0.15
             digests += hashlib.sha1(data[:at]).digest() if good else bytes(rng.integers(0, 256, 20, dtype=np.uint8))
-            children.append([])
-            if parent is None:
-                roots.append(node)
-            else:
-                children[parent].append(node)
+            parents.append(parent)
             parent = node if rng.random() > 0.2 else parent
-    for c in children:
-        first.append(len(kids))
-        count.append(len(c))
-        kids += c
-    arr = lambda v, t: np.array(v, dtype=t)  # noqa: E731
-    return (arr(lengths, np.uint64), digests, arr(roots, np.uint32), arr(first, np.uint32),
-            arr(count, np.uint32), arr(kids, np.uint32))
+    n = len(lengths)
+    first_child, next_sibling, first_root = np.full(n, -1, np.int32), np.full(n, -1, np.int32), -1
+    for i in range(n):
+        if parents[i] < 0:
+            next_sibling[i], first_root = first_root, i
+        else:
+            next_sibling[i], first_child[parents[i]] = first_child[parents[i]], i
+    return np.array(lengths, dtype=np.uint64), digests, first_root, first_child, next_sibling
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_forest_matches_the_reference(impl, seed):
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, 3000, dtype=np.uint8).tobytes()
-    lengths, digests, roots, first, count, kids = random_forest(rng, data)
-    got = sorted(_native.sha1_forest_matches(data, lengths, digests, roots, first, count, kids))
-    assert got == forest_reference(data, lengths, digests, roots, first, count, kids)
+    forest = random_forest(rng, data)
+    got = sorted(_native.sha1_forest_matches(data, *forest))
+    assert got == forest_reference(data, *forest)
     # A prompt that stops inside the forest: nodes past its end are never tried.
-    short = data[:int(lengths.max()) // 2]
-    got = sorted(_native.sha1_forest_matches(short, lengths, digests, roots, first, count, kids))
-    assert got == forest_reference(short, lengths, digests, roots, first, count, kids)
+    short = data[:int(forest[0].max()) // 2]
+    assert sorted(_native.sha1_forest_matches(short, *forest)) == forest_reference(short, *forest)
 
 
 def test_forest_tries_a_node_only_below_a_match(impl):
@@ -474,25 +472,25 @@ def test_forest_tries_a_node_only_below_a_match(impl):
     # Node 1 is a true prefix digest, but hangs under a root that does not match.
     lengths = np.array([10, 20], dtype=np.uint64)
     digests = b"\0" * 20 + hashlib.sha1(data[:20]).digest()
-    one = np.array([0], dtype=np.uint32)
-    assert _native.sha1_forest_matches(data, lengths, digests, one, np.array([0, 1], dtype=np.uint32),
-                                       np.array([1, 0], dtype=np.uint32), np.array([1], dtype=np.uint32)) == []
+    assert _native.sha1_forest_matches(data, lengths, digests, 0, np.array([1, -1], np.int32),
+                                       np.array([-1, -1], np.int32)) == []
     # As a root of its own it matches.
-    assert _native.sha1_forest_matches(data, lengths, digests, np.array([0, 1], dtype=np.uint32),
-                                       np.zeros(2, dtype=np.uint32), np.zeros(2, dtype=np.uint32),
-                                       np.zeros(0, dtype=np.uint32)) == [1]
+    assert _native.sha1_forest_matches(data, lengths, digests, 0, np.array([-1, -1], np.int32),
+                                       np.array([1, -1], np.int32)) == [1]
 
 
-@pytest.mark.parametrize("bad", ["root", "first", "kid", "digests"])
-def test_forest_bad_arrays_raise_value_error(impl, bad):
+def test_forest_survives_malformed_links(impl):
     data = b"abc" * 10
     lengths = np.array([3, 6], dtype=np.uint64)
-    arrays = dict(digests=hashlib.sha1(data[:3]).digest() + hashlib.sha1(data[:6]).digest(),
-                  roots=np.array([0], dtype=np.uint32), first=np.array([0, 1], dtype=np.uint32),
-                  count=np.array([1, 0], dtype=np.uint32), kids=np.array([1], dtype=np.uint32))
-    assert _native.sha1_forest_matches(data, lengths, **arrays) == [0, 1]
-    arrays[{"root": "roots", "first": "first", "kid": "kids", "digests": "digests"}[bad]] = {
-        "root": np.array([2], dtype=np.uint32), "first": np.array([0, 5], dtype=np.uint32),
-        "kid": np.array([9], dtype=np.uint32), "digests": b"\0" * 39}[bad]
+    digests = hashlib.sha1(data[:3]).digest() + hashlib.sha1(data[:6]).digest()
+    good = (0, np.array([1, -1], np.int32), np.array([-1, -1], np.int32))
+    assert _native.sha1_forest_matches(data, lengths, digests, *good) == [0, 1]
+    # A cycle among siblings, an index out of range: the walk ends, nothing is read out of bounds.
+    assert _native.sha1_forest_matches(data, lengths, digests, 0, np.array([1, -1], np.int32),
+                                       np.array([1, 0], np.int32)) == [0, 1]
+    assert _native.sha1_forest_matches(data, lengths, digests, 0, np.array([9, -1], np.int32),
+                                       np.array([-1, -1], np.int32)) == [0]
     with pytest.raises(ValueError):
-        _native.sha1_forest_matches(data, lengths, **arrays)
+        _native.sha1_forest_matches(data, lengths, digests[:39], *good)
+    with pytest.raises(ValueError):
+        _native.sha1_forest_matches(data, lengths, digests, 0, np.array([1], np.int32), np.array([-1], np.int32))
