@@ -12,8 +12,8 @@ model type fails test_every_model_module_is_listed until it is added to one of
 them.  The category is the feature that shapes the cache, the first that
 applies of: "linear_attention" and "hybrid_ssm" (recurrent or conv state in
 ArraysCache), "mla", "sliding" (RotatingKVCache / ChunkedKVCache), "moe",
-"dense"; "other" for the rest.  UNSUPPORTED_CACHE holds the models that run
-here but whose cache class kvstore.mlx refuses (they are in LEFT_OUT too).
+"dense"; "other" for the rest.  Every model that runs here has a cache
+kvstore.mlx can store (deepseek_v41 brings a cache class of its own).
 
 Weights that a model initialises to all zeros are randomised (see
 _random_weights), and each round trip checks that the decode logits depend on
@@ -589,13 +589,7 @@ ARCHITECTURES = {
                                 num_attention_heads=4, num_key_value_heads=2,
                                 layer_norm_epsilon=1e-5, vocab_size=100352, blocksparse_block_size=32,
                                 blocksparse_num_local_blocks=1, blocksparse_vert_stride=2)),
-}
-
-# Architectures that build and run here but whose prompt cache kvstore.mlx
-# cannot store (a cache class outside kvstore.mlx.CACHE_CLASSES):
-# test_unsupported_cache_is_refused checks that saving raises TypeError, and
-# fails once kvstore learns the class, so the row moves to ARCHITECTURES.
-UNSUPPORTED_CACHE = {
+    # Its own cache class, deepseek_v41.LayerCache (window, compressed groups, index keys): all snapshots.
     "deepseek_v41": ("mla", _cfg("deepseek_v41", vocab_size=V, hidden_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, head_dim=32, q_lora_rank=16,
                                  qk_rope_head_dim=8, o_groups=2, o_lora_rank=16,
@@ -607,8 +601,6 @@ UNSUPPORTED_CACHE = {
 # model_type -> why it is not in ARCHITECTURES.
 LEFT_OUT = {
     "bitnet": "BitLinear runs a Metal kernel (mx.fast.metal_kernel) with no CPU path",
-    "deepseek_v41": "its cache is deepseek_v41.LayerCache (sliding window + compressed KV + "
-                    "index keys), a class kvstore.mlx does not support (TypeError on save)",
     "muse_spark": "its attention, norms and expert routing run mlx_lm.kernels Metal kernels "
                   "with no CPU path",
     "olmo": "imports the ai2-olmo package (hf_olmo), not installed; without it the module calls "
@@ -655,12 +647,12 @@ def _random_weights(model):
 
 
 def build(arch):
-    """(model, config) for a model_type in ARCHITECTURES or UNSUPPORTED_CACHE.
+    """(model, config) for a model_type in ARCHITECTURES.
 
     Instantiated as mlx_lm.utils does (ModelArgs.from_dict, Model), after
     mx.random.seed(0), with random float32 weights (see _random_weights).
     """
-    _, config = ARCHITECTURES[arch] if arch in ARCHITECTURES else UNSUPPORTED_CACHE[arch]
+    _, config = ARCHITECTURES[arch]
     mx.random.seed(0)
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     args = module.ModelArgs.from_dict(config)
@@ -802,10 +794,9 @@ def test_every_model_module_is_listed(module):
 def test_tables_name_only_model_modules():
     modules = set(model_modules())
     assert set(ARCHITECTURES) <= modules and set(LEFT_OUT) <= modules
-    assert set(UNSUPPORTED_CACHE) <= set(LEFT_OUT)
     assert {cat for cat, _ in ARCHITECTURES.values()} <= {
         "dense", "moe", "sliding", "hybrid_ssm", "linear_attention", "mla", "other"}
-    for arch, (_, config) in {**ARCHITECTURES, **UNSUPPORTED_CACHE}.items():
+    for arch, (_, config) in ARCHITECTURES.items():
         assert config["model_type"] == arch
 
 
@@ -861,22 +852,6 @@ def test_comparison_notices_one_changed_value(tmp_path):
             assert_same_state(cache, restored)
         put(c, good)
     assert_same_state(cache, restored)
-
-
-@pytest.mark.parametrize("arch", sorted(UNSUPPORTED_CACHE))
-def test_unsupported_cache_is_refused(arch, tmp_path):
-    """The model runs here; saving its cache raises TypeError naming the class, and stores nothing."""
-    model, _ = build(arch)
-    ids = token_ids(arch)
-    cache = mlc.make_prompt_cache(model)
-    prefill(model, cache, ids)
-    assert not kvmlx.supported(cache)
-    names = {type(c).__qualname__ for c in cache} - set(kvmlx.CACHE_CLASSES)
-    assert names
-    with kvstore.KVStore(tmp_path / "kv", options=kvstore.Options(min_tokens=1), durable=False) as store:
-        with pytest.raises(TypeError, match="|".join(sorted(names))):
-            kvmlx.save_prompt_cache(store, b"arch " + arch.encode(), ids, cache)
-        assert store.find(b"arch " + arch.encode()) is None
 
 
 # ---- chained checkpoints (storage v2) ----------------------------------------

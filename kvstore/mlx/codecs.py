@@ -35,6 +35,7 @@ keys in the same order, so generation continues bit for bit.
 """
 
 import dataclasses
+import importlib
 import logging
 from typing import Callable
 
@@ -219,6 +220,26 @@ def _build_arrays(cls, slots, ms, offset, what):
     return c
 
 
+def _dump_layer_cache(c):
+    # deepseek_v41.LayerCache: a sliding window, compressed groups of
+    # `ratio` tokens and their index keys, and the rows of the open group.
+    # Nothing grows one row per token: every slot is a snapshot.
+    slots = [c.window, c.compress_kv, c.index_k, c.pending_kv, c.pending_gate]
+    return [_view(a) for a in slots], {"window_size": int(c.window_size)}
+
+
+def _build_layer_cache(cls, slots, ms, offset, what):
+    if len(slots) != 5:
+        raise _bad(f"{what}: {len(slots)} slots, expected 5")
+    window = slots[0]
+    if window is not None and (window.ndim < 2 or window.shape[1] > max(ms["window_size"], offset)):
+        raise _bad(f"{what}: window of {window.shape} for window_size {ms['window_size']}")
+    c = cls(ms["window_size"])
+    c.window, c.compress_kv, c.index_k, c.pending_kv, c.pending_gate = slots
+    c.offset = offset
+    return c
+
+
 @dataclasses.dataclass(frozen=True)
 class _Codec:
     cls: type
@@ -245,6 +266,16 @@ def _codecs():
         if cls is not None:
             out[name] = _Codec(cls, dump, build, fields, has_offset=build is not _build_arrays,
                                positional=positional)
+    # Cache classes a model module defines for itself, by "module.Class".
+    for name, dump, build, fields in [("deepseek_v41.LayerCache", _dump_layer_cache, _build_layer_cache,
+                                       ("window_size",))]:
+        module, _, attr = name.partition(".")
+        try:
+            cls = getattr(importlib.import_module(f"mlx_lm.models.{module}"), attr, None)
+        except Exception:                   # noqa: BLE001 - a model module this mlx-lm lacks or cannot import
+            cls = None
+        if cls is not None:
+            out[name] = _Codec(cls, dump, build, fields)
     return out
 
 
