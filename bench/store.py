@@ -24,8 +24,9 @@ the medians:
    file: every sample is a new ``python -c`` child timed after its imports,
    and a child that exits non-zero or aborts ("terminate called ...") is
    reported.  The same state is also stored as a chain (docs/format.md §14,
-   payload ABI 17) of CHAIN_BLOCKS blocks and loaded by the same children,
-   against the ABI 16 file and against mlx-lm.
+   payload ABI 17) of CHAIN_BLOCKS blocks at the default block size (and of
+   twice as many at half that size) and loaded by the same children, against
+   the ABI 16 file and against mlx-lm.
 3. Save (docs/format.md §6) of the same state, durable and not, against mlx-lm's
    ``save_prompt_cache``, ``mx.save_safetensors`` and ``np.save``; the file
    sizes against mlx-lm's.
@@ -102,12 +103,12 @@ CHILD_TIMEOUT_S = 300
 CHILD_SETTLE_S = 0.2             # after the imports, before the first timed load
 
 LOAD_MAX_TIME_RATIO = 1.0        # kvstore first load vs mlx-lm load_prompt_cache
-# The same state as a chain (docs/format.md §14): CONTEXT_TOKENS / CHAIN_BLOCKS
-# tokens per block (128: 256 KiB of each of the 64 tensors per block, read as
-# 8 strided runs of 32 KiB).  The prompt text is CHECKPOINT_TEXT_BYTES /
-# CONTEXT_TOKENS = 4 bytes per token, so every cut adds text.
-CHAIN_BLOCKS = 32
-CHAIN_BLOCK_TOKENS = CONTEXT_TOKENS // CHAIN_BLOCKS
+# The same state as a chain (docs/format.md §14) at the default block size:
+# 256 tokens a block, 16 blocks (512 KiB of each of the 64 tensors per block,
+# read as 8 strided runs of 64 KiB).  The prompt text is CHECKPOINT_TEXT_BYTES
+# / CONTEXT_TOKENS = 4 bytes per token, so every cut adds text.
+CHAIN_BLOCK_TOKENS = kvstore.chain.DEFAULT_BLOCK_TOKENS
+CHAIN_BLOCKS = CONTEXT_TOKENS // CHAIN_BLOCK_TOKENS
 LOAD_CHAIN_MIN_SPEED = 0.95      # chain load speed vs the ABI 16 file's: time ratio ≤ 1 / 0.95
 LOAD_CHAIN_MAX_TIME_RATIO = 1.0  # chain first load vs mlx-lm load_prompt_cache
 SAVE_MAX_TIME_RATIO = 1.0        # kvstore save (durable=False) vs mlx-lm save_prompt_cache
@@ -650,23 +651,30 @@ def bench_load(report, tmp, rng, tensors, quick):
     # The same state, text and tokens as a chain of CHAIN_BLOCKS blocks
     # (docs/format.md §14): every KV tensor grows along axis 2, one row per
     # token; text_offsets[i] is the byte length of the text of the first i tokens.
-    chain_dir = os.path.join(tmp, "load-chain")
     per_token = len(text) // CONTEXT_TOKENS
     assert per_token * CONTEXT_TOKENS == len(text)
-    # durable=False: the 32 fsyncs would only slow the set-up; the loads read the page cache either way.
-    with kvstore.KVStore(chain_dir, budget_mb=UNLIMITED_BUDGET_MB, layout="chain",
-                         block_tokens=CHAIN_BLOCK_TOKENS, durable=False) as store:
-        last = store.save(text, tokens, tensors, meta=kv_meta(), positional={k: 2 for k in tensors},
-                          text_offsets=[per_token * i for i in range(CONTEXT_TOKENS + 1)])
-        assert last is not None and last.is_block and last.tokens == CONTEXT_TOKENS, last
-        ck = store.load(store.find(text), into="mlx")
-        assert ck is not None and ck.entry.is_block and np.array_equal(ck.tokens, tokens)
-        assert sorted(ck.cuts) == list(range(CHAIN_BLOCK_TOKENS, CONTEXT_TOKENS + 1, CHAIN_BLOCK_TOKENS)), ck.cuts
-        for k, a in tensors.items():
-            assert mx.array_equal(ck.tensors[k], a).item(), k
-        del ck
-    chain_paths = sorted(os.path.join(chain_dir, n) for n in os.listdir(chain_dir) if n.endswith(".kv"))
-    assert len(chain_paths) == CHAIN_BLOCKS, (len(chain_paths), CHAIN_BLOCKS)
+
+    def store_chain(name, block_tokens):
+        """The state as a chain of CONTEXT_TOKENS / block_tokens blocks, checked bit-exact; returns the dir and files."""
+        d = os.path.join(tmp, name)
+        # durable=False: the fsyncs would only slow the set-up; the loads read the page cache either way.
+        with kvstore.KVStore(d, budget_mb=UNLIMITED_BUDGET_MB, layout="chain", block_tokens=block_tokens,
+                             durable=False) as store:
+            last = store.save(text, tokens, tensors, meta=kv_meta(), positional={k: 2 for k in tensors},
+                              text_offsets=[per_token * i for i in range(CONTEXT_TOKENS + 1)])
+            assert last is not None and last.is_block and last.tokens == CONTEXT_TOKENS, last
+            ck = store.load(store.find(text), into="mlx")
+            assert ck is not None and ck.entry.is_block and np.array_equal(ck.tokens, tokens)
+            assert sorted(ck.cuts) == list(range(block_tokens, CONTEXT_TOKENS + 1, block_tokens)), ck.cuts
+            for k, a in tensors.items():
+                assert mx.array_equal(ck.tensors[k], a).item(), k
+            del ck
+        paths = sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".kv"))
+        assert len(paths) == CONTEXT_TOKENS // block_tokens, (len(paths), block_tokens)
+        return d, paths
+
+    chain_dir, chain_paths = store_chain("load-chain", CHAIN_BLOCK_TOKENS)
+    small_dir, small_paths = store_chain("load-chain-small", CHAIN_BLOCK_TOKENS // 2)
     chain_size = sum(os.path.getsize(p) for p in chain_paths)
     st_path = os.path.join(tmp, "peer.safetensors")
     save_prompt_cache(st_path, peer_caches(tensors))
@@ -675,7 +683,7 @@ def bench_load(report, tmp, rng, tensors, quick):
 
     # Warm page cache: read the files once before any timed load.
     buf = bytearray(RAW_READ_BUFFER)
-    for path in (kv_path, st_path, npy_path, *chain_paths):
+    for path in (kv_path, st_path, npy_path, *chain_paths, *small_paths):
         read_raw(path, buf)
 
     # (child code, its arguments, samples quick/full).  The target pair gets
@@ -684,6 +692,7 @@ def bench_load(report, tmp, rng, tensors, quick):
         "kv_mlx": (_CHILD_KV, [store_dir, text_path, "mlx"], 2, 11),
         "peer": (_CHILD_MLX_LM, [st_path], 2, 11),
         "kv_chain": (_CHILD_KV, [chain_dir, text_path, "mlx"], 2, 11),
+        "kv_chain_small": (_CHILD_KV, [small_dir, text_path, "mlx"], 1, 5),
         "kv_numpy": (_CHILD_KV, [store_dir, text_path, "numpy"], 1, 5),
         "mx_load": (_CHILD_MX_LOAD, [st_path], 1, 5),
         "np_load": (_CHILD_NP_LOAD, [npy_path, str(len(tensors))], 1, 5),
@@ -720,9 +729,10 @@ def bench_load(report, tmp, rng, tensors, quick):
         raise RuntimeError(f"no successful child sample for {missing}; see the CHILD lines above")
     # What the children loaded: the ABI 16 file, and the whole chain.
     loaded = {v: sorted({(r["payload_abi"], r["blocks"]) for r in runs[v]})
-              for v in ("kv_mlx", "kv_numpy", "kv_chain")}
+              for v in ("kv_mlx", "kv_numpy", "kv_chain", "kv_chain_small")}
     assert loaded["kv_mlx"] == loaded["kv_numpy"] == [(16, 1)], loaded
     assert loaded["kv_chain"] == [(17, CHAIN_BLOCKS)], loaded
+    assert loaded["kv_chain_small"] == [(17, 2 * CHAIN_BLOCKS)], loaded
     first_kv = stats(times("kv_mlx", "first_s"), KV_BYTES)
     report.add(f"load {KV_BYTES // MiB} MiB, 1st in a fresh process, into MLX, CRC on "
                "vs mlx_lm load_prompt_cache + eval", first_kv,
@@ -745,6 +755,12 @@ def bench_load(report, tmp, rng, tensors, quick):
                stats(times("peer", "first_s"), KV_BYTES), LOAD_CHAIN_MAX_TIME_RATIO,
                note=f"{len(runs['kv_chain'])}/{len(runs['peer'])} samples; median of per-round ratios "
                     f"{paired_ratio(times('kv_chain', 'first_s'), times('peer', 'first_s')):.2f}")
+    report.add(f"load {KV_BYTES // MiB} MiB chain ({2 * CHAIN_BLOCKS} blocks of {CHAIN_BLOCK_TOKENS // 2} tokens), "
+               "1st in a fresh process, into MLX, CRC on vs the same state as one ABI 16 file",
+               stats(times("kv_chain_small", "first_s"), KV_BYTES), first_kv, None,
+               note=f"{len(runs['kv_chain_small'])}/{len(runs['kv_mlx'])} samples; half the default block size: "
+                    "twice the manifests and half-size runs; median of per-round ratios "
+                    f"{paired_ratio(times('kv_chain_small', 'first_s'), times('kv_mlx', 'first_s')):.2f}")
     report.add(f"load {KV_BYTES // MiB} MiB, 1st in a fresh process, into NumPy, CRC on "
                "vs mlx_lm load_prompt_cache + eval", stats(times("kv_numpy", "first_s"), KV_BYTES),
                stats(times("peer", "first_s"), KV_BYTES), None, note=plural(len(runs["kv_numpy"]), "sample"))

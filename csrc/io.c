@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <stdint.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #if defined(__linux__)
 #include <fcntl.h>
@@ -91,14 +92,71 @@ int kvs_pread_full(int fd, uint8_t *buf, size_t len, uint64_t off, uint32_t *crc
     return 0;
 }
 
-int kvs_pread_strided(int fd, uint8_t *buf, size_t run, size_t count, size_t stride,
-                      uint64_t off, uint32_t *crc)
+/* Runs [first, first + k) of a strided piece: one preadv(), then the CRC of
+ * each run (still in cache); a short transfer finishes run by run. */
+static int read_runs(kvs_piece *p, size_t first, size_t k, int with_crc)
 {
-    for (size_t i = 0; i < count; i++) {
-        int rc = kvs_pread_full(fd, buf + i * stride, run, off + (uint64_t)i * run, crc);
-        if (rc) return rc;
+    struct iovec iov[KVS_PIECE_IOV];
+    uint64_t off = p->off + (uint64_t)first * p->run;
+    size_t want = k * p->run;
+    for (size_t i = 0; i < k; i++) {
+        iov[i].iov_base = p->dst + (first + i) * p->stride;
+        iov[i].iov_len = p->run;
+        populate((uint8_t *)iov[i].iov_base, p->run);
+    }
+    ssize_t got;
+#if defined(__linux__)
+    do {
+        got = preadv(p->fd, iov, (int)k, (off_t)off);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0) return -errno;
+#else
+    /* No preadv() to count on (macOS has it only from 11): the first run,
+     * and the rest as a short transfer below. */
+    do {
+        got = pread(p->fd, iov[0].iov_base, iov[0].iov_len, (off_t)off);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0) return -errno;
+#endif
+    size_t done = (size_t)got < want ? (size_t)got : want;
+    for (size_t i = 0; i < k; i++) {
+        size_t have = done >= p->run ? p->run : done;
+        done -= have;
+        if (have < p->run) {                /* a short transfer: the rest by pread */
+            uint32_t *crc = with_crc ? &p->crc : NULL;
+            if (with_crc && have) p->crc = kvs_crc32c(p->crc, (uint8_t *)iov[i].iov_base, have);
+            int rc = kvs_pread_full(p->fd, (uint8_t *)iov[i].iov_base + have, p->run - have,
+                                    off + (uint64_t)i * p->run + have, crc);
+            if (rc) return rc;
+            continue;
+        }
+        if (with_crc) p->crc = kvs_crc32c(p->crc, (uint8_t *)iov[i].iov_base, p->run);
     }
     return 0;
+}
+
+size_t kvs_pread_pieces(kvs_piece *pieces, size_t n, int with_crc)
+{
+    size_t failed = 0;
+    for (size_t i = 0; i < n; i++) {
+        kvs_piece *p = &pieces[i];
+        int rc = 0;
+        if (p->count == 1 || p->run == 0 || p->run >= READ_CHUNK) {
+            /* A single run, or runs big enough that READ_CHUNK pieces keep
+             * the CRC pass in cache. */
+            for (size_t r = 0; r < p->count && !rc; r++)
+                rc = kvs_pread_full(p->fd, p->dst + r * p->stride, p->run, p->off + (uint64_t)r * p->run,
+                                    with_crc ? &p->crc : NULL);
+        } else {
+            for (size_t first = 0; first < p->count && !rc; first += KVS_PIECE_IOV) {
+                size_t k = p->count - first < KVS_PIECE_IOV ? p->count - first : KVS_PIECE_IOV;
+                rc = read_runs(p, first, k, with_crc);
+            }
+        }
+        p->status = rc;
+        failed += rc != 0;
+    }
+    return failed;
 }
 
 int kvs_pwrite_full(int fd, const uint8_t *buf, size_t len, uint64_t off, uint32_t *crc)

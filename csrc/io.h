@@ -30,14 +30,29 @@ int kvs_io_set_prefault(int on);
  * the CRC32C of the bytes read.  Returns 0, KVS_ESHORT or -errno. */
 int kvs_pread_full(int fd, uint8_t *buf, size_t len, uint64_t off, uint32_t *crc);
 
-/* Reads count runs of run bytes, consecutive in the file from offset off,
- * into buf, buf + stride, buf + 2 * stride, ...: one block's slice of a
- * tensor laid out [outer, tokens, inner], read straight into its place in
- * the whole tensor.  *crc (if not NULL) covers the file bytes in order.
- * The caller checks that (count - 1) * stride + run fits its buffer.
- * Returns 0, KVS_ESHORT or -errno. */
-int kvs_pread_strided(int fd, uint8_t *buf, size_t run, size_t count, size_t stride,
-                      uint64_t off, uint32_t *crc);
+/* One read of a batch: count runs of run bytes, consecutive in the file at
+ * off, landing at dst, dst + stride, ...  The CRC32C of the file bytes read
+ * goes to crc (continuing from its value) and the status to status: 0,
+ * KVS_ESHORT or -errno. */
+typedef struct {
+    int fd;
+    uint64_t off;
+    size_t run;
+    size_t count;
+    size_t stride;
+    uint8_t *dst;
+    uint32_t crc;
+    int status;
+} kvs_piece;
+
+/* Reads every piece in order (a chain load's share of one thread: many
+ * small strided reads in one call, without returning to the caller between
+ * them).  Consecutive runs of a piece go in one preadv() of up to
+ * KVS_PIECE_IOV runs, each run's pages prefaulted first.  with_crc = 0
+ * leaves every crc as it is.  Returns the number of pieces that failed (each
+ * has its status set). */
+#define KVS_PIECE_IOV 64
+size_t kvs_pread_pieces(kvs_piece *pieces, size_t n, int with_crc);
 
 /* Allocates the first len bytes of a new file's blocks (the size becomes
  * len).  Returns 0 or -errno: -EOPNOTSUPP where the filesystem or system

@@ -63,6 +63,14 @@ cdef extern from "io.h" nogil:
     int kvs_io_set_prefault(int on)
     int kvs_preallocate(int fd, uint64_t len)
     int kvs_pread_full(int fd, uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)
-    int kvs_pread_strided(int fd, uint8_t *buf, size_t run, size_t count, size_t stride,
-                          uint64_t off, uint32_t *crc)
+    ctypedef struct kvs_piece:
+        int fd
+        uint64_t off
+        size_t run
+        size_t count
+        size_t stride
+        uint8_t *dst
+        uint32_t crc
+        int status
+    size_t kvs_pread_pieces(kvs_piece *pieces, size_t n, int with_crc)
     int kvs_pwrite_full(int fd, const uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)

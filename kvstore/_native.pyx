@@ -396,42 +396,75 @@ def pread_into(int fd, buf, uint64_t offset, path=None, crc=None):
     return None if crc is None else c
 
 
-def pread_strided(int fd, buf, uint64_t dst_offset, uint64_t run, uint64_t count, uint64_t stride,
-                  uint64_t offset, path=None, crc=None):
-    """Reads count runs of run bytes, consecutive in the file from offset, into
-    buf at dst_offset, dst_offset + stride, ...; GIL released.
+def pread_pieces(buffers, pieces, verify=True):
+    """Reads a batch of pieces into buffers in one call, GIL released.
 
-    One checkpoint block's slice of a tensor [outer, tokens, inner] lands in
-    its place in the whole tensor: run = slice tokens * inner bytes, stride =
-    all tokens * inner bytes, count = outer.
+    The share of one I/O thread of a chain load: many small (often strided)
+    reads, without coming back to Python between them.
+
+    Args:
+        buffers: writable buffers (the destinations).
+        pieces: sequence of (buffer index, fd, file offset, run, count,
+            stride, destination offset): count runs of run bytes,
+            consecutive in the file, landing every stride bytes from the
+            destination offset.
+        verify: compute each piece's CRC32C.
 
     Returns:
-        the CRC32C of the file bytes read, continuing from crc (None without crc).
+        list of (status, crc): status 0, or the code _raise_status maps
+        (CorruptCheckpoint for a file that ends first, an OSError
+        otherwise); crc the CRC32C of the piece's file bytes (0 unless verify).
 
     Raises:
-        ValueError: the runs do not fit the buffer.
-        CorruptCheckpoint: end of file first.  CheckpointOSError: the read failed.
+        ValueError: a piece does not fit its buffer, or names no buffer.
     """
-    cdef Py_buffer view
-    cdef uint32_t c = 0 if crc is None else crc
-    cdef uint32_t *cp = NULL if crc is None else &c
-    cdef int rc = 0
-    PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
+    cdef Py_ssize_t nb = len(buffers), n = len(pieces), i
+    cdef Py_buffer *views = NULL
+    cdef kvs_piece *c = NULL
+    cdef Py_ssize_t got = 0
+    cdef uint64_t run, count, stride, dst, span
+    cdef int with_crc = 1 if verify else 0
+    views = <Py_buffer *>malloc(max(nb, 1) * sizeof(Py_buffer))
+    c = <kvs_piece *>malloc(max(n, 1) * sizeof(kvs_piece))
+    if views == NULL or c == NULL:
+        free(views)
+        free(c)
+        raise MemoryError()
     try:
-        # (count - 1) * stride + run <= len - dst_offset, without overflow.
-        if count:
-            if dst_offset > <uint64_t>view.len or run > <uint64_t>view.len - dst_offset \
-                    or (count > 1 and (stride < run or
-                                       (<uint64_t>view.len - dst_offset - run) // stride < count - 1)):
-                raise ValueError(f"{count} runs of {run} bytes every {stride} from {dst_offset} "
-                                 f"do not fit a buffer of {view.len}")
-            with nogil:
-                rc = kvs_pread_strided(fd, <uint8_t *>view.buf + dst_offset, <size_t>run, <size_t>count,
-                                       <size_t>stride, offset, cp)
+        for i in range(nb):
+            PyObject_GetBuffer(buffers[i], &views[i], PyBUF_WRITABLE)
+            got += 1
+        for i in range(n):
+            b, fd, off, run, count, stride, dst = pieces[i]
+            if not 0 <= b < nb:
+                raise ValueError(f"piece {i} names buffer {b} of {nb}")
+            # (count - 1) * stride + run <= len - dst, without overflow.
+            span = <uint64_t>views[b].len
+            if count and run and (dst > span or run > span - dst or (count > 1 and (
+                    stride < run or (span - dst - run) // stride < count - 1))):
+                raise ValueError(f"piece {i}: {count} runs of {run} bytes every {stride} from {dst} "
+                                 f"do not fit a buffer of {span}")
+            c[i].fd = fd
+            c[i].off = off
+            c[i].run = <size_t>run
+            c[i].count = <size_t>count
+            c[i].stride = <size_t>stride
+            c[i].dst = <uint8_t *>views[b].buf + dst
+            c[i].crc = 0
+            c[i].status = 0
+        with nogil:
+            kvs_pread_pieces(c, <size_t>n, with_crc)
+        return [(c[i].status, c[i].crc) for i in range(n)]
     finally:
-        PyBuffer_Release(&view)
-    _raise_status(rc, path if path is not None else f"fd {fd}", "read")
-    return None if crc is None else c
+        for i in range(got):
+            PyBuffer_Release(&views[i])
+        free(views)
+        free(c)
+
+
+def raise_status(int rc, path, str what="read"):
+    """Raises the exception a status of pread_pieces stands for (nothing for 0)."""
+    _raise_status(rc, path, what)
 
 
 def buffer_address(buf):

@@ -203,8 +203,8 @@ class OpenChain:
         return text
 
     def layout(self):
-        """The read plan of every token and tensor (kvstore.payload.chain_layout)."""
-        return payload.chain_layout([(fd, e, payload.read_manifest(fd, e)) for fd, _, e in self.blocks])
+        """The read plan of every token and tensor (kvstore.payload.ChainLayout)."""
+        return payload.ChainLayout([(fd, e) for fd, _, e in self.blocks])
 
     def close(self):
         for fd, _, _ in self.blocks:

@@ -266,33 +266,40 @@ class Manifest:
         if not isinstance(m, dict) or m.get("version") != VERSION:
             raise CorruptCheckpoint("bad_manifest", path, "manifest version is not 1")
         limit = entry.tensors_bytes
+        base = entry.tensors_offset
+        stored = entry.stored_tokens
         blocks = []
 
-        def block(d, what):
+        def label(i):
+            return "tokens" if i < 0 else f"tensor {i}"
+
+        def block(d, i):
+            # i: the tensor's index, -1 for the tokens (names the block in errors).
             if not isinstance(d, dict):
-                raise CorruptCheckpoint("bad_manifest", path, f"{what} is not an object")
+                raise CorruptCheckpoint("bad_manifest", path, f"{label(i)} is not an object")
             off, n, crc = d.get("offset"), d.get("nbytes"), d.get("crc32c")
-            for k, v in (("offset", off), ("nbytes", n), ("crc32c", crc)):
-                if type(v) is not int or v < 0:
-                    raise CorruptCheckpoint("bad_manifest", path, f"{what}.{k} is not a non-negative int")
+            if type(off) is not int or type(n) is not int or type(crc) is not int or min(off, n, crc) < 0:
+                k = next(k for k, v in (("offset", off), ("nbytes", n), ("crc32c", crc))
+                         if type(v) is not int or v < 0)
+                raise CorruptCheckpoint("bad_manifest", path, f"{label(i)}.{k} is not a non-negative int")
             if crc > 0xFFFFFFFF or (n == 0 and crc != 0):
                 # An empty block's CRC32C is 0: the readers skip empty blocks, so
                 # any other value is a manifest that verify and load would judge apart.
-                raise CorruptCheckpoint("bad_manifest", path, f"{what}.crc32c out of range")
+                raise CorruptCheckpoint("bad_manifest", path, f"{label(i)}.crc32c out of range")
             if off < data_offset or n > limit or off > limit - n:
-                raise CorruptCheckpoint("bad_manifest", path, f"{what} lies outside the payload data")
-            if (entry.tensors_offset + off) % BLOCK_ALIGN:
-                raise CorruptCheckpoint("bad_manifest", path, f"{what} is not {BLOCK_ALIGN}-byte aligned")
-            blocks.append((off, n, what))
+                raise CorruptCheckpoint("bad_manifest", path, f"{label(i)} lies outside the payload data")
+            if (base + off) % BLOCK_ALIGN:
+                raise CorruptCheckpoint("bad_manifest", path, f"{label(i)} is not {BLOCK_ALIGN}-byte aligned")
+            blocks.append((off, n, i))
             return off, n, crc
 
         tok = m.get("tokens")
         if not isinstance(tok, dict) or type(tok.get("count")) is not int:
             raise CorruptCheckpoint("bad_manifest", path, "tokens block missing")
-        if tok["count"] != entry.stored_tokens:
+        if tok["count"] != stored:
             raise CorruptCheckpoint("token_count", path,
-                                    f"manifest has {tok['count']} tokens, header {entry.stored_tokens}")
-        self.tokens = block(dict(tok, nbytes=4 * tok["count"]), "tokens")
+                                    f"manifest has {tok['count']} tokens, header {stored}")
+        self.tokens = block(dict(tok, nbytes=4 * tok["count"]), -1)
 
         tensors = m.get("tensors")
         if not isinstance(tensors, list):
@@ -306,18 +313,25 @@ class Manifest:
             if not isinstance(name, str) or name in names:
                 raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} has a missing or repeated name")
             names.add(name)
-            if not isinstance(dtype, str) or dtype not in DTYPES:
+            item = DTYPES.get(dtype, (None,))[0] if isinstance(dtype, str) else None
+            if item is None:
                 raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} has unknown dtype")
-            if (not isinstance(shape, list) or len(shape) > 16
-                    or any(type(d) is not int or d < 0 for d in shape)
-                    or math.prod(d for d in shape if d) * DTYPES[dtype][0] > MAX_ARRAY_BYTES):
+            if not isinstance(shape, list) or len(shape) > 16:
                 raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} has a bad shape")
-            off, n, crc = block(t, f"tensor {i}")
-            if math.prod(shape) * DTYPES[dtype][0] != n:
+            size, nonzero = 1, 1
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} has a bad shape")
+                size *= d
+                nonzero *= d or 1
+            if nonzero * item > MAX_ARRAY_BYTES:
+                raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} has a bad shape")
+            off, n, crc = block(t, i)
+            if size * item != n:
                 raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} nbytes does not match its shape")
             if "axis" in t:
                 axis = t["axis"]
-                if type(axis) is not int or not 0 <= axis < len(shape) or shape[axis] != entry.stored_tokens:
+                if type(axis) is not int or not 0 <= axis < len(shape) or shape[axis] != stored:
                     raise CorruptCheckpoint("bad_manifest", path,
                                             f"tensor {i}: axis {axis!r} does not hold the file's tokens")
                 self.axes[name] = axis
@@ -325,7 +339,7 @@ class Manifest:
         blocks.sort()
         for (o1, n1, w1), (o2, _, w2) in zip(blocks, blocks[1:]):
             if o1 + n1 > o2:
-                raise CorruptCheckpoint("bad_manifest", path, f"{w1} overlaps {w2}")
+                raise CorruptCheckpoint("bad_manifest", path, f"{label(w1)} overlaps {label(w2)}")
         meta = m.get("meta", {})
         if not isinstance(meta, dict):
             raise CorruptCheckpoint("bad_manifest", path, "meta is not an object")
@@ -633,173 +647,274 @@ def read_tensors_mlx(fd, entry, manifest, verify=True):
 
 # ---- chains (ABI 17) -----------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
 class Piece:
     """One read of a chain load: count runs of run bytes, consecutive in the
-    file from file_offset, landing every stride bytes from dst in a tensor."""
-    fd: int
-    path: str
-    file_offset: int
-    run: int
-    count: int
-    stride: int
-    dst: int
-    crc: int
-    what: str
+    file from file_offset, landing every stride bytes from dst in a tensor.
+    label names it in errors: "tokens", or (tensor name, block name)."""
+
+    __slots__ = ("fd", "path", "file_offset", "run", "count", "stride", "dst", "crc", "label")
+
+    def __init__(self, fd, path, file_offset, run, count, stride, dst, crc, label):
+        self.fd, self.path, self.file_offset = fd, path, file_offset
+        self.run, self.count, self.stride, self.dst = run, count, stride, dst
+        self.crc, self.label = crc, label
 
     @property
     def nbytes(self):
         return self.run * self.count
 
+    @property
+    def what(self):
+        if isinstance(self.label, tuple):
+            return f"tensor {self.label[0]!r} of {self.label[1][:12]}"
+        return f"{self.label} of {os.path.basename(self.path)[:12]}"
+
+    def __repr__(self):
+        return (f"Piece({self.what}, at {self.file_offset}: {self.count} x {self.run} B "
+                f"every {self.stride} from {self.dst})")
+
 
 @dataclasses.dataclass
 class ChainTensor:
-    """A tensor of a chain load: its full dtype and shape, and the pieces that fill it."""
+    """A tensor of a chain load: its full dtype and shape."""
     name: str
     dtype: str
     shape: tuple
     nbytes: int
-    pieces: list
 
 
-@dataclasses.dataclass
+def _growing(m):
+    """What a chain's blocks must agree on: each growing tensor's dtype, the
+    dimensions before and after its axis, and the axis."""
+    return {r[0]: (r[1], r[2][:m.axes[r[0]]], r[2][m.axes[r[0]] + 1:], m.axes[r[0]])
+            for r in m.tensors if r[0] in m.axes}
+
+
 class ChainLayout:
-    """Where every byte of a chain load comes from (see chain_layout)."""
-    tokens: int
-    token_pieces: list
-    tensors: list
-    meta: dict
-    axes: dict = dataclasses.field(default_factory=dict)
-
-
-def chain_layout(blocks):
-    """Plans the load of a chain of blocks, root first, target last.
+    """The read plan of a chain of blocks, root first, target last.
 
     A tensor with an "axis" in the target's manifest grows along the
     sequence: every block holds its own positions of it, and the whole
     tensor is the blocks' slices end to end along that axis.  Any other
     tensor of the target is a snapshot, read from the target alone.
 
-    Args:
-        blocks: [(fd, Entry, Manifest)], root first; the caller has checked
-            that each block starts where its parent ends.
+    Only the root's and the target's manifests are read here (they give
+    every tensor's full shape); pieces() reads the others one block at a
+    time, so a load reads block k while the manifest of block k + 1 is
+    parsed.
 
-    Returns:
-        ChainLayout.
+    Args:
+        blocks: [(fd, Entry)], root first; the caller has checked that each
+            block starts where its parent ends.
 
     Raises:
-        CorruptCheckpoint: "chain_mismatch" when a block lacks a growing
-            tensor of the target or holds it with another dtype or shape.
+        CorruptCheckpoint: from read_manifest, or "chain_mismatch" naming the
+            first block that grows other tensors (names, dtypes, the other
+            dimensions, the axes) than the root, so the consistent chain
+            above it survives.
     """
-    fd_t, target, m_t = blocks[-1]
-    total = target.tokens
-    # Every block must grow the same tensors as the first one (names, dtypes,
-    # the other dimensions, the axis): the first block that does not is the
-    # one to blame, so the consistent chain above it survives.
-    def growing(m):
-        return {r[0]: (r[1], tuple(r[2][:m.axes[r[0]]]), tuple(r[2][m.axes[r[0]] + 1:]), m.axes[r[0]])
-                for r in m.tensors if r[0] in m.axes}
-    reference = growing(blocks[0][2])
-    for fd, e, m in blocks[1:]:
-        if growing(m) != reference:
-            raise CorruptCheckpoint("chain_mismatch", e.path,
+
+    def __init__(self, blocks):
+        self.blocks = list(blocks)
+        fd_t, target = self.blocks[-1]
+        self.target = target
+        m_t = read_manifest(fd_t, target)
+        m_0 = m_t if len(self.blocks) == 1 else read_manifest(*self.blocks[0])
+        self._known = {0: m_0, len(self.blocks) - 1: m_t}
+        self._reference = _growing(m_0)
+        if _growing(m_t) != self._reference:
+            for i in range(1, len(self.blocks)):        # blame the first that differs
+                self._manifest(i)
+        self.tokens = target.tokens
+        self.meta = m_t.meta
+        self.axes = dict(m_t.axes)
+        self.tensors = []
+        for name, dtype, shape, off, n, crc in m_t.tensors:
+            if name in m_t.axes:
+                a = m_t.axes[name]
+                shape = shape[:a] + (self.tokens,) + shape[a + 1:]
+            self.tensors.append(ChainTensor(name, dtype, tuple(shape), math.prod(shape) * DTYPES[dtype][0]))
+
+    def _manifest(self, i):
+        """Block i's manifest, checked against the root's growing tensors."""
+        m = self._known.get(i)
+        if m is None:
+            fd, e = self.blocks[i]
+            m = read_manifest(fd, e)
+        if i and _growing(m) != self._reference:
+            raise CorruptCheckpoint("chain_mismatch", self.blocks[i][1].path,
                                     "block grows other tensors (names, dtypes, shapes or axes) than its chain")
-    token_pieces = []
-    for fd, e, m in blocks:
-        off, n, crc = m.tokens
-        token_pieces.append(Piece(fd, e.path, e.tensors_offset + off, n, 1, n, 4 * e.token_start, crc,
-                                  f"tokens of {os.path.basename(e.path)[:12]}"))
-    rows = {name: (dtype, shape, off, n, crc) for name, dtype, shape, off, n, crc in m_t.tensors}
-    tensors = []
-    for name, (dtype, shape, off, n, crc) in rows.items():
-        item = DTYPES[dtype][0]
-        if name not in m_t.axes:
-            pieces = [Piece(fd_t, target.path, target.tensors_offset + off, n, 1, n, 0, crc,
-                            f"tensor {name!r}")] if n else []
-            tensors.append(ChainTensor(name, dtype, tuple(shape), n, pieces))
-            continue
-        axis = m_t.axes[name]
-        full = tuple(shape[:axis]) + (total,) + tuple(shape[axis + 1:])
-        outer = math.prod(full[:axis])
-        inner = math.prod(full[axis + 1:]) * item
-        pieces = []
-        for fd, e, m in blocks:
-            got = next((r for r in m.tensors if r[0] == name), None)
-            if got is None or m.axes.get(name) != axis or got[1] != dtype \
-                    or tuple(got[2][:axis]) != full[:axis] or tuple(got[2][axis + 1:]) != full[axis + 1:]:
-                raise CorruptCheckpoint("chain_mismatch", e.path,
-                                        f"tensor {name!r} differs from the chain's (dtype, shape or axis)")
-            run = e.stored_tokens * inner
-            if run and outer:
-                pieces.append(Piece(fd, e.path, e.tensors_offset + got[3], run, outer, total * inner,
-                                    e.token_start * inner, got[5], f"tensor {name!r} of {e.name[:12]}"))
-        tensors.append(ChainTensor(name, dtype, full, math.prod(full) * item, pieces))
-    return ChainLayout(total, token_pieces, tensors, m_t.meta, dict(m_t.axes))
+        return m
+
+    def pieces(self):
+        """Yields every block's reads, root first: [(slot, Piece)], slot the
+        tensor's index in self.tensors or -1 for the token ids (a uint32
+        array of self.tokens).
+
+        Raises:
+            CorruptCheckpoint: from a block's manifest (see the class), when
+                that block's turn comes.
+        """
+        last = len(self.blocks) - 1
+        growing = []            # (slot, name, bytes per position, positions before the axis)
+        for slot, t in enumerate(self.tensors):
+            if t.name in self.axes:
+                a = self.axes[t.name]
+                growing.append((slot, t.name, math.prod(t.shape[a + 1:]) * DTYPES[t.dtype][0],
+                                math.prod(t.shape[:a])))
+        for i, (fd, e) in enumerate(self.blocks):
+            m = self._manifest(i)
+            rows = {r[0]: r for r in m.tensors}
+            at, start, stored = e.tensors_offset, e.token_start, e.stored_tokens
+            off, n, crc = m.tokens
+            out = [(-1, Piece(fd, e.path, at + off, n, 1, n, 4 * start, crc, "tokens"))]
+            if stored:
+                for slot, name, inner, outer in growing:
+                    if inner and outer:
+                        row = rows[name]
+                        out.append((slot, Piece(fd, e.path, at + row[3], stored * inner, outer, self.tokens * inner,
+                                                start * inner, row[5], (name, e.name))))
+            if i == last:
+                for slot, (name, dtype, shape, off, n, crc) in enumerate(m.tensors):
+                    if name not in self.axes and n:
+                        out.append((slot, Piece(fd, e.path, at + off, n, 1, n, 0, crc, (name, e.name))))
+            yield out
 
 
-def _piece_jobs(piece, mv, crc0):
-    """Queues the reads of one piece into mv (the tensor's bytes); returns _join's jobs."""
-    if piece.count == 1:
-        return _submit(_native.pread_into, piece.fd, mv[piece.dst:piece.dst + piece.run], piece.file_offset,
-                       piece.path, crc0)
-    # A big strided piece is split by runs across the pool; the CRCs join
-    # in file order, as the runs are consecutive in the file.
-    groups = max(1, min(IO_THREADS, piece.nbytes // MIN_SLICE, piece.count))
-    step = -(-piece.count // groups)
-    pool = _get_pool()
-    jobs = []
-    for first in range(0, piece.count, step):
-        k = min(step, piece.count - first)
-        jobs.append((k * piece.run, pool.submit(_native.pread_strided, piece.fd, mv, piece.dst + first * piece.stride,
-                                                piece.run, k, piece.stride, piece.file_offset + first * piece.run,
-                                                piece.path, crc0)))
-    return jobs
+class _Batch:
+    """The reads of a chain load, handed to the I/O threads as they come.
 
-
-def _fill(targets, verify):
-    """Reads every piece into its tensor's bytes (all queued at once), then checks the CRCs.
-
-    Args:
-        targets: [(byte view of a tensor, its pieces)].
+    Each add() cuts its pieces (by runs) into parts of at most an even share
+    of their bytes and deals the parts, in file order, into at most
+    IO_THREADS jobs of about equal size: each job reads its parts in one
+    native call with the GIL released.  wait() joins the parts' CRCs per
+    piece (in file order) and checks them, first piece first.
     """
-    crc0 = 0 if verify else None
-    pending = [(p, _piece_jobs(p, mv, crc0)) for mv, pieces in targets for p in pieces]
-    error = None
-    for p, jobs in pending:                 # every job joined, even after a failure
-        try:
-            _check(_join(jobs, crc0), p.crc, p.path, p.what)
-        except Exception as e:
-            error = error or e
-    if error is not None:
-        raise error
+
+    def __init__(self, buffers, verify):
+        """Args:
+            buffers: writable byte views the pieces land in.
+            verify: check every piece's CRC32C.
+        """
+        self.buffers = buffers
+        self.verify = verify
+        self.pieces = []            # Piece, in the order added
+        self.jobs = []              # (future, [(piece index, bytes)])
+
+    def add(self, pieces):
+        """Queues [(buffer index, Piece)]."""
+        first = len(self.pieces)
+        self.pieces.extend(p for _, p in pieces)
+        total = sum(p.nbytes for _, p in pieces)
+        jobs = max(1, min(IO_THREADS, total // MIN_SLICE))
+        share = max(1, -(-total // jobs))
+        groups, size = [[]], 0
+        for i, (b, p) in enumerate(pieces, first):
+            step = max(1, p.count if p.nbytes <= share else share // p.run)
+            for run0 in range(0, p.count, step):
+                if size >= share and len(groups) < jobs:
+                    groups.append([])
+                    size = 0
+                k = min(step, p.count - run0)
+                groups[-1].append((i, k * p.run, (b, p.fd, p.file_offset + run0 * p.run, p.run, k, p.stride,
+                                                  p.dst + run0 * p.stride)))
+                size += k * p.run
+        pool = _get_pool()
+        for g in groups:
+            if g:
+                self.jobs.append((pool.submit(_native.pread_pieces, self.buffers, [part[2] for part in g],
+                                              self.verify), [part[:2] for part in g]))
+
+    def wait(self):
+        """Waits for every read; raises for the first piece that failed
+        (CorruptCheckpoint for a short file or a CRC mismatch, OSError)."""
+        status = [0] * len(self.pieces)
+        crcs = [None] * len(self.pieces)
+        error = None
+        for fut, parts in self.jobs:
+            try:
+                results = fut.result()
+            except Exception as e:      # every job joined, even after a failure
+                error = error or e
+                continue
+            for (i, n), (rc, crc) in zip(parts, results):
+                if rc:
+                    status[i] = status[i] or rc
+                elif crcs[i] is None:
+                    crcs[i] = crc
+                else:
+                    crcs[i] = _native.crc32c_combine(crcs[i], crc, n)
+        self.jobs = []
+        if error is not None:
+            raise error
+        for p, rc, crc in zip(self.pieces, status, crcs):
+            if rc:
+                _native.raise_status(rc, p.path, p.what)
+            if self.verify:
+                _check(crc or 0, p.crc, p.path, p.what)
 
 
-def read_chain_tokens(layout, verify=True):
-    """The chain's token ids (numpy uint32), every block's CRC-checked."""
+def _read_stream(layout, buffers, slots, verify):
+    """Reads layout.pieces() into buffers (slots[slot] is the index in
+    buffers of a tensor slot, slots[-1] the tokens'), block by block: a
+    block's reads start before the next block's manifest is read.  A bad
+    manifest stops the queueing; the reads queued are joined, a failed one
+    (an earlier block) raised first."""
+    batch = _Batch(buffers, verify)
+    late = _queue(layout, batch, slots)
+    batch.wait()
+    if late is not None:
+        raise late
+
+
+def _queue(layout, batch, slots):
+    """Adds layout.pieces() to batch, block by block.  Returns the exception
+    of a bad manifest (which stops the queueing), or None."""
+    try:
+        for pieces in layout.pieces():
+            batch.add([(slots[s], p) for s, p in pieces if slots[s] is not None])
+    except Exception as e:
+        return e
+    return None
+
+
+def _tokens_view(layout):
     out = np.empty(layout.tokens, dtype="<u4")
-    _fill([(_bytes_view(out.view(np.uint8)), layout.token_pieces)], verify)
-    return out.astype(np.uint32, copy=False)
+    return out, _bytes_view(out.view(np.uint8))
 
 
 def read_chain_numpy(layout, verify=True):
-    """Every tensor of a chain load as a numpy array (bfloat16 as uint16 bits)."""
+    """A chain load into NumPy.
+
+    Returns:
+        (token ids as uint32, {name: array}) (bfloat16 as uint16 bits).
+    """
+    tokens, tok_mv = _tokens_view(layout)
     out = {t.name: np.empty(t.shape, dtype=_numpy_dtype(t.dtype)) for t in layout.tensors}
-    _fill([(_bytes_view(out[t.name].reshape(-1).view(np.uint8)), t.pieces) for t in layout.tensors if t.nbytes],
-          verify)
-    return out
+    buffers = [_bytes_view(out[t.name].reshape(-1).view(np.uint8)) for t in layout.tensors] + [tok_mv]
+    _read_stream(layout, buffers, list(range(len(layout.tensors))) + [len(layout.tensors)], verify)
+    return tokens.astype(np.uint32, copy=False), out
 
 
 class _ChainBlob(_VirtualBlob):
-    """The tensors of a chain load as one safetensors blob for mx.load: each
-    tensor at a 64-byte aligned place, filled by the layout's pieces."""
+    """The tensors of a chain load MLX reads directly, as one safetensors blob
+    for mx.load: each at a 64-byte aligned place.  When MLX hands over the
+    blob's memory, the load's reads start (block by block, see
+    _read_stream) into it and into the other buffers (the token ids, the
+    float64 tensors read through NumPy)."""
 
-    def __init__(self, layout, verify):
-        self.layout, self.verify = layout, verify
+    def __init__(self, layout, direct, others, verify):
+        """Args:
+            direct: the slots of the tensors in the blob.
+            others: {slot: byte view} of the other non-empty tensors
+                (slot -1 the tokens).
+        """
+        self.layout, self.direct, self.others, self.verify = layout, direct, others, verify
         self.places, at = [], 0
-        for t in layout.tensors:
+        for s in direct:
             at = _align(at, BLOCK_ALIGN)
             self.places.append(at)
-            at += t.nbytes
+            at += layout.tensors[s].nbytes
         header = {"blob": {"dtype": "U8", "shape": [at], "data_offsets": [0, at]}}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -808,16 +923,22 @@ class _ChainBlob(_VirtualBlob):
         self.defer = True
         self.pos = 0
         self.partial = False
-        self.pending = []
         self.address = None
         self.error = None
+        self.late = None
+        self.batch = None
 
     def _queue_all(self, mv):
-        crc0 = 0 if self.verify else None
-        for t, at in zip(self.layout.tensors, self.places):
-            for p in t.pieces:
-                self.pending.append((p, _piece_jobs(p, mv[at:at + t.nbytes], crc0)))
+        buffers = [mv[at:at + self.layout.tensors[s].nbytes] for s, at in zip(self.direct, self.places)]
+        slots = [None] * (len(self.layout.tensors) + 1)
+        for i, s in enumerate(self.direct):
+            slots[s] = i
+        for s, view in self.others.items():
+            slots[s] = len(buffers)
+            buffers.append(view)
+        self.batch = _Batch(buffers, self.verify)
         self.address = _native.buffer_address(mv)
+        self.late = _queue(self.layout, self.batch, slots)     # raised by wait(), after the reads
         return mv.nbytes
 
     def _read_now(self, mv, rel):
@@ -826,25 +947,37 @@ class _ChainBlob(_VirtualBlob):
         return min(mv.nbytes, self.size - len(self.head) - rel)
 
     def wait(self):
-        crc0 = 0 if self.verify else None
-        for p, jobs in self.pending:
+        if self.batch is not None:
+            batch, self.batch = self.batch, None
             try:
-                _check(_join(jobs, crc0), p.crc, p.path, p.what)
+                batch.wait()
             except Exception as e:
                 self.error = self.error or e
+        self.error = self.error or self.late
         if self.error is not None:
             raise self.error
 
 
 def read_chain_mlx(layout, verify=True):
-    """Every tensor of a chain load as an MLX array: views of one blob that
-    mx.load allocates and every block's slices fill in place."""
+    """A chain load into MLX: the tensors are views of one blob that mx.load
+    allocates and every block's slices fill in place.
+
+    Returns:
+        (token ids as a numpy uint32 array, {name: mx.array}).
+    """
     import mlx.core as mx
-    direct = [t for t in layout.tensors if t.dtype != "float64" and t.nbytes]
+    n = len(layout.tensors)
+    direct = [s for s, t in enumerate(layout.tensors) if t.dtype != "float64" and t.nbytes]
+    tokens, tok_mv = _tokens_view(layout)
+    # mx.load's safetensors reader has no float64 (MLX keeps float64 on the
+    # CPU only): those tensors are read through NumPy and copied into MLX.
+    wide = {s: np.empty(t.shape, dtype=np.float64) for s, t in enumerate(layout.tensors)
+            if t.dtype == "float64" and t.nbytes}
+    others = {s: _bytes_view(a.reshape(-1).view(np.uint8)) for s, a in wide.items()}
+    others[-1] = tok_mv
     out = {}
     if direct:
-        sub = dataclasses.replace(layout, tensors=direct)
-        src = _ChainBlob(sub, verify)
+        src = _ChainBlob(layout, direct, others, verify)
         try:
             blob = mx.load(src, format="safetensors")["blob"]
             mx.eval(blob)
@@ -855,24 +988,34 @@ def read_chain_mlx(layout, verify=True):
                 pass
             if src.error is not None:
                 raise src.error from None
-            raise CorruptCheckpoint("bad_payload", layout.token_pieces[-1].path,
+            raise CorruptCheckpoint("bad_payload", layout.target.path,
                                     f"mx.load failed: {type(e).__name__}") from None
         src.wait()
         if src.partial or src.address is None or _native.buffer_address(memoryview(blob)) != src.address:
             # MLX did not hand over the blob's own memory in one call.
-            arrays = read_chain_numpy(sub, verify)
-            out.update({t.name: mx.array(arrays[t.name]).view(_mx_dtype(mx, t.dtype)) if t.dtype == "bfloat16"
-                        else mx.array(arrays[t.name]) for t in direct})
+            tokens, arrays = read_chain_numpy(layout, verify)
+            for s, t in enumerate(layout.tensors):
+                if t.nbytes:
+                    a = mx.array(arrays[t.name])
+                    out[t.name] = a.view(_mx_dtype(mx, t.dtype)) if t.dtype == "bfloat16" else a
         else:
-            for t, at in zip(direct, src.places):
+            for s, at in zip(direct, src.places):
+                t = layout.tensors[s]
                 out[t.name] = blob[at:at + t.nbytes].view(_mx_dtype(mx, t.dtype)).reshape(t.shape)
-    wide = [t for t in layout.tensors if t.dtype == "float64" and t.nbytes]
-    if wide:
-        for name, a in read_chain_numpy(dataclasses.replace(layout, tensors=wide), verify).items():
-            out[name] = mx.array(a, dtype=mx.float64)
+            for s, a in wide.items():
+                out[layout.tensors[s].name] = mx.array(a, dtype=mx.float64)
+    else:
+        slots = [None] * (n + 1)
+        buffers = []
+        for s, view in others.items():
+            slots[s] = len(buffers)
+            buffers.append(view)
+        _read_stream(layout, buffers, slots, verify)
+        for s, a in wide.items():
+            out[layout.tensors[s].name] = mx.array(a, dtype=mx.float64)
     for t in layout.tensors:
         if not t.nbytes:
             out[t.name] = mx.zeros(t.shape, dtype=_mx_dtype(mx, t.dtype))
     if out:
         mx.eval(list(out.values()))
-    return {t.name: out[t.name] for t in layout.tensors}
+    return tokens.astype(np.uint32, copy=False), {t.name: out[t.name] for t in layout.tensors}

@@ -384,9 +384,8 @@ class KVStore:
                     log.warning("kvstore: miss reason=text_mismatch file=%s", short_name(entry.name))
                     return self._miss(entry)
                 layout = opened.layout()
-                tokens = payload.read_chain_tokens(layout, self.verify)
                 read = payload.read_chain_mlx if into == "mlx" else payload.read_chain_numpy
-                tensors = read(layout, self.verify)
+                tokens, tensors = read(layout, self.verify)
                 fd, st, _ = opened.blocks[-1]
                 trailer_values = {}
                 if target.file_size > target.trailer_offset:

@@ -34,7 +34,7 @@ from kvstore.files import verify_file
 from kvstore.format import (CHAIN_END, CHAIN_RESTORABLE, NO_PARENT, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS,
                             pack_chain_head)
 from kvstore.index import MTIME_GRANULARITY_NS, DirectoryIndex
-from kvstore.payload import read_manifest
+from kvstore.payload import PAYLOAD_HEADER, read_manifest
 from kvstore.policy import Options
 from kvhelpers import CTX, checkpoint_files, flip, make_store
 
@@ -549,8 +549,14 @@ def _axis0_byte(e):
     flip(e.path, tensor_offset(e, "p") + 1)
 
 
+def _manifest_byte(e):
+    # A middle block's manifest is read while the blocks before it are read.
+    flip(e.path, e.tensors_offset + PAYLOAD_HEADER.size + 3)
+
+
 DAMAGE = {"truncated": _truncate, "garbage": _garbage, "chain_crc": _chain_crc, "bad_range": _bad_range,
-          "tensor_byte": _tensor_byte, "token_byte": _token_byte, "axis0_byte": _axis0_byte}
+          "tensor_byte": _tensor_byte, "token_byte": _token_byte, "axis0_byte": _axis0_byte,
+          "manifest_byte": _manifest_byte}
 # Damage that makes the envelope itself unreadable (the index drops the file).
 ENVELOPE = {"truncated", "garbage", "chain_crc", "bad_range"}
 

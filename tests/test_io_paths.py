@@ -10,6 +10,7 @@ Both routes must give the same file.
 """
 
 import ctypes
+import errno
 import mmap
 import os
 import sys
@@ -190,41 +191,87 @@ def test_a_save_without_preallocation_writes_the_same_file(tmp_path, monkeypatch
     assert without[:24] + without[40:] == with_prealloc[:24] + with_prealloc[40:]
 
 
-# ---- strided reads: a chain block's slice into its place in a whole tensor ---------------
+# ---- batched reads: a chain's slices into their places in whole tensors ----------------------
 
-@pytest.mark.parametrize("outer,run,stride,at", [(1, 10, 10, 0), (3, 8, 24, 8), (5, 4096 + 3, 3 * 4096, 4096),
-                                                 (2, (1 << 20) + 5, 3 << 20, 7)])
-def test_strided_read_lands_runs_in_place_with_the_file_crc(tmp_path, read_route, outer, run, stride, at):
-    rng = np.random.default_rng(run)
-    src = rng.integers(0, 256, outer * run + 100, dtype=np.uint8).tobytes()
+def _expected(src, buf_len, pieces):
+    """What pread_pieces must leave in each buffer (0xee where nothing lands) and each piece's CRC."""
+    want = [bytearray(b"\xee" * n) for n in buf_len]
+    crcs = []
+    for b, _, off, run, count, stride, dst in pieces:
+        for i in range(count):
+            want[b][dst + i * stride:dst + i * stride + run] = src[off + i * run:off + (i + 1) * run]
+        crcs.append(_reference.crc32c(src[off:off + count * run]))
+    return want, crcs
+
+
+@pytest.mark.parametrize("shape", [
+    [(0, 50, 10, 1, 10, 0)],                                   # one plain run
+    [(0, 0, 8, 3, 24, 8), (1, 100, 16, 2, 40, 0)],             # strided, two buffers
+    [(0, 7, 4096 + 3, 5, 3 * 4096, 4096)],                     # runs across pages
+    [(0, 64, 100, 130, 256, 0)],                               # more runs than one preadv takes
+    [(0, 3, (1 << 20) + 5, 2, 3 << 20, 7)],                    # runs past the read chunk size
+    [(0, 10, 0, 4, 0, 0), (0, 0, 32, 0, 64, 0)],               # empty runs, no runs
+])
+def test_batched_read_lands_every_run_in_place_with_each_piece_crc(tmp_path, read_route, shape):
+    rng = np.random.default_rng(len(shape) * 7 + shape[0][2])
+    src = rng.integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
     path = tmp_path / "f"
     path.write_bytes(src)
-    size = at + (outer - 1) * stride + run
-    buf = bytearray(b"\xee" * (size + 16))
     fd = os.open(path, os.O_RDONLY)
+    pieces = [(b, fd, off, run, count, stride, dst) for b, off, run, count, stride, dst in shape]
+    sizes = [max([dst + (count - 1) * stride + run + 16 for b2, _, _, run, count, stride, dst in pieces
+                  if b2 == b and count] + [16]) for b in range(2)]
+    bufs = [bytearray(b"\xee" * n) for n in sizes]
     try:
-        crc = _native.pread_strided(fd, buf, at, run, outer, stride, 50, crc=0)
+        got = _native.pread_pieces(bufs, pieces, True)
+        plain = [bytearray(b"\xee" * n) for n in sizes]
+        unchecked = _native.pread_pieces(plain, pieces, False)
     finally:
         os.close(fd)
-    want = bytearray(b"\xee" * (size + 16))
-    for i in range(outer):
-        want[at + i * stride:at + i * stride + run] = src[50 + i * run:50 + (i + 1) * run]
-    assert buf == want                                     # nothing outside the runs is touched
-    assert crc == _reference.crc32c(src[50:50 + outer * run])
+    want, crcs = _expected(src, sizes, pieces)
+    assert bufs == want                                    # nothing outside the runs is touched
+    assert got == [(0, c) for c in crcs]
+    assert plain == want and unchecked == [(0, 0)] * len(pieces)
 
 
-def test_strided_read_refuses_runs_past_the_buffer_and_short_files(tmp_path, read_route):
+def test_batched_read_refuses_pieces_past_their_buffer(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(bytes(100))
     fd = os.open(path, os.O_RDONLY)
     try:
-        with pytest.raises(ValueError):
-            _native.pread_strided(fd, bytearray(30), 0, 10, 3, 11, 0)        # 2 * 11 + 10 > 30
-        with pytest.raises(ValueError):
-            _native.pread_strided(fd, bytearray(30), 25, 10, 1, 10, 0)
-        with pytest.raises(ValueError):
-            _native.pread_strided(fd, bytearray(30), 0, 10, 2, 5, 0)          # runs would overlap
-        with pytest.raises(CorruptCheckpoint):
-            _native.pread_strided(fd, bytearray(300), 0, 60, 2, 100, 0)       # the file ends first
+        for piece in [(0, fd, 0, 10, 3, 11, 0),          # 2 * 11 + 10 > 30
+                      (0, fd, 0, 10, 1, 10, 25),         # past the end from 25
+                      (0, fd, 0, 10, 2, 5, 0),           # runs would overlap
+                      (1, fd, 0, 1, 1, 1, 0),            # no buffer 1
+                      (-1, fd, 0, 1, 1, 1, 0),
+                      (0, fd, 0, 1, 2, (1 << 64) - 1, 0)]:
+            buf = bytearray(30)
+            with pytest.raises(ValueError):
+                _native.pread_pieces([buf], [(0, fd, 0, 5, 1, 5, 0), piece], True)
+            assert buf == bytearray(30)                   # checked before any read
     finally:
         os.close(fd)
+
+
+def test_batched_read_reports_each_failed_piece_and_reads_the_rest(tmp_path, read_route):
+    path = tmp_path / "f"
+    src = bytes(range(256)) * 4
+    path.write_bytes(src)
+    fd = os.open(path, os.O_RDONLY)
+    bad = os.open(tmp_path, os.O_RDONLY)                     # a directory: read() fails with EISDIR
+    buf = bytearray(4096)
+    try:
+        got = _native.pread_pieces([buf], [(0, fd, 1000, 60, 2, 100, 0),    # the file ends first
+                                           (0, bad, 0, 8, 1, 8, 300),
+                                           (0, fd, 8, 16, 4, 32, 400)], True)
+    finally:
+        os.close(fd)
+        os.close(bad)
+    assert got[0][0] != 0 and got[1][0] == -errno.EISDIR
+    assert got[2] == (0, _reference.crc32c(src[8:72]))
+    assert all(buf[400 + i * 32:416 + i * 32] == src[8 + 16 * i:24 + 16 * i] for i in range(4))
+    with pytest.raises(CorruptCheckpoint):
+        _native.raise_status(got[0][0], str(path), "tensor 'x'")
+    with pytest.raises(CheckpointOSError):
+        _native.raise_status(got[1][0], str(path), "tensor 'x'")
+    _native.raise_status(0, str(path))                     # nothing to raise
