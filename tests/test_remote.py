@@ -269,7 +269,7 @@ def test_remote_miss_is_clean_and_falls_back_to_local(s3, tmp_path):
     text = "shared prefix " * 30
     with open_store(s3, tmp_path / "a", "vanish") as a, open_store(s3, tmp_path / "b", "vanish") as b:
         short = b.save(text[:120], np.arange(40), tensors(nbytes=4096, seed=3))
-        ea = a.save(text, np.arange(90), tensors(nbytes=1 << 20, seed=4))
+        a.save(text, np.arange(90), tensors(nbytes=1 << 20, seed=4))
         assert a.remote.flush(30) and b.remote.refresh()
         e = b.find(text + "tail")
         assert e.remote is not None
