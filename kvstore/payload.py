@@ -33,6 +33,7 @@ chain's full length and reads every block's slice straight into place
 """
 
 import atexit
+import collections
 import concurrent.futures
 import copy
 import dataclasses
@@ -75,6 +76,8 @@ MAX_MANIFEST_BYTES = 64 << 20
 # happens within a tensor.  The pool is small: the work is memory-bound.
 MIN_SLICE = 1 << 20
 IO_THREADS = max(1, min(4, os.cpu_count() or 1))
+# A chain load hands blocks to the I/O threads at least this many bytes at a time.
+QUEUE_BYTES = MIN_SLICE * IO_THREADS
 
 _CRC_PLACEHOLDER = 0xFFFFFFFF                 # widest u32 in decimal (10 digits)
 
@@ -252,6 +255,14 @@ class Plan:
 class Manifest:
     """A validated manifest: every offset and length bounded by the payload."""
 
+    @property
+    def rows(self):
+        """The tensor rows by name."""
+        rows = self.__dict__.get("_rows")
+        if rows is None:
+            rows = self._rows = {r[0]: r for r in self.tensors}
+        return rows
+
     def __init__(self, raw, entry, data_offset):
         path = entry.path
         self.axes = {}
@@ -353,8 +364,21 @@ class Manifest:
         self.cuts = {t: n for t, n in cuts if t <= entry.stored_tokens}
 
 
-def read_manifest(fd, entry):
-    """Reads and validates the payload header and manifest of an open checkpoint."""
+# Validated manifests of chain blocks met before, by their bytes and the
+# geometry they were checked against (see read_manifest's cached).
+_MANIFESTS = collections.OrderedDict()
+_MANIFESTS_MAX = 4096
+_manifests_lock = threading.Lock()
+
+
+def read_manifest(fd, entry, cached=False):
+    """Reads and validates the payload header and manifest of an open checkpoint.
+
+    cached: a manifest with the same bytes, checked against the same file
+    geometry before, is not parsed again (its CRC is checked as always).
+    For a chain's middle blocks, whose tensors and tokens only are read:
+    the Manifest returned may be shared, and must not be changed.
+    """
     path, P = entry.path, entry.tensors_offset
     if entry.tensors_bytes < PAYLOAD_HEADER.size:
         raise CorruptCheckpoint("bad_payload", path, "payload shorter than its header")
@@ -374,7 +398,20 @@ def read_manifest(fd, entry):
         raise CorruptCheckpoint("truncated", path, "manifest cut short")
     if _native.crc32c(raw) != mcrc:
         raise CorruptCheckpoint("crc", path, "manifest CRC mismatch")
-    return Manifest(raw, entry, data_offset)
+    if not cached:
+        return Manifest(raw, entry, data_offset)
+    key = (raw, data_offset, P, entry.tensors_bytes, entry.stored_tokens)
+    with _manifests_lock:
+        m = _MANIFESTS.get(key)
+        if m is not None:
+            _MANIFESTS.move_to_end(key)
+            return m
+    m = Manifest(raw, entry, data_offset)
+    with _manifests_lock:
+        _MANIFESTS[key] = m
+        while len(_MANIFESTS) > _MANIFESTS_MAX:
+            _MANIFESTS.popitem(last=False)
+    return m
 
 
 _pool = None
@@ -685,9 +722,12 @@ class ChainTensor:
 
 def _growing(m):
     """What a chain's blocks must agree on: each growing tensor's dtype, the
-    dimensions before and after its axis, and the axis."""
-    return {r[0]: (r[1], r[2][:m.axes[r[0]]], r[2][m.axes[r[0]] + 1:], m.axes[r[0]])
-            for r in m.tensors if r[0] in m.axes}
+    dimensions before and after its axis, and the axis (kept on the manifest)."""
+    g = m.__dict__.get("_growing")
+    if g is None:
+        g = m._growing = {r[0]: (r[1], r[2][:m.axes[r[0]]], r[2][m.axes[r[0]] + 1:], m.axes[r[0]])
+                          for r in m.tensors if r[0] in m.axes}
+    return g
 
 
 class ChainLayout:
@@ -740,7 +780,7 @@ class ChainLayout:
         m = self._known.get(i)
         if m is None:
             fd, e = self.blocks[i]
-            m = read_manifest(fd, e)
+            m = read_manifest(fd, e, cached=True)
         if i and _growing(m) != self._reference:
             raise CorruptCheckpoint("chain_mismatch", self.blocks[i][1].path,
                                     "block grows other tensors (names, dtypes, shapes or axes) than its chain")
@@ -764,20 +804,20 @@ class ChainLayout:
                                 math.prod(t.shape[:a])))
         for i, (fd, e) in enumerate(self.blocks):
             m = self._manifest(i)
-            rows = {r[0]: r for r in m.tensors}
-            at, start, stored = e.tensors_offset, e.token_start, e.stored_tokens
+            rows = m.rows
+            at, start, stored, name = e.tensors_offset, e.token_start, e.stored_tokens, e.name
             off, n, crc = m.tokens
             out = [(-1, Piece(fd, e.path, at + off, n, 1, n, 4 * start, crc, "tokens"))]
             if stored:
-                for slot, name, inner, outer in growing:
+                for slot, t_name, inner, outer in growing:
                     if inner and outer:
-                        row = rows[name]
+                        row = rows[t_name]
                         out.append((slot, Piece(fd, e.path, at + row[3], stored * inner, outer, self.tokens * inner,
-                                                start * inner, row[5], (name, e.name))))
+                                                start * inner, row[5], (t_name, name))))
             if i == last:
-                for slot, (name, dtype, shape, off, n, crc) in enumerate(m.tensors):
-                    if name not in self.axes and n:
-                        out.append((slot, Piece(fd, e.path, at + off, n, 1, n, 0, crc, (name, e.name))))
+                for slot, (t_name, dtype, shape, off, n, crc) in enumerate(m.tensors):
+                    if t_name not in self.axes and n:
+                        out.append((slot, Piece(fd, e.path, at + off, n, 1, n, 0, crc, (t_name, name))))
             yield out
 
 
@@ -801,8 +841,9 @@ class _Batch:
         self.pieces = []            # Piece, in the order added
         self.jobs = []              # (future, [(piece index, bytes)])
 
-    def add(self, pieces):
-        """Queues [(buffer index, Piece)]."""
+    def add(self, pieces, last=False):
+        """Queues [(buffer index, Piece)].  last: no more will come; a first
+        and last add that fits one job runs at once, on the calling thread."""
         first = len(self.pieces)
         self.pieces.extend(p for _, p in pieces)
         total = sum(p.nbytes for _, p in pieces)
@@ -819,11 +860,16 @@ class _Batch:
                 groups[-1].append((i, k * p.run, (b, p.fd, p.file_offset + run0 * p.run, p.run, k, p.stride,
                                                   p.dst + run0 * p.stride)))
                 size += k * p.run
+        groups = [g for g in groups if g]
+        if last and not self.jobs and len(groups) == 1:
+            g = groups[0]
+            self.jobs.append((_Done(_native.pread_pieces, self.buffers, [part[2] for part in g], self.verify),
+                              [part[:2] for part in g]))
+            return
         pool = _get_pool()
         for g in groups:
-            if g:
-                self.jobs.append((pool.submit(_native.pread_pieces, self.buffers, [part[2] for part in g],
-                                              self.verify), [part[:2] for part in g]))
+            self.jobs.append((pool.submit(_native.pread_pieces, self.buffers, [part[2] for part in g],
+                                          self.verify), [part[:2] for part in g]))
 
     def wait(self):
         """Waits for every read; raises for the first piece that failed
@@ -851,7 +897,23 @@ class _Batch:
             if rc:
                 _native.raise_status(rc, p.path, p.what)
             if self.verify:
-                _check(crc or 0, p.crc, p.path, p.what)
+                if (crc or 0) != p.crc:
+                    _check(crc or 0, p.crc, p.path, p.what)
+
+
+class _Done:
+    """A job run at once, in the caller's thread (a load too small to share out)."""
+
+    def __init__(self, fn, *args):
+        try:
+            self.value, self.error = fn(*args), None
+        except Exception as e:
+            self.value, self.error = None, e
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def _read_stream(layout, buffers, slots, verify):
@@ -868,14 +930,25 @@ def _read_stream(layout, buffers, slots, verify):
 
 
 def _queue(layout, batch, slots):
-    """Adds layout.pieces() to batch, block by block.  Returns the exception
-    of a bad manifest (which stops the queueing), or None."""
+    """Adds layout.pieces() to batch as the blocks come, at least QUEUE_BYTES
+    at a time (small blocks are gathered: a pool job costs about as much as
+    reading a small block).  Returns the exception of a bad manifest (which
+    stops the queueing after the blocks before it are queued), or None."""
+    pending, size, late = [], 0, None
     try:
         for pieces in layout.pieces():
-            batch.add([(slots[s], p) for s, p in pieces if slots[s] is not None])
+            for s, p in pieces:
+                if slots[s] is not None:
+                    pending.append((slots[s], p))
+                    size += p.nbytes
+            if size >= QUEUE_BYTES:
+                batch.add(pending)
+                pending, size = [], 0
     except Exception as e:
-        return e
-    return None
+        late = e
+    if pending:
+        batch.add(pending, last=True)
+    return late
 
 
 def _tokens_view(layout):

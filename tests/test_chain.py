@@ -630,6 +630,32 @@ def test_corrupt_middle_block_found_at_open(tmp_path, caplog, kind):
 
 
 @pytest.mark.store_args(block_tokens=64)
+def test_a_middle_block_manifest_is_parsed_once_and_its_damage_still_found(store, monkeypatch, caplog):
+    """Loads keep the checked manifests of middle blocks (by their bytes and
+    place): a second load parses only the root's and the target's; a middle
+    block changed on disk is read and judged again."""
+    seq = BASE[:300]
+    save(store, seq, snapshot=False)
+    leaf = store.find(seq.prompt(300))
+    check_loaded(store.load(leaf), snapshot=False)
+    parsed = []
+    real = kvstore.payload.Manifest.__init__
+
+    def counting(self, raw, entry, data_offset):
+        parsed.append(os.path.basename(entry.path))
+        real(self, raw, entry, data_offset)
+    monkeypatch.setattr(kvstore.payload.Manifest, "__init__", counting)
+    check_loaded(store.load(store.find(seq.prompt(300))), snapshot=False)
+    assert sorted(parsed) == sorted([block_of(store, 64).name, leaf.name])      # root and target only
+    victim = block_of(store, 128)
+    flip(victim.path, victim.tensors_offset + PAYLOAD_HEADER.size + 3)     # its manifest, parsed before
+    caplog.set_level(logging.INFO, logger="kvstore")
+    ck = store.load(store.find(seq.prompt(300)))
+    assert ck is not None and ck.entry.tokens == 64
+    assert any("corrupt reason=crc" in line for line in log_lines(caplog))
+
+
+@pytest.mark.store_args(block_tokens=64)
 def test_corrupt_leaf_with_snapshots_is_a_miss(store, caplog):
     """With snapshots the ancestors are links only: a corrupt leaf leaves nothing to restore."""
     seq = BASE[:300]

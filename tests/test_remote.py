@@ -587,7 +587,7 @@ def test_serve_with_remote_shares_across_cache_directories(s3, tmp_path):
     assert len(anchors) == 1, "the anchor was not fetched into the second server's directory"
     assert usages[0]["prompt_tokens_details"]["cached_tokens"] == anchors[0].tokens
     assert "kvstore: remote_hit " in b.text()
-    assert b.request_lines()[0].startswith(f"request source=disk reused={anchors[0].tokens} ")
+    assert b.request_lines()[0].startswith(f"request source=remote reused={anchors[0].tokens} ")
 
 
 # ---- chains in the bucket (docs/format.md §14) ----------------------------------------

@@ -1,0 +1,52 @@
+"""kvstore serve: mlx-lm's OpenAI-compatible server with a disk tier behind its RAM cache.
+
+mlx_lm.server keeps prompt caches in RAM only (LRUPromptCache): after a
+restart, or once its LRU drops an entry, a long prompt is prefilled again.
+This package runs mlx-lm's own server with that cache replaced by
+TieredPromptCache, a subclass that adds a kvstore directory behind it:
+
+    request ──► HTTP thread: tokenize; RAM (mlx-lm's trie) or the longest
+            │   stored byte prefix on disk or in the bucket (store.find),
+            │   whichever reuses more; a disk or bucket hit is loaded here,
+            │   while the running batch keeps decoding
+            └─► generation thread: the request joins the batch with its
+                cache and prefills only the remaining tokens
+    stored on disk (background writer; requests never wait for a write):
+      cold      the system-prompt segment mlx-lm already cuts at the first
+                user turn (the anchor of docs/format.md §7: agent sessions share it)
+      continued waypoints every continued_step tokens of a long prefill
+      evict     an entry mlx-lm's LRU drops, when worth keeping
+      shutdown  every RAM entry, on SIGINT / SIGTERM
+      blocks    the whole blocks of every finished request's prompt and
+                answer (chained stores, docs/format.md §14): after a restart
+                a prompt that leaves a stored conversation anywhere reuses it
+                up to the last block boundary before it; the evict and
+                shutdown states are then only their last block
+
+Keys.  The server's cache API sees token ids only, so a checkpoint's key is
+the detokenized token stream: the exact bytes of each token, concatenated
+(kvstore.mlx.token_bytes_function), opened by the tenant's tag when the
+request carries a cache_salt (kvstore.serve.tenants).  Token prefixes map to
+byte prefixes, so the longest-prefix lookup finds what a token trie would.
+A hit is used only when its stored token ids equal the request's first
+tokens, so a different tokenization of the same bytes can never feed the
+model a state it did not compute.
+
+Modules: tier (the RAM + disk cache, admission), generator (prefetch on the
+HTTP thread, waypoints), http (cache_salt, GET /metrics), metrics
+(Prometheus), tenants (salts), server (options, start and stop).
+
+Integration.  Only mlx-lm's public classes are used: LRUPromptCache (and its
+CacheOrder, replaced by a subclass that reports the entries the LRU drops),
+ResponseGenerator (its generate() and prompt tokenizer are extended),
+ModelProvider, APIHandler.  `kvstore serve` parses its own options, hands
+every other option to mlx-lm's own argument parser and runs the server in
+this process.  Tested with mlx-lm 0.32 (SUPPORTED_MLX_LM).
+"""
+
+from kvstore.serve.generator import TieredResponseGenerator, split_at_waypoints
+from kvstore.serve.server import SUPPORTED_MLX_LM, build_parser, main, model_fingerprint
+from kvstore.serve.tier import TieredPromptCache
+
+__all__ = ["TieredPromptCache", "TieredResponseGenerator", "split_at_waypoints", "build_parser", "main",
+           "model_fingerprint", "SUPPORTED_MLX_LM"]

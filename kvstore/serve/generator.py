@@ -1,0 +1,140 @@
+"""TieredResponseGenerator: mlx-lm's ResponseGenerator with disk loads off the generation thread.
+
+mlx-lm queues each request for its one generation thread, which tokenizes
+it, looks up the prompt cache and adds it to the running batch.  A disk load
+there would stop every sequence in the batch for as long as it streams in.
+Here the HTTP thread that received the request tokenizes it and loads its
+longest stored prefix first (TieredPromptCache.prefetch); only then does the
+request join the queue, with its cache ready.  The generation thread takes
+the tokens and the cache as they are (no disk read, no tokenization), so
+the batch keeps decoding while a load runs.
+"""
+
+import logging
+import threading
+import time
+
+from mlx_lm import server as mlx_server
+
+from kvstore.serve.tier import WAYPOINT_TYPE, Ticket
+
+log = logging.getLogger("kvstore")
+
+# How long a request that arrives while the server loads its model waits for it.
+MODEL_WAIT_S = 600
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was being prepared."""
+
+
+class TieredResponseGenerator(mlx_server.ResponseGenerator):
+    """mlx-lm's ResponseGenerator: prefetch on the HTTP thread, waypoints in the prompt segments.
+
+    mlx-lm hands the cache to insert_cache at the end of each prompt
+    segment; cutting a long segment at every multiple of the waypoint step
+    gives the disk tier the states docs/format.md §7 stores as `continued`.
+    """
+
+    def __init__(self, model_provider, prompt_cache):
+        self.tier = prompt_cache
+        # One tokenization at a time: a tokenizer object is not meant to be
+        # shared by threads (the HTTP threads and the generation thread).
+        self._tokenizer_lock = threading.Lock()
+        super().__init__(model_provider, prompt_cache)
+
+    # -- the HTTP thread ------------------------------------------------------
+
+    def _serves(self, args):
+        """True when the request is for the tier's model and that model is loaded.
+
+        While the server starts (the generation thread loads the model
+        first), waits for it: a request that arrives then still gets its
+        disk hit.
+        """
+        provider = self.model_provider
+        m = args.model
+        key = (provider._model_map.get(m.model, m.model),
+               provider._adapter_map.get(m.model, m.adapter),
+               provider._draft_model_map.get(m.draft, m.draft))
+        if key != self.tier.model_key:
+            return False
+        deadline = time.monotonic() + MODEL_WAIT_S
+        while provider.model_key is None and self.generation_available() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return provider.model_key == key and provider.tokenizer is not None
+
+    def generate(self, request, generation_args, progress_callback=None):
+        """Tokenizes and prefetches on this (HTTP) thread, then queues the request as mlx-lm does.
+
+        Raises:
+            ClientGone: the client disconnected while its cache was loading
+                (the loaded cache is dropped).
+        """
+        ticket = getattr(request, "kvstore_ticket", None)
+        if ticket is None:
+            ticket = request.kvstore_ticket = Ticket()
+        if self._serves(generation_args):
+            tokenizer = self.model_provider.tokenizer
+            try:
+                with self._tokenizer_lock:
+                    ticket.tokenized = (tokenizer, super()._tokenize(tokenizer, request, generation_args))
+            except Exception as e:            # the generation thread reports it, as mlx-lm does
+                ticket.tokenized = (tokenizer, e)
+            else:
+                prompt, _, _, _, vision = ticket.tokenized[1]
+                if vision is None and len(prompt) > 1:
+                    ticket.prefetched = self.tier.prefetch(prompt, ticket.tenant)
+            if ticket.gone is not None and ticket.gone():
+                dropped = ticket.prefetched is not None
+                ticket.prefetched = None
+                log.info("kvstore: request_dropped reason=client_gone loaded=%d", dropped)
+                raise ClientGone("the client disconnected")
+        return super().generate(request, generation_args, progress_callback)
+
+    # -- the generation thread ------------------------------------------------
+
+    def _tokenize(self, tokenizer, request, args):
+        ticket = getattr(request, "kvstore_ticket", None)
+        done = ticket.tokenized if ticket is not None else None
+        if done is not None and done[0] is tokenizer:
+            if isinstance(done[1], Exception):
+                raise done[1]
+            prompt, segments, types, state, vision = done[1]
+            # The lists are the generation thread's to change.
+            prompt, segments, types = list(prompt), [list(s) for s in segments], list(types)
+        else:
+            with self._tokenizer_lock:
+                prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+        self.tier.begin(ticket, prompt)
+        step = self.tier.waypoint_step
+        if vision is None and 0 < step < len(prompt):
+            segments, types = split_at_waypoints(segments, types, step)
+        return prompt, segments, types, state, vision
+
+    def _generate(self):
+        try:
+            super()._generate()
+        finally:
+            self.tier.persist_all()
+
+
+def split_at_waypoints(segments, types, step):
+    """Cuts segments at every absolute multiple of step; the cut-off heads are WAYPOINT_TYPE.
+
+    The last piece of each segment keeps the segment's own type, so every
+    boundary mlx-lm had is kept.
+    """
+    out, out_types, pos = [], [], 0
+    for seg, kind in zip(segments, types):
+        start = 0
+        cut = (pos // step + 1) * step
+        while cut < pos + len(seg):
+            out.append(seg[start:cut - pos])
+            out_types.append(WAYPOINT_TYPE)
+            start = cut - pos
+            cut += step
+        out.append(seg[start:])
+        out_types.append(kind)
+        pos += len(seg)
+    return out, out_types

@@ -1,0 +1,147 @@
+"""Prometheus metrics of kvstore serve (GET /metrics).
+
+Two kinds of numbers:
+- the server's own, counted as requests are served: requests by where their
+  cache came from (ram, disk, remote, none), tokens reused and prefilled,
+  the time each request's disk or bucket load took, loads in progress,
+  stores skipped by admission;
+- the directory's, read from the store when the endpoint is scraped: the
+  cumulative counters every process using the directory adds to
+  (KVStore.counters(), the same numbers `kvstore stats --json` prints:
+  saves, bytes written and read, hits, misses, evictions, corrupt files,
+  stores skipped by the write budget, load and save latency histograms),
+  entries and bytes against the budget, the write budget's level and the
+  remote tier's breaker.
+
+A scrape never fails for the store: a counter the store cannot give now
+(the directory being wiped, say) is left out of that scrape.
+"""
+
+import logging
+import threading
+
+log = logging.getLogger("kvstore")
+
+SOURCES = ("ram", "disk", "remote", "none")
+
+
+def available():
+    """True when prometheus_client is installed."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Metrics:
+    """The metrics of one server and its store.
+
+    Args:
+        store: the server's KVStore.
+    """
+
+    def __init__(self, store):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        self.store = store
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._requests = Counter("kvstore_requests", "Requests by where their prompt cache came from",
+                                 ["source"], registry=self.registry)
+        self._reused = Counter("kvstore_tokens_reused", "Prompt tokens taken from a cache, by source",
+                               ["source"], registry=self.registry)
+        self._prefilled = Counter("kvstore_tokens_prefilled", "Prompt tokens the model computed",
+                                  registry=self.registry)
+        self._load = Histogram("kvstore_request_load_seconds",
+                               "Time to load a request's cache from disk or the bucket, by source",
+                               ["source"], registry=self.registry)
+        self._loading = Gauge("kvstore_loads_in_progress", "Disk or bucket loads running now",
+                              registry=self.registry)
+        self._skipped = Counter("kvstore_stores_skipped", "Stores this server skipped, by why",
+                                ["why"], registry=self.registry)
+        for s in SOURCES:
+            self._requests.labels(s)
+            self._reused.labels(s)
+        self._skipped.labels("admission")
+        self.registry.register(_StoreCollector(store))
+        self._lock = threading.Lock()
+
+    # -- counted by the server ------------------------------------------------
+
+    def request(self, source, reused, prefilled, load_s=None):
+        """One request served: where its cache came from, tokens reused and prefilled, its load time."""
+        self._requests.labels(source).inc()
+        self._reused.labels(source).inc(reused)
+        self._prefilled.inc(prefilled)
+        if load_s is not None:
+            self._load.labels(source).observe(load_s)
+
+    def loading(self, delta):
+        self._loading.inc(delta)
+
+    def skipped(self, why):
+        self._skipped.labels(why).inc()
+
+    # -- the endpoint -----------------------------------------------------------
+
+    def exposition(self):
+        """(body bytes, content type) of a scrape."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        with self._lock:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _StoreCollector:
+    """The store's numbers, read at scrape time."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        try:
+            stats = self.store.stats()
+            counters = self.store.counters() if hasattr(self.store, "counters") else {}
+        except Exception as e:              # noqa: BLE001 - a scrape never fails for the store
+            log.warning("kvstore: metrics_unavailable error=%s", type(e).__name__)
+            return
+        g = GaugeMetricFamily
+        yield g("kvstore_entries", "Checkpoint files in the directory", value=stats["entries"])
+        yield g("kvstore_bytes", "Bytes of checkpoint files in the directory", value=stats["bytes"])
+        yield g("kvstore_budget_bytes", "The directory's disk budget", value=stats["budget_bytes"])
+        for name, key, doc in (
+                ("saves", "saves", "Checkpoints saved"),
+                ("written_bytes", "bytes_written", "Bytes written to checkpoint files"),
+                ("loads", "loads", "Checkpoints loaded"),
+                ("read_bytes", "bytes_read", "Bytes of checkpoint files loaded"),
+                ("hits", "hits", "Lookups that loaded a checkpoint"),
+                ("misses", "misses", "Lookups or loads that ended without a checkpoint"),
+                ("evictions", "evictions", "Checkpoints evicted to keep the budget"),
+                ("evicted_bytes", "bytes_evicted", "Bytes evicted to keep the budget"),
+                ("corrupt_files", "corrupt", "Files found corrupt and removed"),
+                ("stores_skipped_write_budget", "stores_skipped_write_budget",
+                 "Stores skipped because the write budget ran low")):
+            if key in counters:
+                yield CounterMetricFamily(f"kvstore_directory_{name}", f"{doc} (every process, cumulative)",
+                                          value=counters[key])
+        for name, doc in (("load_seconds", "Checkpoint load latency"), ("save_seconds", "Checkpoint save latency")):
+            h = counters.get(name)
+            if h:
+                buckets = [("+Inf" if le == float("inf") else repr(float(le)), n) for le, n in h["buckets"]]
+                yield HistogramMetricFamily(f"kvstore_directory_{name}", f"{doc} (every process, cumulative)",
+                                            buckets=buckets, sum_value=h["sum_s"])
+        budget = counters.get("write_budget") or stats.get("write_budget")
+        if budget:
+            yield g("kvstore_write_budget_available_bytes", "Bytes the write budget allows now",
+                    value=budget["available_bytes"])
+            yield g("kvstore_write_budget_capacity_bytes", "The write budget's size (one hour's bytes)",
+                    value=budget["capacity_bytes"])
+        state = stats.get("remote_breaker")
+        if state is not None:
+            breaker = g("kvstore_remote_breaker", "The remote tier's circuit breaker: 1 for its state",
+                        labels=["state"])
+            for s in ("closed", "open", "half_open"):
+                breaker.add_metric([s], 1.0 if state == s else 0.0)
+            yield breaker

@@ -1,0 +1,277 @@
+"""Running kvstore serve: mlx-lm's server with the tier, the metrics and the options."""
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from http.server import ThreadingHTTPServer
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm import server as mlx_server
+
+from kvstore import remote
+from kvstore.chain import DEFAULT_BLOCK_TOKENS
+from kvstore.mlx import DEFAULT_CTX_SIZE
+from kvstore.policy import Options
+from kvstore.serve import metrics as metrics_mod
+from kvstore.serve.generator import TieredResponseGenerator
+from kvstore.serve.http import handler_class
+from kvstore.serve.tier import TieredPromptCache
+from kvstore.store import DEFAULT_BUDGET_MB, LAYOUTS, KVStore
+
+log = logging.getLogger("kvstore")
+
+# The mlx-lm releases this module was tested with (pyproject pins the same).
+SUPPORTED_MLX_LM = ((0, 32), (0, 33))
+
+# Bytes read from each end of each weight file for the model fingerprint:
+# enough to tell two checkpoints of one architecture apart (their weights
+# differ everywhere), cheap even for a 100 GB model.
+FINGERPRINT_SAMPLE = 1 << 16
+
+# Where checkpoints go when --cache-dir is not given: one directory per
+# model fingerprint, so that two models never share a directory by accident.
+DEFAULT_CACHE_ROOT = os.path.join("~", ".cache", "kvstore", "serve")
+
+
+def model_fingerprint(path):
+    """A hex SHA1 naming a model directory's contents.
+
+    Covers config.json, the tokenizer files and, for every *.safetensors
+    file, its name, size and its first and last FINGERPRINT_SAMPLE bytes.
+    A path that is not a directory (a hub repo id) is named by itself.
+    """
+    h = hashlib.sha1()
+    if not os.path.isdir(path):
+        h.update(os.fspath(path).encode("utf-8"))
+        return h.hexdigest()
+    names = sorted(os.listdir(path))
+    for name in names:
+        full = os.path.join(path, name)
+        if name in ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                    "chat_template.jinja"):
+            with open(full, "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+        elif name.endswith(".safetensors"):
+            size = os.path.getsize(full)
+            h.update(f"{name}\0{size}\0".encode())
+            with open(full, "rb") as f:
+                h.update(f.read(FINGERPRINT_SAMPLE))
+                f.seek(max(0, size - FINGERPRINT_SAMPLE))
+                h.update(f.read(FINGERPRINT_SAMPLE))
+    return h.hexdigest()
+
+
+
+
+def _check_mlx_lm():
+    version = tuple(int(p) for p in mlx_lm.__version__.split(".")[:2] if p.isdigit())
+    lo, hi = SUPPORTED_MLX_LM
+    if not lo <= version < hi:
+        log.warning("kvstore: untested mlx_lm=%s supported=%s..%s", mlx_lm.__version__,
+                    ".".join(map(str, lo)), ".".join(map(str, hi)))
+
+
+def _config(path):
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _ctx_size(config):
+    return int(config.get("max_position_embeddings") or DEFAULT_CTX_SIZE)
+
+
+def _quant_bits(config):
+    q = config.get("quantization") or config.get("quantization_config") or {}
+    return int(q["bits"]) if isinstance(q, dict) and q.get("bits") in (2, 3, 4, 5, 6, 8) else 16
+
+
+class _Server:
+    """The HTTP server, the generation thread and the tier, stopped in that order."""
+
+    def __init__(self, host, port, model_provider, opts):
+        cli = model_provider.cli_args
+        path = cli.model
+        self.fingerprint = model_fingerprint(path)
+        config = _config(path) if os.path.isdir(path) else {}
+        cache_dir = opts.cache_dir or os.path.join(os.path.expanduser(DEFAULT_CACHE_ROOT),
+                                                   self.fingerprint[:16])
+        options = Options(**{k: v for k, v in (("min_tokens", opts.min_tokens),
+                                                ("continued_interval_tokens", opts.waypoint_tokens))
+                             if v is not None})
+        extra = dict(model_identity=self.fingerprint, **remote.store_kwargs(opts))
+        self.store = KVStore(cache_dir, budget_mb=opts.budget_mb,
+                             model_id=int(self.fingerprint[:2], 16),
+                             quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
+                             options=options, layout=opts.layout, block_tokens=opts.block_tokens, **extra)
+        if self.store.remote is not None:
+            # The bucket's index before the first request (later refreshes
+            # run in the background); a remote that is down costs one
+            # connect timeout here and nothing afterwards.
+            self.store.remote.refresh()
+        model_key = (path, cli.adapter_path, cli.draft_model)
+        if metrics_mod.available():
+            self.metrics = metrics_mod.Metrics(self.store)
+        else:
+            self.metrics = None
+            log.warning("kvstore: metrics_disabled reason=no_prometheus_client "
+                        "(pip install 'kvstore[serve]' for GET /metrics)")
+        self.tier = TieredPromptCache(self.store, model_provider, model_key, self.fingerprint,
+                                      max_size=cli.prompt_cache_size, metrics=self.metrics,
+                                      admit_after=opts.admit_after)
+        self.generator = TieredResponseGenerator(model_provider, self.tier)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, address = infos[0]
+
+        class Server(ThreadingHTTPServer):
+            address_family = family
+            daemon_threads = True
+
+        fingerprint = mlx_server.get_system_fingerprint()
+        handler = handler_class(opts.require_cache_salt, self.metrics)
+        self.httpd = Server(address, lambda *a, **kw: handler(self.generator, *a, system_fingerprint=fingerprint,
+                                                              **kw))
+        self.cache_dir = cache_dir
+
+    def run(self):
+        stop = threading.Event()
+
+        def on_signal(signum, frame):
+            stop.set()
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        thread = threading.Thread(target=self.httpd.serve_forever, name="kvstore-http", daemon=True)
+        thread.start()
+        host, port = self.httpd.server_address[:2]
+        log.info("kvstore: serving host=%s port=%d cache_dir=%s entries=%d", host, port,
+                 self.cache_dir, len(self.store.entries()))
+        status = 0
+        try:
+            while not stop.wait(0.5):
+                if not self.generator.generation_available():
+                    log.error("kvstore: generation thread stopped; shutting down")
+                    status = 1
+                    break
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.generator.stop_and_join()
+            self.tier.close()
+        return status
+
+
+def build_parser():
+    """The options `kvstore serve` adds to mlx_lm.server's own."""
+    p = argparse.ArgumentParser(
+        prog="kvstore serve", add_help=False,
+        description="mlx-lm's OpenAI-compatible server with a persistent disk tier behind its "
+                    "RAM prompt cache. Every mlx_lm.server option is accepted too "
+                    "(see `mlx_lm.server --help`).")
+    p.add_argument("-h", "--help", action="store_true", help="show this help and mlx_lm.server's")
+    p.add_argument("--model", help="the mlx-lm model directory (required)")
+    p.add_argument("--cache-dir", help="checkpoint directory (default: "
+                   f"{DEFAULT_CACHE_ROOT}/<model fingerprint>)")
+    p.add_argument("--budget-mb", type=float, default=DEFAULT_BUDGET_MB,
+                   help=f"disk budget of the directory in MiB (default {DEFAULT_BUDGET_MB})")
+    p.add_argument("--min-tokens", type=int, default=None,
+                   help="shortest prefix worth a checkpoint (default 512)")
+    p.add_argument("--waypoint-tokens", type=int, default=None,
+                   help="store a `continued` checkpoint every this many prompt tokens, rounded up "
+                        "to 2048 (default 10000; 0: none)")
+    p.add_argument("--layout", choices=LAYOUTS, default="chain",
+                   help="chain: blocks of --block-tokens, every token's KV written once and a hit at every "
+                        "block boundary (default); whole: one file per checkpoint")
+    p.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
+                   help=f"tokens per block of a chain (default {DEFAULT_BLOCK_TOKENS})")
+    p.add_argument("--max-write-mb-per-hour", type=float, default=None,
+                   help="SSD write budget in MiB per hour: when it runs low, stores are skipped in order "
+                        "of value (waypoints and evict states first, anchors last); default: none")
+    p.add_argument("--admit-after", type=int, default=1,
+                   help="store a prefix only once this many requests have used it (default 1: at first use)")
+    p.add_argument("--require-cache-salt", action="store_true",
+                   help="refuse completions without a cache_salt (400); requests with different salts "
+                        "never share a cached prefix, in RAM, on disk or in the bucket")
+    remote.add_arguments(p)
+    return p
+
+
+def main(argv=None):
+    """Runs `kvstore serve`; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    opts, rest = parser.parse_known_args(argv)
+    if opts.help:
+        parser.print_help()
+        print("\nmlx_lm.server options:")
+        _run_mlx_lm_main(["--help"], None)
+        return 0
+    if not opts.model:
+        parser.print_usage(sys.stderr)
+        print("kvstore serve: error: --model PATH is required", file=sys.stderr)
+        return 2
+    local = os.path.isabs(opts.model) or opts.model.startswith((".", "~"))
+    if local and not os.path.isdir(os.path.expanduser(opts.model)):
+        # (Anything else may be a hub repository id, which mlx-lm resolves.)
+        print(f"kvstore serve: error: --model {opts.model}: no such model directory", file=sys.stderr)
+        return 2
+    for name in ("block_tokens", "admit_after"):
+        value = getattr(opts, name)
+        if value < 1:
+            print(f"kvstore serve: error: --{name.replace('_', '-')} {value} must be >= 1", file=sys.stderr)
+            return 2
+    if opts.max_write_mb_per_hour is not None and not opts.max_write_mb_per_hour > 0:
+        print(f"kvstore serve: error: --max-write-mb-per-hour {opts.max_write_mb_per_hour} must be > 0",
+              file=sys.stderr)
+        return 2
+    for name in ("budget_mb", "min_tokens", "waypoint_tokens"):
+        value = getattr(opts, name)
+        if value is not None and value < 0:
+            print(f"kvstore serve: error: --{name.replace('_', '-')} {value} must be >= 0", file=sys.stderr)
+            return 2
+    _check_mlx_lm()
+    status = _run_mlx_lm_main(["--model", opts.model] + rest, opts)
+    # Everything is stored and the store is closed.  The interpreter's own
+    # teardown would now destroy MLX's per-thread stream state of the
+    # finished generation thread and abort ("terminate called without an
+    # active exception", seen with plain mlx_lm.server too): leave now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _run_mlx_lm_main(argv, opts):
+    """mlx_lm.server.main() parses argv with its own parser and calls run(host, port, provider).
+
+    mlx-lm offers no other way to get its full option set; its run() is
+    swapped for ours for the duration of the call, then restored.
+    """
+    result = {"status": 0}
+
+    def run(host, port, model_provider):
+        if mx.distributed.init().size() > 1:
+            raise SystemExit("kvstore serve: distributed mlx_lm.server is not supported")
+        logging.getLogger("kvstore").setLevel(logging.INFO)
+        result["status"] = _Server(host, port, model_provider, opts).run()
+
+    saved_argv, saved_run = sys.argv, mlx_server.run
+    sys.argv = ["kvstore serve"] + argv
+    mlx_server.run = run
+    try:
+        mlx_server.main()
+    except SystemExit as e:                  # --help, a bad mlx-lm option
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    finally:
+        sys.argv, mlx_server.run = saved_argv, saved_run
+    return result["status"]

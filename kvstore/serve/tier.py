@@ -1,0 +1,473 @@
+"""TieredPromptCache: mlx-lm's RAM prompt cache with a kvstore directory behind it.
+
+Threads.  mlx-lm runs every model step on one generation thread; kvstore
+serve keeps disk and bucket reads off it.  A request is tokenized and its
+longest stored prefix loaded on the HTTP thread that received it
+(prefetch()), before the request is queued for the generation thread; the
+generation thread then only picks the loaded cache up (fetch_nearest_cache)
+and never waits for a disk.  mlx-lm's trie is shared by both kinds of
+thread, so every access to it here holds one lock.
+
+Tenants.  A request's tenant (kvstore.serve.tenants) is part of every key it
+uses: the model key of mlx-lm's trie, and the first bytes of the disk key.
+The generation thread tells the tier which request comes next (begin());
+mlx-lm's own insert_cache calls carry only token ids, so each insert goes to
+the tenants of the requests whose prompt it continues or starts.
+
+Admission.  With admit_after = N > 1 a prefix is stored only once N
+requests have used it: each request counts the prefixes of its prompt at
+every ADMISSION_GRID-token boundary (digests of their key bytes, kept in a
+bounded table), and a store keeps only the boundaries counted N times.
+"""
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache
+
+from kvstore import _native
+from kvstore.chain import DEFAULT_BLOCK_TOKENS, slice_along
+from kvstore.format import Reason
+from kvstore.mlx import cache_from_checkpoint, checked_state, text_offsets_function, token_bytes_function
+from kvstore.policy import continued_step
+from kvstore.serve import tenants
+
+log = logging.getLogger("kvstore")
+
+# mlx-lm's cache types; a waypoint segment is inserted into RAM as "user".
+WAYPOINT_TYPE = "user"
+
+# Admission counts prompt prefixes at multiples of this many tokens.
+ADMISSION_GRID = DEFAULT_BLOCK_TOKENS
+
+# How many prefix digests admission remembers (least recently counted go first).
+ADMISSION_TABLE = 1 << 16
+
+# Requests the tier keeps track of between begin() and their finished
+# insert; one that never finishes (a dropped client) ages out past this.
+MAX_ACTIVE = 1024
+
+
+@dataclasses.dataclass
+class Prefetched:
+    """A request's cache loaded on its HTTP thread, waiting for the generation thread."""
+    tokens: list
+    cache: list
+    n: int                    # tokens the cache holds
+    source: str               # "disk" or "remote"
+    load_s: float
+
+
+@dataclasses.dataclass
+class Ticket:
+    """What the HTTP thread learned about a request before queueing it."""
+    tenant: str = None        # tenants.tag() of its cache_salt, or None
+    tokenized: object = None  # ResponseGenerator._tokenize's result, or the exception it raised
+    prefetched: Prefetched = None
+    gone: object = None       # callable: True once the client has disconnected
+
+
+class _ReportingOrder(LRUPromptCache.CacheOrder):
+    """mlx-lm's LRU order that tells its owner which entries come and go."""
+
+    def __init__(self, owner, ordering=None):
+        super().__init__(ordering)
+        self._owner = owner
+
+    def push(self, model, tokens, cache_type="assistant"):
+        super().push(model, tokens, cache_type)
+        self._owner._pushed(model, tokens)
+
+    def remove(self, model, tokens):
+        super().remove(model, tokens)
+        self._owner._removed(model, tokens)
+
+    def pop(self):
+        model, tokens = super().pop()
+        self._owner._dropped(model, tokens)
+        return model, tokens
+
+
+def _ns(model, tenant):
+    """The trie's model key of a tenant: the model itself for none."""
+    return model if tenant is None else (model, "tenant", tenant)
+
+
+def _split(ns):
+    """(model, tenant) of a trie model key."""
+    if isinstance(ns, tuple) and len(ns) == 3 and ns[1] == "tenant":
+        return ns[0], ns[2]
+    return ns, None
+
+
+def _arrays(cache):
+    """Every MLX array a list of mlx-lm caches holds (for one mx.eval)."""
+    out = []
+    for c in cache:
+        state = c.state
+        stack = [state]
+        while stack:
+            s = stack.pop()
+            if isinstance(s, mx.array):
+                out.append(s)
+            elif isinstance(s, (list, tuple)):
+                stack.extend(s)
+    return out
+
+
+class TieredPromptCache(LRUPromptCache):
+    """mlx-lm's RAM prompt cache with a kvstore directory behind it.
+
+    Args:
+        store: a KVStore for this model's checkpoints.
+        provider: mlx-lm's ModelProvider (the tokenizer and model come from it).
+        model_key: the provider's key of the model the store belongs to;
+            requests for other models use RAM only.
+        fingerprint: model_fingerprint() of that model (kept in each
+            checkpoint's meta and checked on load).
+        max_size, max_bytes: mlx-lm's LRU limits.
+        metrics: a kvstore.serve.metrics.Metrics, or None.
+        admit_after: store a prefix once this many requests have used it.
+    """
+
+    def __init__(self, store, provider, model_key, fingerprint, max_size=10, max_bytes=1 << 63,
+                 metrics=None, admit_after=1):
+        super().__init__(max_size, max_bytes)
+        self._lru = _ReportingOrder(self, self._lru._ordering)
+        self.store = store
+        self.provider = provider
+        self.model_key = model_key
+        self.fingerprint = fingerprint
+        self.options = store.options
+        self.waypoint_step = continued_step(self.options)
+        self.metrics = metrics
+        self.admit_after = admit_after
+        self._lock = threading.RLock()           # mlx-lm's trie and LRU, and the tables below
+        self._keys_lock = threading.Lock()
+        self._token_bytes = None
+        self._text_offsets = None
+        self._incoming = None
+        self._held = {}            # (trie model key, tuple(tokens)) -> the cache mlx-lm keeps for it
+        self._next = None          # the Ticket of the request the generation thread serves next
+        self._active = collections.OrderedDict()   # id -> (tenant, prompt) between begin() and finish
+        self._uses = collections.OrderedDict()     # prefix digest -> requests that used it
+        self._serial = itertools.count()
+
+    # -- the tokens -> bytes key --------------------------------------------
+
+    def _functions(self):
+        with self._keys_lock:
+            if self._token_bytes is None:
+                self._token_bytes = token_bytes_function(self.provider.tokenizer)
+                self._text_offsets = text_offsets_function(self._token_bytes)
+        return self._token_bytes, self._text_offsets
+
+    def key_bytes(self, tokens, tenant=None):
+        """The disk key of tokens: the tenant's prefix, then the tokens' own bytes."""
+        token_bytes, _ = self._functions()
+        return tenants.key_prefix(tenant) + token_bytes(tokens)
+
+    def _offsets(self, tokens, tenant, text_len):
+        _, text_offsets = self._functions()
+        head = len(tenants.key_prefix(tenant))
+        offsets = text_offsets(tokens, text_len - head)
+        return None if offsets is None else offsets + head
+
+    # -- the HTTP thread ------------------------------------------------------
+
+    def prefetch(self, tokens, tenant):
+        """Loads the longest stored prefix of tokens that beats RAM; on the calling (HTTP) thread.
+
+        Also counts the request's prefixes for admission.  Never raises:
+        the disk tier must never fail a request.
+
+        Returns:
+            Prefetched, or None (RAM is as good, nothing stored, or a miss).
+        """
+        try:
+            key = self.key_bytes(tokens[:-1], tenant)
+            if self.admit_after > 1:
+                self._count_uses(tokens[:-1], tenant, key)
+            with self._lock:
+                ram = self._ram_reuse(_ns(self.model_key, tenant), tokens)
+            # Keep at least one token to prefill: the server needs its logits.
+            if ram >= len(tokens) - 1:
+                return None
+            t0 = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.loading(+1)
+            try:
+                hit = self._load_longest(tokens, ram, key, tenant)
+            finally:
+                if self.metrics is not None:
+                    self.metrics.loading(-1)
+            if hit is None:
+                return None
+            cache, n, source = hit
+            mx.eval(_arrays(cache))
+            return Prefetched(list(tokens[:n]), cache, n, source, time.perf_counter() - t0)
+        except Exception as e:            # noqa: BLE001 - the disk tier must never fail a request
+            log.warning("kvstore: disk_lookup_failed error=%s", type(e).__name__)
+            return None
+
+    def _ram_reuse(self, ns, tokens):
+        """How many tokens mlx-lm's fetch_nearest_cache would reuse now (the lock held)."""
+        result = self._trie.search(ns, tokens)
+        if result.exact is not None:
+            return len(tokens)
+        short = len(result.shorter) if result.shorter is not None else 0
+        if result.longer is not None and result.common_prefix > short:
+            entry = self._trie.get(result.model, result.longer)
+            if can_trim_prompt_cache(entry.prompt_cache):
+                return min(len(tokens) - 1, result.common_prefix)
+        return short
+
+    def _load_longest(self, tokens, reused, key, tenant):
+        """(cache, n, source) from the longest stored prefix of key beyond reused tokens; else None."""
+        entry = self.store.find(key)
+        if entry is None:
+            return None
+        remote = getattr(entry, "remote", None) is not None
+        if remote:
+            # A remote entry's header is read when it is fetched: compare bytes.
+            if entry.text_bytes <= len(self.key_bytes(tokens[:reused], tenant)):
+                return None
+        elif entry.tokens <= reused:
+            return None
+        ckpt = self.store.load(entry, into="mlx")
+        if ckpt is None:
+            return None
+        n = len(ckpt.tokens)
+        if ckpt.tokens.tolist() != list(tokens[:n]):
+            log.info("kvstore: disk_miss reason=token_mismatch tokens=%d file=%s", n, entry.name[:12])
+            return None
+        if ckpt.meta.get("model") != self.fingerprint:
+            log.info("kvstore: disk_miss reason=other_model tokens=%d file=%s", n, entry.name[:12])
+            return None
+        cache = cache_from_checkpoint(self.store, ckpt)
+        if cache is None:
+            return None
+        expect = make_prompt_cache(self.provider.model)
+        if self.provider.draft_model is not None:
+            expect += make_prompt_cache(self.provider.draft_model)
+        if [type(c) for c in cache] != [type(c) for c in expect]:
+            log.info("kvstore: disk_miss reason=cache_layout tokens=%d file=%s", n, entry.name[:12])
+            return None
+        return cache, n, "remote" if remote else "disk"
+
+    # -- admission ------------------------------------------------------------
+
+    def _grid_digests(self, tokens, tenant, key):
+        """{boundary: digest of key up to it} at every ADMISSION_GRID-token multiple of tokens.
+
+        key is key_bytes(tokens, tenant).
+        """
+        offsets = self._offsets(tokens, tenant, len(key))
+        if offsets is None:
+            return {}
+        cuts = list(range(ADMISSION_GRID, len(tokens) + 1, ADMISSION_GRID))
+        if not cuts:
+            return {}
+        return dict(zip(cuts, _native.sha1_prefixes(key, [int(offsets[c]) for c in cuts])))
+
+    def _count_uses(self, tokens, tenant, key):
+        digests = self._grid_digests(tokens, tenant, key)
+        with self._lock:
+            for d in digests.values():
+                self._uses[d] = self._uses.pop(d, 0) + 1
+            while len(self._uses) > ADMISSION_TABLE:
+                self._uses.popitem(last=False)
+
+    def _admitted(self, tokens, tenant, key):
+        """The longest grid boundary <= len(tokens) that admit_after requests have used (0: none).
+
+        key is key_bytes(tokens, tenant).
+        """
+        if self.admit_after <= 1:
+            return len(tokens)
+        digests = self._grid_digests(tokens, tenant, key)
+        with self._lock:
+            ok = [n for n, d in digests.items() if self._uses.get(d, 0) >= self.admit_after]
+        return max(ok, default=0)
+
+    # -- the generation thread ------------------------------------------------
+
+    def begin(self, ticket, prompt):
+        """The generation thread is about to serve the request of ticket, with prompt."""
+        ticket = ticket if ticket is not None else Ticket()
+        with self._lock:
+            self._next = (ticket, list(prompt))
+            self._active[next(self._serial)] = (ticket.tenant, list(prompt))
+            while len(self._active) > MAX_ACTIVE:
+                self._active.popitem(last=False)
+
+    def fetch_nearest_cache(self, model, tokens):
+        """RAM first; the cache the HTTP thread loaded when it reuses more.  Logs one line per request."""
+        with self._lock:
+            nxt, self._next = self._next, None
+        if nxt is not None and nxt[1] == list(tokens):
+            ticket = nxt[0]
+        else:
+            # Not the request begin() announced: share nothing with anyone.
+            log.warning("kvstore: request_unannounced tokens=%d", len(tokens))
+            ticket = Ticket(tenant=f"unannounced-{next(self._serial)}")
+        ns = _ns(model, ticket.tenant)
+        with self._lock:
+            cache, rest = super().fetch_nearest_cache(ns, tokens)
+        reused = len(tokens) - len(rest)
+        source, load_ms = ("ram" if reused else "none"), 0.0
+        pre, ticket.prefetched = ticket.prefetched, None
+        if ticket.tokenized is None and model == self.model_key and reused < len(tokens) - 1:
+            # The HTTP thread could not prepare it (another model was loaded
+            # when it came): load here, as the only way to a disk hit.
+            log.info("kvstore: load_on_generation_thread reason=not_prepared tokens=%d", len(tokens))
+            pre = self.prefetch(tokens, ticket.tenant)
+        if pre is not None and model == self.model_key and pre.n > reused and pre.n < len(tokens) \
+                and list(tokens[:pre.n]) == pre.tokens:
+            cache, rest = pre.cache, tokens[pre.n:]
+            reused, source, load_ms = pre.n, pre.source, pre.load_s * 1e3
+        del pre
+        if self.metrics is not None:
+            self.metrics.request(source, reused, len(rest), load_ms / 1e3 if source in ("disk", "remote") else None)
+        log.info("kvstore: request source=%s reused=%d prefilled=%d load_ms=%.1f%s",
+                 source, reused, len(rest), load_ms,
+                 "" if ticket.tenant is None else f" tenant={ticket.tenant[:8]}")
+        return cache, rest
+
+    def _tenants_of(self, tokens, finished):
+        """The tenants of the active requests whose prompt tokens start or continue."""
+        n = len(tokens)
+        out, done = set(), None
+        for key, (tenant, prompt) in self._active.items():
+            m = len(prompt)
+            if (n <= m and prompt[:n] == tokens) or (n > m and tokens[:m] == prompt):
+                out.add(tenant)
+                if finished and n >= m and done is None:
+                    done = key
+        if done is not None:
+            del self._active[done]
+        return out
+
+    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+        """mlx-lm's insert, under the tenant of the request it belongs to; then the disk."""
+        tokens = list(tokens)
+        with self._lock:
+            owners = self._tenants_of(tokens, finished=cache_type == "assistant")
+            if not owners:
+                # No request started these tokens: keep nothing rather than
+                # guess a tenant.
+                log.info("kvstore: ram_insert_skipped reason=unknown_request tokens=%d", len(tokens))
+                return
+            for tenant in owners:
+                self._incoming = prompt_cache
+                try:
+                    super().insert_cache(_ns(model, tenant), tokens, prompt_cache, cache_type=cache_type)
+                finally:
+                    self._incoming = None
+        for tenant in owners:
+            if cache_type == "system":
+                self._persist(model, tenant, tokens, prompt_cache, Reason.COLD)
+            elif cache_type == WAYPOINT_TYPE and self.waypoint_step and len(tokens) % self.waypoint_step == 0:
+                self._persist(model, tenant, tokens, prompt_cache, Reason.CONTINUED)
+            elif cache_type == "assistant" and self.store.layout == "chain":
+                # A finished request: its prompt and answer, whole blocks only.
+                self._persist(model, tenant, tokens, prompt_cache, Reason.CONTINUED, whole_blocks=True)
+
+    def trim_to(self, *, n_sequences=None, n_bytes=None):
+        with self._lock:
+            super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+
+    def _pushed(self, ns, tokens):
+        if self._incoming is not None:
+            self._held[(ns, tuple(tokens))] = self._incoming
+
+    def _removed(self, ns, tokens):
+        # Replaced by a newer cache for the same tokens, or a prefix of a
+        # longer trimmable entry: nothing is lost.
+        self._held.pop((ns, tuple(tokens)), None)
+
+    def _dropped(self, ns, tokens):
+        cache = self._held.pop((ns, tuple(tokens)), None)
+        if cache is not None:
+            model, tenant = _split(ns)
+            self._persist(model, tenant, tokens, cache, Reason.EVICT)
+
+    def _persist(self, model, tenant, tokens, cache, reason, whole_blocks=False):
+        """Stores cache under its tokens' key on the background writer.
+
+        Nothing is stored for another model than the store's, for fewer than
+        min_tokens tokens, when the same text is stored already, or beyond
+        what admission allows.  With whole_blocks, only the tokens up to the
+        last block boundary are stored, and only when the state is all
+        positional (a recurrent or windowed state would be a link without
+        its snapshot).
+        """
+        if model != self.model_key:
+            return None
+        why = Reason(reason).name.lower()
+        try:
+            n = cache[0].offset if cache and hasattr(cache[0], "offset") else len(tokens)
+            if n > len(tokens) or n < self.options.min_tokens:
+                return None
+            tensors, meta, positional = checked_state(cache, n)
+            all_positional = len(positional) == len(tensors)
+            cut = n
+            if whole_blocks:
+                cut = n // self.store.block_tokens * self.store.block_tokens
+                if not all_positional:
+                    return None
+            admitted = self._admitted(list(tokens[:cut]), tenant, self.key_bytes(tokens[:cut], tenant))
+            if admitted < cut:
+                # Only a prefix has been used by enough requests: a positional
+                # state is cut there, any other is skipped whole.
+                if admitted < self.options.min_tokens or not all_positional:
+                    log.info("kvstore: store_skipped reason=%s why=admission tokens=%d", why, cut)
+                    if self.metrics is not None:
+                        self.metrics.skipped("admission")
+                    return None
+                cut = admitted
+            if cut < self.options.min_tokens:
+                return None
+            if cut < n:
+                tensors = {k: slice_along(a, positional[k], 0, cut) for k, a in tensors.items()}
+                n = cut
+            tokens = list(tokens[:n])
+            text = self.key_bytes(tokens, tenant)
+            have = self.store.find(text)
+            if have is not None and have.text_bytes == len(text):
+                return None
+            meta["model"] = self.fingerprint
+            return self.store.save_async(text, tokens, tensors, meta=meta, reason=reason,
+                                         ctx_size=self.store.ctx_size, positional=positional,
+                                         text_offsets=self._offsets(tokens, tenant, len(text)))
+        except (TypeError, ValueError) as e:   # a cache class kvstore cannot store
+            log.info("kvstore: store_skipped reason=%s detail=%s", why, type(e).__name__)
+        except Exception as e:                 # noqa: BLE001 - never fail a request for the disk tier
+            log.warning("kvstore: store_failed reason=%s error=%s", why, type(e).__name__)
+        return None
+
+    def persist_all(self):
+        """Stores every RAM entry worth keeping as `shutdown` (on the background writer).
+
+        Runs on the generation thread: MLX evaluates an array only on the
+        thread whose stream made it.
+        """
+        saved = 0
+        with self._lock:
+            held = list(self._held.items())
+        for (ns, tokens), cache in held:
+            model, tenant = _split(ns)
+            saved += self._persist(model, tenant, tokens, cache, Reason.SHUTDOWN) is not None
+        log.info("kvstore: shutdown queued=%d", saved)
+
+    def close(self):
+        """Waits for the background writer and closes the store."""
+        try:
+            self.store.flush()
+        finally:
+            self.store.close()
