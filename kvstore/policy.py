@@ -546,6 +546,71 @@ def snapshot_every_block(tensors, positional, tokens, block_tokens):
     return snapshot <= per_block
 
 
+# --- The SSD write budget (docs/format.md §15)
+#
+# KVStore(max_write_mb_per_hour=N) keeps a token bucket of one hour's bytes
+# (kvstore.counters has its arithmetic).  When it runs low, saves are
+# skipped in order of value: each reason may only spend the bucket down to
+# its floor, a share of the capacity.  A save that would leave less is
+# skipped; the bytes left below a floor stay for the reasons with a lower
+# one.  kvstore has no ds4 number to follow here; the order is the §7 one
+# of what a lost checkpoint costs to rebuild:
+#   - cold and agent-system anchors (0): the shared prefix every request
+#     starts from, written once and hit most; skipped last, only when the
+#     bucket cannot pay for them at all;
+#   - agent sessions (0.1): switched back to by name, never rebuilt by
+#     lookup, but one user's;
+#   - shutdown states (0.25): what a restart resumes; written in bursts at
+#     exit, so they keep a quarter for what follows;
+#   - continued waypoints and evict states (0.5), and unknown reasons:
+#     stops on a path a later save of the same session covers again;
+#     skipped first, keeping half the bucket for the others.
+WRITE_BUDGET_FLOORS = {
+    Reason.COLD: 0.0,
+    Reason.AGENT_SYSTEM: 0.0,
+    Reason.AGENT_SESSION: 0.1,
+    Reason.SHUTDOWN: 0.25,
+    Reason.EVICT: 0.5,
+    Reason.CONTINUED: 0.5,
+    Reason.UNKNOWN: 0.5,
+}
+
+
+def write_budget_floor(reason):
+    """The share of the write budget's capacity a save of this reason must leave.
+
+    Args:
+        reason: a :class:`kvstore.Reason` or its integer value (an unknown
+            value counts as UNKNOWN).
+
+    Returns:
+        a float in [0, 1].
+    """
+    try:
+        return WRITE_BUDGET_FLOORS[Reason(reason)]
+    except ValueError:
+        return WRITE_BUDGET_FLOORS[Reason.UNKNOWN]
+
+
+def write_allowed(reason, nbytes, available_bytes, capacity_bytes):
+    """Whether a save may write nbytes out of the write budget now.
+
+    It may when the bucket keeps at least its reason's floor
+    (write_budget_floor) times the capacity after it.
+
+    Args:
+        reason: the save's :class:`kvstore.Reason`.
+        nbytes: the bytes it would write (a chained save: its new blocks only).
+        available_bytes: the bucket's level now.
+        capacity_bytes: the bucket's capacity (one hour's bytes).
+
+    Returns:
+        bool.
+    """
+    _check_count("nbytes", nbytes)
+    return available_bytes - nbytes >= write_budget_floor(reason) * capacity_bytes
+
+
 # --- Which checkpoints an engine can load
 
 def misfit(entry, model_id, ctx_size=None, quant_bits=None, reject_different_quant=False):

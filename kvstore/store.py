@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from kvstore import _native, chain, files, payload, policy
+from kvstore import _native, chain, counters, files, payload, policy
 from kvstore import index as index_mod
 from kvstore import trailers as trailer_mod
 from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
@@ -58,6 +58,12 @@ LOAD_TRIES = 3
 # Orphaned blocks (a chain broken by a crash or another tool) are removed
 # under the directory lock; a lookup that sees some tries at most this often.
 ORPHAN_SWEEP_INTERVAL_S = 10.0
+
+# The directory counters (kvstore.counters) that KVStore.stats() knows by
+# another name; the others have the same name in both.
+_STAT_KEYS = {"bytes_written": "bytes_saved", "bytes_read": "bytes_loaded", "save_seconds": "save_s",
+              "load_seconds": "load_s"}
+_COUNTED = frozenset(counters.COUNTER_NAMES) | frozenset(counters.HISTOGRAMS)
 
 # Openers of remote tiers by URL scheme ("s3"), registered by the tier's own
 # package (kvstore.remote) so that this module never imports a room above it.
@@ -135,13 +141,21 @@ class KVStore:
             block boundary a hit (payload ABI 17); "whole" writes one ABI 16
             file per checkpoint.  Both layouts are read whatever this says.
         block_tokens: the chain grid, in tokens (default 256).
+        max_write_mb_per_hour: an SSD write budget: a token bucket of this
+            many MiB, refilled at this many MiB an hour, shared by every
+            process using the directory (docs/format.md §15).  When it runs
+            low, saves are skipped in order of value (kvstore.policy
+            .write_allowed): waypoints and evict states first, anchors last.
+            None (the default): no budget.
     """
 
     def __init__(self, path, budget_mb=DEFAULT_BUDGET_MB, model_id=0, quant_bits=16,
                  ctx_size=None, reject_different_quant=False, options=None, durable=True,
                  verify=True, quarantine=False, max_age_s=None, remote=None, remote_options=None,
-                 model_identity=None, layout="chain", block_tokens=chain.DEFAULT_BLOCK_TOKENS):
+                 model_identity=None, layout="chain", block_tokens=chain.DEFAULT_BLOCK_TOKENS,
+                 max_write_mb_per_hour=None):
         self.path = os.path.abspath(os.fspath(path))
+        self.write_budget_bytes = counters.budget_capacity(max_write_mb_per_hour)   # ValueError if bad
         if budget_mb is None or budget_mb < 0:
             raise ValueError(f"budget_mb={budget_mb!r} must be a number >= 0")
         if not 0 <= int(model_id) <= 255:
@@ -171,8 +185,13 @@ class KVStore:
         self._lock = threading.RLock()
         self._stats = dict(hits=0, misses=0, loads=0, bytes_loaded=0, load_s=0.0, saves=0,
                            bytes_saved=0, save_s=0.0, refused=0, save_errors=0, evictions=0,
-                           corrupt=0, consumed=0)
+                           bytes_evicted=0, corrupt=0, consumed=0, stores_skipped_write_budget=0)
         self._open_dir()
+        # The directory's own counters, shared with every process using it.
+        self._counters = counters.DirectoryCounters(self.path)
+        if self.write_budget_bytes is not None:
+            # Records this process's capacity (and clamps the level to it).
+            self._counters.take(0, self.write_budget_bytes, lambda available: True)
         self._index = DirectoryIndex(self.path, lambda e: self.misfit(e) is None, self.options.min_tokens)
         self._orphans_swept = 0.0
         self._lookup = TieredLookup(self._index)
@@ -254,8 +273,8 @@ class KVStore:
             if sha is not None:
                 e = self.remote.entry(sha)
             orphans = bool(self._index.orphans)
-            if e is None:
-                self._stats["misses"] += 1
+        if e is None:
+            self._count(misses=1)
         if orphans:
             self._sweep_orphans()
         return None if e is None else dataclasses.replace(e, query=data, accept=accept)
@@ -335,13 +354,9 @@ class KVStore:
         if consume and cur.tokens > self.options.cold_max_tokens:
             # The live session now owns this state and writes fresh waypoints.
             self._unlink_if_same(entry.path, st)
-            self._stats["consumed"] += 1
+            self._count(consumed=1)
         dt = time.perf_counter() - t0
-        with self._lock:
-            self._stats["hits"] += 1
-            self._stats["loads"] += 1
-            self._stats["bytes_loaded"] += cur.file_size
-            self._stats["load_s"] += dt
+        self._count(hits=1, loads=1, bytes_read=cur.file_size, load_seconds=dt)
         log.info("kvstore: hit tokens=%d text=%d load_ms=%.1f file=%s", cur.tokens, cur.text_bytes,
                  dt * 1e3, short_name(entry.name))
         cur = dataclasses.replace(cur, hits=hits)
@@ -406,11 +421,7 @@ class KVStore:
             self._discard_block(blocks[at], e.reason)
             return self._fall_back(entry, blocks[at].text_bytes, into, min_tokens, t0, tries)
         dt = time.perf_counter() - t0
-        with self._lock:
-            self._stats["hits"] += 1
-            self._stats["loads"] += 1
-            self._stats["bytes_loaded"] += nbytes
-            self._stats["load_s"] += dt
+        self._count(hits=1, loads=1, bytes_read=nbytes, load_seconds=dt)
         log.info("kvstore: hit tokens=%d text=%d blocks=%d load_ms=%.1f file=%s", target.tokens,
                  target.text_bytes, len(blocks), dt * 1e3, short_name(entry.name))
         target = dataclasses.replace(target, hits=hits[-1])
@@ -505,8 +516,7 @@ class KVStore:
             self._index.refresh()
             local = self._index.longest_prefix(entry.query, entry.accept) if entry.query is not None else None
         if local is None:
-            with self._lock:
-                self._stats["misses"] += 1
+            self._count(misses=1)
             return None
         return dataclasses.replace(local, query=entry.query)
 
@@ -518,9 +528,9 @@ class KVStore:
 
     def _miss(self, entry):
         with self._lock:
-            self._stats["misses"] += 1
             if not os.path.lexists(entry.path):
                 self._index.discard(entry.name)
+        self._count(misses=1)
         return None
 
     def _unlink_if_same(self, path, st):
@@ -556,8 +566,7 @@ class KVStore:
 
     def _discard_corrupt(self, path, st, reason):
         name = os.path.basename(path)
-        with self._lock:
-            self._stats["corrupt"] += 1
+        self._count(corrupt=1)
         if self.quarantine:
             try:
                 files.quarantine(path, self.path)
@@ -572,9 +581,28 @@ class KVStore:
 
     # -- save (section 6) --------------------------------------------------
 
-    def _refuse(self, why, **kv):
+    def _count(self, **deltas):
+        """Adds to this process's stats and to the directory's counters.
+
+        The one place both change, so they never disagree.  Names are the
+        directory's (kvstore.counters: saves, bytes_written, loads,
+        bytes_read, hits, misses, evictions, bytes_evicted, corrupt,
+        stores_skipped_write_budget, and the save_seconds and load_seconds
+        histograms, given in seconds); stats() keeps bytes_written,
+        bytes_read and the seconds under its older names (_STAT_KEYS).
+        Names the directory does not count (refused, save_errors, consumed)
+        stay in this process.
+        """
         with self._lock:
-            self._stats["refused"] += 1
+            for k, v in deltas.items():
+                self._stats[_STAT_KEYS.get(k, k)] += v
+        # The file's lock is never taken under the store's.
+        shared = {k: v for k, v in deltas.items() if k in _COUNTED}
+        if shared:
+            self._counters.add(**shared)
+
+    def _refuse(self, why, **kv):
+        self._count(refused=1)
         extra = "".join(f" {k}={v}" for k, v in kv.items())
         log.info("kvstore: save_refused reason=%s%s", why, extra)
         return None
@@ -648,23 +676,23 @@ class KVStore:
                 if self.remote is not None:
                     self.remote.enqueue(kept)
                 return kept
+            if self._over_write_budget(Reason(reason), PREFIX_SIZE + len(text) + plan.payload_bytes
+                                       + len(trailer_raw)):
+                return None
             header = Header(quant_bits=self.quant_bits, tokens=n, ctx_size=ctx or 0,
                             payload_bytes=plan.payload_bytes, reason=Reason(reason),
                             ext_flags=ext, model_id=self.model_id, payload_abi=PAYLOAD_ABI_TENSORS,
                             created_at=int(time.time()), last_used=0)
             entry = files.write_checkpoint(path, header, text, plan, trailer_raw, durable=self.durable)
         except OSError as e:
-            with self._lock:
-                self._stats["save_errors"] += 1
+            self._count(save_errors=1)
             log.warning("kvstore: save_failed errno=%s error=%s file=%s", e.errno,
                         errno.errorcode.get(e.errno, "?"), short_name(name))
             return None
         dt = time.perf_counter() - t0
         with self._lock:
-            self._stats["saves"] += 1
-            self._stats["bytes_saved"] += entry.file_size
-            self._stats["save_s"] += dt
             self._index.add(entry)
+        self._count(saves=1, bytes_written=entry.file_size, save_seconds=dt)
         log.info("kvstore: saved reason=%s tokens=%d text=%d bytes=%d save_ms=%.1f file=%s",
                  Reason(reason).name.lower(), n, len(text), entry.file_size, dt * 1e3, short_name(name))
         if self.remote is not None:
@@ -680,6 +708,7 @@ class KVStore:
         last = blocks[-1]
         t0 = time.perf_counter()
         written, kept = [], None
+        nbytes = 0              # of the files this save wrote (not those another writer published first)
         try:
             # Evictors (exclusive lock) wait while the blocks go in, so no
             # parent this save relies on is removed under it.
@@ -708,6 +737,9 @@ class KVStore:
                 # The whole chain must fit: the blocks it already has stay.
                 if self.budget_bytes and not policy.bytes_fit(have + total, self.budget_bytes):
                     return self._refuse("budget", bytes=have + total, budget=self.budget_bytes)
+                # Only the blocks really to be written draw on the write budget.
+                if self._over_write_budget(reason, total):
+                    return None
                 now = int(time.time())
                 for b, restorable, path, seg, plan, tr in todo:
                     header = Header(quant_bits=self.quant_bits, tokens=b.tokens, ctx_size=ctx or 0,
@@ -726,12 +758,15 @@ class KVStore:
                         e = _current(path)
                         if not (chain.same_block(e, b) and (e.restorable or not restorable)):
                             e = files.write_checkpoint(path, header, seg, plan, tr, head, self.durable)
+                            nbytes += e.file_size
+                    else:
+                        nbytes += e.file_size
                     written.append(e)
                 with self._lock:
                     self._index.add(*written)
         except OSError as e:
-            with self._lock:
-                self._stats["save_errors"] += 1
+            # Blocks published before the failure stay (a valid chain prefix).
+            self._count(save_errors=1, bytes_written=nbytes)
             log.warning("kvstore: save_failed errno=%s error=%s blocks_written=%d file=%s", e.errno,
                         errno.errorcode.get(e.errno, "?"), len(written), short_name(last.name))
             return None
@@ -740,11 +775,7 @@ class KVStore:
                 self.remote.enqueue(kept)
             return kept
         dt = time.perf_counter() - t0
-        nbytes = sum(e.file_size for e in written)
-        with self._lock:
-            self._stats["saves"] += 1
-            self._stats["bytes_saved"] += nbytes
-            self._stats["save_s"] += dt
+        self._count(saves=1, bytes_written=nbytes, save_seconds=dt)
         log.info("kvstore: saved reason=%s tokens=%d text=%d blocks=%d written=%d bytes=%d save_ms=%.1f file=%s",
                  reason.name.lower(), last.tokens, last.text_bytes, len(blocks), len(written), nbytes, dt * 1e3,
                  short_name(last.name))
@@ -758,6 +789,26 @@ class KVStore:
             log.info("kvstore: save_lost reason=removed file=%s", short_name(entry.name))
             return None
         return entry
+
+    def _over_write_budget(self, reason, nbytes):
+        """Takes nbytes from the write budget for a save of reason; True (the
+        skip logged and counted) when the policy says the save must wait.
+
+        The bucket is shared by every process on the directory
+        (kvstore.counters); which reason may spend how much is
+        kvstore.policy.write_allowed.
+        """
+        cap = self.write_budget_bytes
+        if cap is None or nbytes <= 0:
+            return False
+        ok, available = self._counters.take(nbytes, cap,
+                                            lambda level: policy.write_allowed(reason, nbytes, level, cap))
+        if ok:
+            return False
+        self._count(stores_skipped_write_budget=1)
+        log.info("kvstore: store_skipped reason=%s why=write_budget bytes=%d available=%d",
+                 Reason(reason).name.lower(), nbytes, available)
+        return True
 
     def _dir_lock(self, mode):
         """The directory's advisory lock: shared while blocks are published,
@@ -1004,7 +1055,7 @@ class KVStore:
             return False
         with self._lock:
             self._index.discard(e.name)
-            self._stats["evictions"] += 1
+        self._count(evictions=1, bytes_evicted=e.file_size)
         log.info("kvstore: evicted reason=%s tokens=%d bytes=%d file=%s", why, e.tokens, e.file_size,
                  short_name(e.name))
         return True
@@ -1019,7 +1070,13 @@ class KVStore:
             return sorted(self._index.entries.values(), key=lambda e: e.name)
 
     def stats(self):
-        """Counters of this process plus the directory's current size."""
+        """Counters of this process plus the directory's current size.
+
+        "write_budget" is None without max_write_mb_per_hour, else
+        {"capacity_bytes", "available_bytes", "rate_bytes_per_s"} (the
+        bucket every process on the directory draws from, as this store
+        sees it).  The cumulative counters of every process are counters().
+        """
         self._check_open()
         with self._lock:
             self._index.refresh()
@@ -1027,6 +1084,8 @@ class KVStore:
             out["entries"] = len(self._index.entries)
             out["bytes"] = self._index.total_bytes()
             out["budget_bytes"] = self.budget_bytes
+        out["write_budget"] = (None if self.write_budget_bytes is None
+                               else self._counters.report(self.write_budget_bytes)["write_budget"])
         # How a durable save reaches the disk here (docs/format.md §11).
         out["sync"] = files.SYNC_PRIMITIVE if self.durable else "none"
         out["sync_fallbacks"] = files.sync_fallbacks()
@@ -1034,12 +1093,33 @@ class KVStore:
             out.update(self.remote.stats())
         return out
 
+    def counters(self):
+        """The directory's cumulative counters: every process that used it, across restarts.
+
+        Read from ``<dir>/.counters`` (docs/format.md §15); `kvstore stats
+        --json` prints the same numbers.  Counting is best-effort: when the
+        file cannot be used, this process's own counts.
+
+        Returns:
+            a dict: "saves", "bytes_written", "loads", "bytes_read", "hits",
+            "misses", "evictions", "bytes_evicted", "corrupt",
+            "stores_skipped_write_budget" (ints); "load_seconds" and
+            "save_seconds", each {"buckets": [[le, cumulative count], ...]
+            (le a float, the last float("inf")), "count": n, "sum_s":
+            seconds}; and "write_budget": None, or {"capacity_bytes",
+            "available_bytes", "rate_bytes_per_s"} (this store's budget, else
+            the one the directory's last budgeted writer recorded).
+        """
+        self._check_open()
+        return self._counters.report(self.write_budget_bytes)
+
     def wipe(self, entry=None):
         """Overwrites then unlinks one checkpoint, or every checkpoint.
 
         The text copy in every file is prompt content: wipe overwrites the
         bytes with zeros (and syncs) before unlinking, so a later reader of
-        the disk blocks does not find them in freed space.
+        the disk blocks does not find them in freed space.  The directory's
+        counters file stays: it is not a checkpoint and holds no prompt text.
 
         Returns:
             the number of files wiped.
@@ -1066,6 +1146,7 @@ class KVStore:
             self._writer.close()
         if self.remote is not None:
             self.remote.close()
+        self._counters.close()
         self._closed = True
 
     def __enter__(self):

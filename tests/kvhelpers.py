@@ -58,8 +58,9 @@ def checkpoint_files(directory, temporaries=False):
 
 
 def listing(directory):
-    """Every name in directory but the lock file (tmp files and quarantine included)."""
-    return sorted(n for n in os.listdir(directory) if n != ".kvstore.lock")
+    """Every name in directory but the lock file and the counters file (tmp files and
+    quarantine included)."""
+    return sorted(n for n in os.listdir(directory) if n not in (".kvstore.lock", ".counters"))
 
 
 def stored(store):

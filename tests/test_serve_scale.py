@@ -331,6 +331,11 @@ def test_metrics_count_requests_by_source_and_the_directory(model_dir, workdir, 
         assert m[("kvstore_tokens_prefilled_total", ())] > 0
         assert m[("kvstore_request_load_seconds_count", (("source", "disk"),))] == 1
         assert m[("kvstore_entries", ())] >= 1 and m[("kvstore_bytes", ())] > 0
+        # The directory's cumulative counters: the first server's saves, this one's load.
+        assert m[("kvstore_directory_loads_total", ())] >= 1
+        assert m[("kvstore_directory_load_seconds_count", ())] >= 1
+        assert m[("kvstore_directory_saves_total", ())] >= 1
+        assert m[("kvstore_directory_written_bytes_total", ())] > 0
     finally:
         server.stop()
 
@@ -373,3 +378,51 @@ def test_admit_after_stores_a_prefix_once_enough_requests_used_it(model_dir, wor
         for e in entries:
             with open(e.path, "rb") as f:
                 assert b"Summarise part" not in f.read()
+
+
+# ---- the write budget ---------------------------------------------------------------------------
+
+def long_turn(i):
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Question {i}: " + SYSTEM[::-1][:2400]}]
+
+
+def test_the_write_budget_skips_waypoints_before_anchors_and_shows_in_metrics(model_dir, workdir, tmp_path):
+    """A budget of 1.2 anchors: the system anchor is stored; the finished
+    requests' new blocks (worth less: their floor is half the budget) are
+    skipped, logged and counted in GET /metrics and in the directory."""
+    probe = tmp_path / "probe"
+    server = kvstore_server(model_dir, probe, workdir, "budget-probe")
+    try:
+        server.chat(long_turn(0), max_tokens=4)
+    finally:
+        server.stop()
+    with KVStore(str(probe)) as s:
+        entries = s.entries()
+        cold = [e for e in entries if e.reason.name == "COLD"]
+        # The anchor's bytes: its own block and the blocks before it.
+        assert len(cold) == 1
+        anchor = sum(e.file_size for e in entries if e.tokens <= cold[0].token_start) + cold[0].file_size
+        assert anchor < sum(e.file_size for e in entries)
+    cache = tmp_path / "c"
+    mb = 1.2 * anchor / (1 << 20)
+    server = kvstore_server(model_dir, cache, workdir, "budget", "--max-write-mb-per-hour", f"{mb:.6f}")
+    try:
+        server.chat(long_turn(1), max_tokens=4)
+        deadline = time.monotonic() + 30
+        while "why=write_budget" not in server.text():
+            assert time.monotonic() < deadline, server.text()
+            time.sleep(0.1)
+        m = scrape(server)
+        assert m[("kvstore_directory_stores_skipped_write_budget_total", ())] >= 1
+        capacity = m[("kvstore_write_budget_capacity_bytes", ())]
+        assert abs(capacity - mb * (1 << 20)) < 2
+        assert m[("kvstore_write_budget_available_bytes", ())] < 0.5 * capacity
+    finally:
+        server.stop()
+    with KVStore(str(cache)) as s:
+        entries = s.entries()
+        leaf = max(entries, key=lambda e: e.tokens)
+        assert leaf.reason.name == "COLD" and leaf.tokens == cold[0].tokens       # the anchor alone
+        assert sum(e.file_size for e in entries) == anchor
+        assert s.counters()["stores_skipped_write_budget"] >= 1

@@ -18,11 +18,12 @@ The prompt text in each file is prompt content (docs/format.md §12): only
 
 import collections
 import json
+import math
 import os
 import sys
 import time
 
-from kvstore import files, policy, sessions, trailers
+from kvstore import counters, files, policy, sessions, trailers
 from kvstore import remote
 from kvstore.cli import text
 from kvstore.cli.remote import cmd_remote_ls
@@ -458,9 +459,12 @@ def cmd_stats(args):
         "oldest": min(times) if times else None,
         "newest": max(times) if times else None,
         "sync": files.SYNC_PRIMITIVE,
+        # Every process's cumulative counters (KVStore.counters()), read
+        # without creating or changing the file.
+        "directory": counters.read_directory(d),
     }
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps(dict(out, directory=_json_counters(out["directory"])), indent=2))
         return 0
     rows = [
         ("entries", f"{out['entries']}" + (f" ({out['not_loadable']} with a foreign payload ABI)"
@@ -478,7 +482,33 @@ def cmd_stats(args):
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k.ljust(w)}  {v}")
+    c = out["directory"]
+    budget = c["write_budget"]
+    rows = [
+        ("saves", c["saves"]),
+        ("bytes written", text.size(c["bytes_written"])),
+        ("loads", c["loads"]),
+        ("bytes read", text.size(c["bytes_read"])),
+        ("evictions", f"{c['evictions']} ({text.size(c['bytes_evicted'])})"),
+        ("corrupt", c["corrupt"]),
+        ("skipped (write budget)", c["stores_skipped_write_budget"]),
+        ("write budget", "none" if budget is None else
+         f"{text.size(budget['available_bytes'])} of {text.size(budget['capacity_bytes'])} available, "
+         f"refills {text.size(budget['capacity_bytes'])} an hour"),
+    ]
+    print("directory counters (every process, cumulative):")
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {k.ljust(w)}  {v}")
     return 0
+
+
+def _json_counters(c):
+    """The directory counters for JSON, which has no infinity: the last bucket's bound as "+Inf"."""
+    out = dict(c)
+    for h in counters.HISTOGRAMS:
+        out[h] = dict(c[h], buckets=[["+Inf" if le == math.inf else le, n] for le, n in c[h]["buckets"]])
+    return out
 
 
 def cmd_wipe(args):
@@ -619,7 +649,7 @@ def add_parsers(sub):
     s.add_argument("--dry-run", action="store_true", help="print what would go, delete nothing")
     s.set_defaults(func=cmd_evict)
 
-    s = sub.add_parser("stats", help="totals: entries, bytes, reasons, hits, ages")
+    s = sub.add_parser("stats", help="totals: entries, bytes, reasons, hits, ages; the directory's cumulative counters")
     s.add_argument("dir", metavar="DIR")
     s.add_argument("--json", action="store_true")
     s.add_argument("--budget-mb", type=text.megabytes, default=DEFAULT_BUDGET_MB)

@@ -103,7 +103,7 @@ class _StoreCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
         try:
             stats = self.store.stats()
-            counters = self.store.counters() if hasattr(self.store, "counters") else {}
+            counters = self.store.counters()
         except Exception as e:              # noqa: BLE001 - a scrape never fails for the store
             log.warning("kvstore: metrics_unavailable error=%s", type(e).__name__)
             return

@@ -112,7 +112,8 @@ class _Server:
         self.store = KVStore(cache_dir, budget_mb=opts.budget_mb,
                              model_id=int(self.fingerprint[:2], 16),
                              quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
-                             options=options, layout=opts.layout, block_tokens=opts.block_tokens, **extra)
+                             options=options, layout=opts.layout, block_tokens=opts.block_tokens,
+                             max_write_mb_per_hour=opts.max_write_mb_per_hour, **extra)
         if self.store.remote is not None:
             # The bucket's index before the first request (later refreshes
             # run in the background); a remote that is down costs one
