@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvstore  # noqa: E402
 from kvstore import KVStore, PromptCache  # noqa: E402
-from foundation import PROMPT_BYTES, SEED, Table, compare, finish, fmt_time, harness_arguments  # noqa: E402
+from foundation import PROMPT_BYTES, SEED, TextTable, compare, finish, harness_arguments  # noqa: E402
 from foundation import machine_info, machine_lines  # noqa: E402
 from foundation import stats as time_stats  # noqa: E402
 
@@ -268,46 +268,6 @@ def common_prefix(a, b):
 
 def fmt_bytes(n):
     return f"{n / MiB:,.1f} MiB" if n < 1024 * MiB else f"{n / 1024 / MiB:,.2f} GiB"
-
-
-def fmt_cell(s):
-    if s is None:
-        return "—"
-    if "text" in s:
-        return s["text"]
-    return f"{fmt_time(s['median_ns'])} / {fmt_time(s['min_ns'])}"
-
-
-class Report(Table):
-    """Rows of bench/foundation.py's schema, with cells of bytes, tokens or times.
-
-    Every row carries its own ratio text: the byte and reuse rows judge a
-    number of kvstore's own (bytes per KV byte, tokens reused), the timing
-    rows kvstore time / peer time on the medians.
-    """
-    fmt_cell = staticmethod(fmt_cell)
-
-    def add(self, comparison, kv, peer, kind, ratio, ratio_min=None, ratio_text=None, target=None,
-            passed=None, note=""):
-        row = self._row(comparison, kv, peer, kind, ratio, ratio if ratio_min is None else ratio_min,
-                        target or "context", passed, note)
-        if ratio_text is not None:
-            row["ratio_text"] = ratio_text
-        return row
-
-    def markdown(self):
-        sections = list(dict.fromkeys(r["section"] for r in self.rows))
-        out = []
-        for title in sections:
-            lines = [f"### {title}\n"] if title else []
-            lines += ["| comparison | kvstore | peer | ratio | target | result | notes |",
-                      "|---|---|---|---|---|---|---|"]
-            for r in self.rows:
-                if r["section"] == title:
-                    lines.append(f"| {r['comparison']} | {r['kvstore_cell']} | {r['peer_cell']} | {r['ratio_text']} "
-                                 f"| {r['target']} | {r['result'] or '—'} | {r['note']} |")
-            out.append("\n".join(lines))
-        return "\n\n".join(out)
 
 
 def progress(msg):
@@ -692,7 +652,7 @@ def main(argv=None):
                              strict_help="exit 1 when a target is missed")
     t_start = time.perf_counter()
     info = machine_info()
-    report = Report()
+    report = TextTable()
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-chains-", dir="/tmp") as tmp:
         report.section("Bytes written for an agent session: chain (block_tokens 256) vs whole-prefix files")
         written = phase("bytes written", bench_bytes, report, tmp, args.quick)

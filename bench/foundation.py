@@ -137,23 +137,58 @@ class Table:
         print(f"  {comparison}: ratio {self.fmt_ratio(ratio)} {row['result']}", file=sys.stderr, flush=True)
         return row
 
+    HEADER = ("| comparison | kvstore median / min | peer median / min | ratio (median; min) | target | result "
+              "| notes |")
+
+    def line(self, r):
+        """A row's markdown line."""
+        return (f"| {r['comparison']} | {self.fmt_cell(r['kvstore'])} | {self.fmt_cell(r['peer'])} "
+                f"| {self.fmt_ratio(r['ratio'])}; {self.fmt_ratio(r['ratio_min'])} | {r['target']} "
+                f"| {r['result'] or '—'} | {r['note']} |")
+
     def markdown(self):
         """One markdown table per section, in the order the sections were started."""
         sections = list(dict.fromkeys(r["section"] for r in self.rows))
         out = []
         for title in sections:
             lines = [f"### {title}\n"] if title else []
-            lines += ["| comparison | kvstore median / min | peer median / min | ratio (median; min) "
-                      "| target | result | notes |",
-                      "|---|---|---|---|---|---|---|"]
-            for r in self.rows:
-                if r["section"] != title:
-                    continue
-                lines.append(f"| {r['comparison']} | {self.fmt_cell(r['kvstore'])} | {self.fmt_cell(r['peer'])} "
-                             f"| {self.fmt_ratio(r['ratio'])}; {self.fmt_ratio(r['ratio_min'])} | {r['target']} "
-                             f"| {r['result'] or '—'} | {r['note']} |")
+            lines += [self.HEADER, "|---|---|---|---|---|---|---|"]
+            lines += [self.line(r) for r in self.rows if r["section"] == title]
             out.append("\n".join(lines))
         return "\n\n".join(out)
+
+
+def fmt_text_cell(s):
+    """A TextTable cell: its own text, or median / min of a time."""
+    if s is None:
+        return "—"
+    if "text" in s:
+        return s["text"]
+    return f"{fmt_time(s['median_ns'])} / {fmt_time(s['min_ns'])}"
+
+
+class TextTable(Table):
+    """Rows whose cells carry their own text (bytes, tokens, rates or times) and whose ratio may too.
+
+    One ratio column: the byte and reuse rows judge a number of kvstore's own
+    (bytes per KV byte, tokens reused), the timing rows kvstore time / peer
+    time on the medians.
+    """
+    fmt_cell = staticmethod(fmt_text_cell)
+
+    def add(self, comparison, kv, peer, kind, ratio, ratio_min=None, ratio_text=None, target=None,
+            passed=None, note=""):
+        row = self._row(comparison, kv, peer, kind, ratio, ratio if ratio_min is None else ratio_min,
+                        target or "context", passed, note)
+        if ratio_text is not None:
+            row["ratio_text"] = ratio_text
+        return row
+
+    HEADER = "| comparison | kvstore | peer | ratio | target | result | notes |"
+
+    def line(self, r):
+        return (f"| {r['comparison']} | {r['kvstore_cell']} | {r['peer_cell']} | {r['ratio_text']} "
+                f"| {r['target']} | {r['result'] or '—'} | {r['note']} |")
 
 
 class Report(Table):

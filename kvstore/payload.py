@@ -42,6 +42,7 @@ import json
 import math
 import os
 import struct
+import sys
 import threading
 
 import numpy as np
@@ -416,13 +417,50 @@ def read_manifest(fd, entry, cached=False):
 
 _pool = None
 _pool_lock = threading.Lock()
+_io_nice = 0
+
+
+def lower_thread_priority(nice):
+    """Gives the calling thread CPU niceness `nice` (0-19; higher yields more).
+
+    Linux only (there a thread is its own schedulable task); elsewhere, or
+    when the kernel refuses, nothing changes.
+
+    Returns:
+        True when the thread's niceness is now `nice`.
+    """
+    if nice <= 0 or not sys.platform.startswith("linux") or not hasattr(os, "setpriority"):
+        return False
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError:
+        return False
+    return True
+
+
+def set_io_priority(nice):
+    """Runs the payload I/O threads at CPU niceness `nice` (0: the process's own).
+
+    kvstore serve loads checkpoints while its generation thread decodes: at a
+    lower priority the loads' copies and CRCs take the CPU time decoding
+    leaves, not the other way round.  Threads already started are replaced.
+    """
+    global _pool, _io_nice
+    if not 0 <= nice <= 19:
+        raise ValueError(f"I/O thread niceness {nice!r} is not in 0..19")
+    with _pool_lock:
+        old, _pool, _io_nice = _pool, None, nice
+    if old is not None:
+        old.shutdown(wait=True)
 
 
 def _get_pool():
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-io")
+            _pool = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-io",
+                                                          initializer=lower_thread_priority,
+                                                          initargs=(_io_nice,))
             atexit.register(_pool.shutdown, wait=True)
         return _pool
 

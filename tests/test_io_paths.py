@@ -275,3 +275,45 @@ def test_batched_read_reports_each_failed_piece_and_reads_the_rest(tmp_path, rea
     with pytest.raises(CheckpointOSError):
         _native.raise_status(got[1][0], str(path), "tensor 'x'")
     _native.raise_status(0, str(path))                     # nothing to raise
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_io_threads_run_at_the_niceness_asked_for():
+    import threading
+
+    from kvstore import payload
+
+    def nice_of_this_thread():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        payload.set_io_priority(min(19, base + 7))
+        assert payload._get_pool().submit(nice_of_this_thread).result() == min(19, base + 7)
+    finally:
+        payload.set_io_priority(0)
+    # Replaced threads start afresh at the process's own niceness.
+    assert payload._get_pool().submit(nice_of_this_thread).result() == base
+    with pytest.raises(ValueError, match="20"):
+        payload.set_io_priority(20)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_lowering_one_threads_priority_leaves_the_others():
+    import threading
+
+    from kvstore import payload
+
+    seen = {}
+
+    def worker():
+        seen["ok"] = payload.lower_thread_priority(11)
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert seen == {"ok": True, "nice": max(11, base)} or base > 11
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+    assert payload.lower_thread_priority(0) is False

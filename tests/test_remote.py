@@ -28,8 +28,7 @@ from kvstore import files
 from kvstore import remote as remote_mod
 from kvstore.format import Reason
 
-from kvhelpers import conversation, kvstore_server, make_store, make_tensors, system_prompt
-from s3server import WeedServer, weed_binary
+from kvhelpers import WeedServer, conversation, kvstore_server, make_store, make_tensors, system_prompt, weed_binary
 
 BUCKET = "kvtest"
 

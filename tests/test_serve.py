@@ -145,10 +145,17 @@ def test_two_servers_share_one_directory(model_dir, workdir):
         raise
     try:
         conversation(a, ["First user, first question."])
+        # The anchor is written by a's background writer, its chain's blocks
+        # parent first: wait for the block that ends the save.
         deadline = time.monotonic() + 30
-        while not glob.glob(os.path.join(cache, "*.kv")) and time.monotonic() < deadline:
-            time.sleep(0.1)      # the anchor is written by a's background writer
-        anchor = read_entry(glob.glob(os.path.join(cache, "*.kv"))[0])
+        while True:
+            ends = [e for e in map(read_entry, glob.glob(os.path.join(cache, "*.kv")))
+                    if e.ends_save and e.reason == Reason.COLD]
+            if ends or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert len(ends) == 1, ends
+        anchor = ends[0]
         _, _, usages = conversation(b, ["Another user with another question."])
         assert usages[0]["prompt_tokens_details"]["cached_tokens"] == anchor.tokens
         assert b.request_lines()[0].startswith(f"request source=disk reused={anchor.tokens} ")

@@ -16,12 +16,19 @@ import time
 
 from mlx_lm import server as mlx_server
 
+from kvstore.payload import lower_thread_priority
 from kvstore.serve.tier import WAYPOINT_TYPE, Ticket
 
 log = logging.getLogger("kvstore")
 
 # How long a request that arrives while the server loads its model waits for it.
 MODEL_WAIT_S = 600
+
+# CPU niceness of the threads that prepare a request (tokenize, load its
+# cache) and of the payload I/O threads: the generation thread keeps the CPU
+# it needs to decode, and a load takes what is left (Linux; see
+# kvstore.payload.lower_thread_priority).
+LOAD_NICE = 19
 
 
 class ClientGone(Exception):
@@ -75,6 +82,8 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
         if ticket is None:
             ticket = request.kvstore_ticket = Ticket()
         if self._serves(generation_args):
+            # This HTTP thread serves only this connection: it may yield.
+            lower_thread_priority(LOAD_NICE)
             tokenizer = self.model_provider.tokenizer
             try:
                 with self._tokenizer_lock:

@@ -1,6 +1,7 @@
 """Running kvstore serve: mlx-lm's server with the tier, the metrics and the options."""
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import logging
@@ -15,12 +16,12 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm import server as mlx_server
 
-from kvstore import remote
+from kvstore import payload, remote
 from kvstore.chain import DEFAULT_BLOCK_TOKENS
 from kvstore.mlx import DEFAULT_CTX_SIZE
 from kvstore.policy import Options
 from kvstore.serve import metrics as metrics_mod
-from kvstore.serve.generator import TieredResponseGenerator
+from kvstore.serve.generator import LOAD_NICE, TieredResponseGenerator
 from kvstore.serve.http import handler_class
 from kvstore.serve.tier import TieredPromptCache
 from kvstore.store import DEFAULT_BUDGET_MB, LAYOUTS, KVStore
@@ -109,6 +110,9 @@ class _Server:
                                                 ("continued_interval_tokens", opts.waypoint_tokens))
                              if v is not None})
         extra = dict(model_identity=self.fingerprint, **remote.store_kwargs(opts))
+        # Loads and saves run beside the generation thread: at a lower CPU
+        # priority they take the time decoding leaves (docs/format.md §7).
+        payload.set_io_priority(LOAD_NICE)
         self.store = KVStore(cache_dir, budget_mb=opts.budget_mb,
                              model_id=int(self.fingerprint[:2], 16),
                              quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
@@ -241,6 +245,10 @@ def main(argv=None):
             print(f"kvstore serve: error: --{name.replace('_', '-')} {value} must be >= 0", file=sys.stderr)
             return 2
     _check_mlx_lm()
+    if hasattr(signal, "SIGUSR1"):
+        # `kill -USR1 PID` writes every thread's Python stack to stderr: what
+        # a server that stopped answering is waiting for (no prompt text).
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     status = _run_mlx_lm_main(["--model", opts.model] + rest, opts)
     # Everything is stored and the store is closed.  The interpreter's own
     # teardown would now destroy MLX's per-thread stream state of the
