@@ -24,6 +24,10 @@ For MLX the destination arrays are allocated by mx.load itself: the reader
 presents the payload to mx.load as a virtual safetensors file whose
 readinto() calls land, in parallel chunks with the GIL released, in the new
 arrays' own memory (see bench/README.md for why this beats zero-fill-then-read).
+That readinto() is Python called from inside an MLX task, which is safe only
+while no other thread runs MLX: a process where several do (kvstore serve)
+calls set_mlx_threaded(True), and the memory then comes from mx.zeros, an
+MLX op that never enters Python, before the same reads fill it.
 
 An ABI 17 block holds the same structure after its 64-byte chain header.  A
 tensor that grows along the sequence ("axis" in the manifest) holds only the
@@ -79,6 +83,9 @@ MIN_SLICE = 1 << 20
 IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 # A chain load hands blocks to the I/O threads at least this many bytes at a time.
 QUEUE_BYTES = MIN_SLICE * IO_THREADS
+
+# Whether other threads may run MLX while a load into MLX runs (set_mlx_threaded).
+_mlx_threaded = False
 
 _CRC_PLACEHOLDER = 0xFFFFFFFF                 # widest u32 in decimal (10 digits)
 
@@ -663,13 +670,46 @@ class _VirtualBlob(io.RawIOBase):
             raise self.error
 
 
-def _mx_load_blob(fd, entry, tensors, lo, hi, verify, defer):
-    """mx.load of the blob; every read joined and checked on return."""
+def set_mlx_threaded(on):
+    """Says whether more than one thread of this process runs MLX (default: no).
+
+    mx.load, which allocates the arrays of a load into MLX, calls the
+    reader's readinto() from inside an MLX task, so that task waits for the
+    GIL; a thread that waits for MLX while it holds the GIL (mlx-lm reading
+    a token back, for one) then deadlocks with it.  With on=True the memory
+    comes from mx.zeros instead, an op that never enters Python, and the same
+    parallel reads fill it afterwards: a load costs the zero-fill more
+    (bench/README.md), and no MLX task waits for Python.  kvstore serve turns
+    it on: its HTTP threads load while the generation thread decodes.
+
+    Returns:
+        the previous setting.
+    """
+    global _mlx_threaded
+    old, _mlx_threaded = _mlx_threaded, bool(on)
+    return old
+
+
+def _fill_blob(src):
+    """MLX memory for src's blob (a _VirtualBlob) with src's reads started
+    into it, evaluated; src.wait() joins the reads."""
     import mlx.core as mx
-    src = _VirtualBlob(fd, entry, tensors, lo, hi, verify, defer)
-    try:
+    if _mlx_threaded:
+        blob = mx.zeros((src.size - len(src.head),), dtype=mx.uint8)
+        mx.eval(blob)
+        src.seek(len(src.head))
+        src.readinto(memoryview(blob))
+    else:
         blob = mx.load(src, format="safetensors")["blob"]
         mx.eval(blob)
+    return blob
+
+
+def _mx_load_blob(fd, entry, tensors, lo, hi, verify, defer):
+    """The blob of tensors [lo, hi) in MLX memory; every read joined and checked on return."""
+    src = _VirtualBlob(fd, entry, tensors, lo, hi, verify, defer)
+    try:
+        blob = _fill_blob(src)
     except Exception as e:
         try:
             src.wait()          # never leave reads running into freed memory
@@ -1071,7 +1111,8 @@ class _ChainBlob(_VirtualBlob):
 
 def read_chain_mlx(layout, verify=True):
     """A chain load into MLX: the tensors are views of one blob that mx.load
-    allocates and every block's slices fill in place.
+    (or mx.zeros, see set_mlx_threaded) allocates and every block's slices
+    fill in place.
 
     Returns:
         (token ids as a numpy uint32 array, {name: mx.array}).
@@ -1090,8 +1131,7 @@ def read_chain_mlx(layout, verify=True):
     if direct:
         src = _ChainBlob(layout, direct, others, verify)
         try:
-            blob = mx.load(src, format="safetensors")["blob"]
-            mx.eval(blob)
+            blob = _fill_blob(src)
         except Exception as e:
             try:
                 src.wait()          # never leave reads running into freed memory

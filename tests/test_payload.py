@@ -390,3 +390,82 @@ def test_mlx_read_routes_give_the_same_arrays_and_check_every_crc(store, monkeyp
         f.write(raw[at:at + 1])
     assert store.load(store.find("routes"), into="mlx") is None
     assert store.stats()["corrupt"] == 1
+
+
+@pytest.fixture
+def mlx_threaded():
+    """payload.set_mlx_threaded(True) for one test (kvstore serve's setting)."""
+    from kvstore import payload
+    old = payload.set_mlx_threaded(True)
+    yield
+    payload.set_mlx_threaded(old)
+
+
+def _reader_threads(monkeypatch):
+    """The threads that run the MLX blob's readinto() (Python called by mx.load), as a set."""
+    import threading
+    from kvstore import payload
+    seen = set()
+    readinto = payload._VirtualBlob.readinto
+
+    def spy(self, b):
+        seen.add(threading.get_ident())
+        return readinto(self, b)
+    monkeypatch.setattr(payload._VirtualBlob, "readinto", spy)
+    return seen
+
+
+def _save_both_layouts(tmp_path, tensors, n):
+    """The same state saved whole (ABI 16) and as a chain of 256-token blocks; yields (store, text)."""
+    from kvhelpers import make_store
+    text = bytes(range(65, 91)) * (n // 26) + b"z" * (n % 26)
+    for layout in ("whole", "chain"):
+        store = make_store(tmp_path / layout, layout=layout)
+        kw = {"positional": {k: 1 for k in tensors}, "text_offsets": list(range(n + 1))} if layout == "chain" else {}
+        assert store.save(text, np.arange(n), tensors, **kw) is not None
+        yield store, text
+
+
+def test_threaded_mlx_loads_run_no_python_inside_mlx(tmp_path, monkeypatch, mlx_threaded):
+    # mx.load calls readinto() from an MLX thread; a threaded process must never.
+    import threading
+    rng = np.random.default_rng(3)
+    n = 600
+    tensors = {"k": rng.integers(0, 2**16, size=(2, n, 700), dtype=np.uint16).view(np.float16),
+               "v": rng.standard_normal((2, n, 9)).astype(np.float32)}
+    for store, text in _save_both_layouts(tmp_path, tensors, n):
+        seen = _reader_threads(monkeypatch)
+        ck = store.load(store.find(text), into="mlx")
+        assert ck is not None and ck.entry.is_block == (store.layout == "chain")
+        assert seen <= {threading.get_ident()}, store.layout
+        for k, a in tensors.items():
+            assert isinstance(ck.tensors[k], mx.array)
+            assert np.array_equal(np.array(ck.tensors[k]).view(np.uint8), a.view(np.uint8)), (store.layout, k)
+        store.close()
+
+
+def test_default_mlx_loads_let_mx_load_read(tmp_path, monkeypatch):
+    # The fast route the threaded setting gives up: mx.load hands its own
+    # memory to readinto() from one of MLX's threads.
+    import threading
+    tensors = {"k": np.ones((2, 600, 64), np.float16)}
+    for store, text in _save_both_layouts(tmp_path, tensors, 600):
+        seen = _reader_threads(monkeypatch)
+        ck = store.load(store.find(text), into="mlx")
+        assert ck is not None and np.array_equal(np.array(ck.tensors["k"]), tensors["k"])
+        assert seen - {threading.get_ident()}, store.layout
+        store.close()
+
+
+@pytest.mark.store_args(layout="whole")
+def test_threaded_mlx_load_of_a_corrupt_file_is_a_miss(store, mlx_threaded):
+    e = store.save("corrupt threaded", [1, 2, 3], {"a": np.arange(4096, dtype=np.float32)})
+    m = parse(e.path)
+    at = m["P"] + m["manifest"]["tensors"][0]["offset"] + 100
+    with open(e.path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 1]))
+    assert store.load(store.find("corrupt threaded"), into="mlx") is None
+    assert store.stats()["corrupt"] == 1

@@ -46,6 +46,15 @@ def load(self, *a, **kw):
         time.sleep(0.02)
     return _load(self, *a, **kw)
 kvstore.store.KVStore.load = load
+import threading
+import kvstore.payload
+_readinto = kvstore.payload._VirtualBlob.readinto
+def readinto(self, b):
+    # Python entered from a thread Python did not start: an MLX task (mx.load's callback).
+    if isinstance(threading.current_thread(), threading._DummyThread):
+        open(os.path.join(gate, "python_in_mlx"), "w").close()
+    return _readinto(self, b)
+kvstore.payload._VirtualBlob.readinto = readinto
 from kvstore.cli import main
 sys.exit(main(sys.argv[1:]))
 """ % GATE_S
@@ -161,6 +170,8 @@ def test_a_disk_load_does_not_stop_other_sessions_decoding(model_dir, workdir, s
         assert progressed and held, f"A decoded {len(a.tokens) - n0} tokens while B loaded"
         assert "b" in result
         assert any("source=disk" in line for line in server.request_lines()), server.request_lines()
+        # The load ran beside the decoding thread without calling Python from inside MLX.
+        assert not (gate / "python_in_mlx").exists()
         a.done.wait(300)
         assert a.error is None
     finally:

@@ -113,6 +113,9 @@ class _Server:
         # Loads and saves run beside the generation thread: at a lower CPU
         # priority they take the time decoding leaves (docs/format.md §7).
         payload.set_io_priority(LOAD_NICE)
+        # The HTTP threads load into MLX while the generation thread runs it:
+        # no MLX task may call back into Python (kvstore.payload.set_mlx_threaded).
+        payload.set_mlx_threaded(True)
         self.store = KVStore(cache_dir, budget_mb=opts.budget_mb,
                              model_id=int(self.fingerprint[:2], 16),
                              quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),

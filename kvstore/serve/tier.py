@@ -2,11 +2,16 @@
 
 Threads.  mlx-lm runs every model step on one generation thread; kvstore
 serve keeps disk and bucket reads off it.  A request is tokenized and its
-longest stored prefix loaded on the HTTP thread that received it
-(prefetch()), before the request is queued for the generation thread; the
-generation thread then only picks the loaded cache up (fetch_nearest_cache)
-and never waits for a disk.  mlx-lm's trie is shared by both kinds of
-thread, so every access to it here holds one lock.
+longest stored prefix read into MLX arrays on the HTTP thread that
+received it (prefetch()), before the request is queued for the generation
+thread; the generation thread then only builds mlx-lm's cache objects
+around those arrays (fetch_nearest_cache), and never waits for a disk.  Each
+thread runs MLX on its own stream (MLX's thread-local default), and the
+server sets kvstore.payload.set_mlx_threaded: a load's arrays are allocated
+by an MLX op that never calls back into Python, so no MLX task ever waits
+for the GIL while the generation thread holds it and waits for MLX (the
+deadlock mx.load's read callback risks).  mlx-lm's trie is shared by both
+kinds of thread, so every access to it here holds one lock.
 
 Tenants.  A request's tenant (kvstore.serve.tenants) is part of every key it
 uses: the model key of mlx-lm's trie, and the first bytes of the disk key.
@@ -55,10 +60,10 @@ MAX_ACTIVE = 1024
 
 @dataclasses.dataclass
 class Prefetched:
-    """A request's cache loaded on its HTTP thread, waiting for the generation thread."""
+    """A request's checkpoint read on its HTTP thread, waiting for the generation thread."""
     tokens: list
-    cache: list
-    n: int                    # tokens the cache holds
+    checkpoint: object        # a kvstore Checkpoint, its tensors evaluated MLX arrays
+    n: int                    # tokens it holds
     source: str               # "disk" or "remote"
     load_s: float
 
@@ -181,10 +186,11 @@ class TieredPromptCache(LRUPromptCache):
     # -- the HTTP thread ------------------------------------------------------
 
     def prefetch(self, tokens, tenant):
-        """Loads the longest stored prefix of tokens that beats RAM; on the calling (HTTP) thread.
+        """Reads the longest stored prefix of tokens that beats RAM; on the calling (HTTP) thread.
 
-        Also counts the request's prefixes for admission.  Never raises:
-        the disk tier must never fail a request.
+        The tensors land in MLX arrays allocated without Python callbacks
+        (see the module's docstring).  Also counts the request's prefixes
+        for admission.  Never raises: the disk tier must never fail a request.
 
         Returns:
             Prefetched, or None (RAM is as good, nothing stored, or a miss).
@@ -208,9 +214,8 @@ class TieredPromptCache(LRUPromptCache):
                     self.metrics.loading(-1)
             if hit is None:
                 return None
-            cache, n, source = hit
-            mx.eval(_arrays(cache))
-            return Prefetched(list(tokens[:n]), cache, n, source, time.perf_counter() - t0)
+            ckpt, n, source = hit
+            return Prefetched(list(tokens[:n]), ckpt, n, source, time.perf_counter() - t0)
         except Exception as e:            # noqa: BLE001 - the disk tier must never fail a request
             log.warning("kvstore: disk_lookup_failed error=%s", type(e).__name__)
             return None
@@ -228,7 +233,10 @@ class TieredPromptCache(LRUPromptCache):
         return short
 
     def _load_longest(self, tokens, reused, key, tenant):
-        """(cache, n, source) from the longest stored prefix of key beyond reused tokens; else None."""
+        """(checkpoint, n, source) of the longest stored prefix of key beyond reused tokens; else None.
+
+        The checkpoint's tensors are MLX arrays; _build() makes the cache.
+        """
         entry = self.store.find(key)
         if entry is None:
             return None
@@ -249,6 +257,13 @@ class TieredPromptCache(LRUPromptCache):
         if ckpt.meta.get("model") != self.fingerprint:
             log.info("kvstore: disk_miss reason=other_model tokens=%d file=%s", n, entry.name[:12])
             return None
+        return ckpt, n, "remote" if remote else "disk"
+
+    def _build(self, ckpt):
+        """The mlx-lm cache of a prefetched checkpoint, evaluated; None when it does not fit.
+
+        On the generation thread, which owns the model and its caches.
+        """
         cache = cache_from_checkpoint(self.store, ckpt)
         if cache is None:
             return None
@@ -256,9 +271,11 @@ class TieredPromptCache(LRUPromptCache):
         if self.provider.draft_model is not None:
             expect += make_prompt_cache(self.provider.draft_model)
         if [type(c) for c in cache] != [type(c) for c in expect]:
-            log.info("kvstore: disk_miss reason=cache_layout tokens=%d file=%s", n, entry.name[:12])
+            log.info("kvstore: disk_miss reason=cache_layout tokens=%d file=%s", len(ckpt.tokens),
+                     ckpt.entry.name[:12])
             return None
-        return cache, n, "remote" if remote else "disk"
+        mx.eval(_arrays(cache))
+        return cache
 
     # -- admission ------------------------------------------------------------
 
@@ -329,8 +346,12 @@ class TieredPromptCache(LRUPromptCache):
             pre = self.prefetch(tokens, ticket.tenant)
         if pre is not None and model == self.model_key and pre.n > reused and pre.n < len(tokens) \
                 and list(tokens[:pre.n]) == pre.tokens:
-            cache, rest = pre.cache, tokens[pre.n:]
-            reused, source, load_ms = pre.n, pre.source, pre.load_s * 1e3
+            t0 = time.perf_counter()
+            built = self._build(pre.checkpoint)
+            if built is not None:
+                cache, rest = built, tokens[pre.n:]
+                reused, source = pre.n, pre.source
+                load_ms = (pre.load_s + time.perf_counter() - t0) * 1e3
         del pre
         if self.metrics is not None:
             self.metrics.request(source, reused, len(rest), load_ms / 1e3 if source in ("disk", "remote") else None)
