@@ -112,6 +112,10 @@ CHAIN_BLOCKS = CONTEXT_TOKENS // CHAIN_BLOCK_TOKENS
 LOAD_CHAIN_MIN_SPEED = 0.95      # chain load speed vs the ABI 16 file's: time ratio ≤ 1 / 0.95
 LOAD_CHAIN_MAX_TIME_RATIO = 1.0  # chain first load vs mlx-lm load_prompt_cache
 SAVE_MAX_TIME_RATIO = 1.0        # kvstore save (durable=False) vs mlx-lm save_prompt_cache
+# Sealed checkpoints (docs/format.md §16): a sealed load and save at least
+# 0.7x as fast as the plain ones, a sealed lookup within 10 % of a plain one.
+SEALED_MIN_SPEED = 0.7
+SEALED_LOOKUP_MAX_TIME_RATIO = 1.1
 RSS_SLACK_MIB = 64               # docs/format.md §5: peak RSS above the arrays themselves
 
 MiB = 1024 * 1024
@@ -443,6 +447,79 @@ def bench_lookup(report, tmp, rng, quick):
     return curve
 
 
+def write_sparse_sealed_entry(directory, name, text_len, header, key_id, lookup_tag):
+    """write_sparse_entry for a sealed store (payload ABI 48): the envelope and
+    the clear seal head the index reads (with the name's lookup tag); the body
+    is a sparse hole."""
+    from kvstore import seal
+    from kvstore.format import SEAL_HEAD, SEAL_MAGIC, SEAL_VERSION
+    body = text_len + ENTRY_PAYLOAD_BYTES
+    size = seal.BODY_OFFSET + body
+    h = kvstore.Header.unpack(header)
+    h.payload_abi, h.payload_bytes = 48, size - 52 - text_len
+    fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, h.pack() + struct.pack("<I", text_len)
+                 + SEAL_HEAD.pack(SEAL_MAGIC, SEAL_VERSION, seal.CHUNK_LOG2, 0, key_id, bytes(16), body,
+                                  ENTRY_PAYLOAD_BYTES, 16, seal.CHUNK_BYTES, lookup_tag))
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def bench_sealed_lookup(report, tmp, rng, quick):
+    """find() in a sealed store (HMAC-SHA1 names, lookup tags: the same one
+    pass over the prompt, one more SHA1 block per tag that matches) vs a
+    plain store, the same 10,000 lengths, in the same run."""
+    from kvstore import seal
+    from kvstore.index import names_of
+    n = max(LOOKUP_SIZES)
+    key = os.urandom(32)
+    sealer = seal.Sealer(key)
+    hit = bytearray(rng.randbytes(PROMPT_BYTES))
+    miss = bytearray(rng.randbytes(PROMPT_BYTES))
+    hit[0], miss[0] = 0x41, 0x42
+    hit, miss = bytes(hit), bytes(miss)
+    lengths = rng.sample(range(1, MAX_TEXT_BYTES), n - 1)
+    digests = kvstore.sha1_prefixes(bytes(MAX_TEXT_BYTES), lengths)
+    names, tags = names_of(bytes(MAX_TEXT_BYTES), lengths, sealer.name_key)
+    header = sparse_entry_header()
+    stores, reals = {}, {}
+    for kind in ("plain", "sealed"):
+        d = os.path.join(tmp, f"lookup-{kind}")
+        kw = {"key": key} if kind == "sealed" else {}
+        stores[kind] = kvstore.KVStore(d, budget_mb=UNLIMITED_BUDGET_MB, quant_bits=ENTRY_QUANT_BITS,
+                                       ctx_size=ENTRY_CTX_SIZE, durable=False, layout="whole", **kw)
+        reals[kind] = stores[kind].save(hit[:MAX_TEXT_BYTES], np.arange(ENTRY_TOKENS, dtype=np.uint32),
+                                        {"x": np.zeros(16, np.float16)})
+        for dg, name, tag, length in zip(digests, names, tags, lengths):
+            if kind == "sealed":
+                write_sparse_sealed_entry(d, name.hex() + ".kv", length, header, sealer.key_id, tag)
+            else:
+                write_sparse_entry(d, dg.hex() + ".kv", length, header)
+    time.sleep(0.1)
+    try:
+        for s in stores.values():
+            assert s.stats()["entries"] == n
+        fns = {"sealed_miss": lambda: stores["sealed"].find(miss), "plain_miss": lambda: stores["plain"].find(miss),
+               "sealed_hit": lambda: stores["sealed"].find(hit), "plain_hit": lambda: stores["plain"].find(hit)}
+        times, got = sample(fns, lookup_repeats(n, quick) * 3)
+        assert got["sealed_miss"] is None and got["plain_miss"] is None
+        assert got["sealed_hit"].sha == reals["sealed"].sha and got["plain_hit"].sha == reals["plain"].sha
+        st = {k: stats(v) for k, v in times.items()}
+        report.add(f"find, N={n:,} sealed (keyed names), miss vs the same plain store", st["sealed_miss"],
+                   st["plain_miss"], SEALED_LOOKUP_MAX_TIME_RATIO,
+                   note=f"{n:,} distinct stored lengths: one SHA1 pass (from the key's inner state) gives "
+                        "the inner hash at each; a lookup tag that does not match passes the length over")
+        report.add(f"find, N={n:,} sealed (keyed names), hit vs the same plain store", st["sealed_hit"],
+                   st["plain_hit"], SEALED_LOOKUP_MAX_TIME_RATIO,
+                   note="the hit is the longest stored text: its tag matches, and one outer SHA1 block "
+                        "finishes its HMAC")
+    finally:
+        for s in stores.values():
+            s.close()
+
+
 # ---------------------------------------------------------------- load: fresh processes
 
 # Each child imports the same modules (whichever it uses), waits for them to
@@ -483,9 +560,10 @@ _CHILD_KV = _CHILD_PRELUDE + textwrap.dedent("""
     import mlx.core as mx
     import kvstore
     store_dir, text_path, into = sys.argv[1:4]
+    key = sys.argv[4] if len(sys.argv) > 4 else None      # a sealed store's key file
     with open(text_path, "rb") as f:
         text = f.read()
-    store = kvstore.KVStore(store_dir, budget_mb=%(budget)d, verify=True)
+    store = kvstore.KVStore(store_dir, budget_mb=%(budget)d, verify=True, key=key)
     info = {}
     def once():
         t0 = time.perf_counter()
@@ -648,18 +726,34 @@ def bench_load(report, tmp, rng, tensors, quick):
             assert mx.array_equal(ck.tensors[k], a).item(), k
         del ck
     kv_path = entry.path
+    # The same state sealed (docs/format.md §16): one ABI 48 file.
+    from kvstore import seal
+    key_path = os.path.join(tmp, "bench.key")
+    if not os.path.exists(key_path):
+        seal.new_key_file(key_path)
+    sealed_dir = os.path.join(tmp, "load-sealed")
+    with kvstore.KVStore(sealed_dir, budget_mb=UNLIMITED_BUDGET_MB, layout="whole", key=key_path,
+                         durable=False) as store:
+        sealed = store.save(text, tokens, tensors, meta=kv_meta())
+        assert sealed is not None and sealed.payload_abi == 48, sealed
+        ck = store.load(store.find(text), into="mlx")
+        assert ck is not None and np.array_equal(ck.tokens, tokens)
+        for k, a in tensors.items():
+            assert mx.array_equal(ck.tensors[k], a).item(), k
+        del ck
     # The same state, text and tokens as a chain of CHAIN_BLOCKS blocks
     # (docs/format.md §14): every KV tensor grows along axis 2, one row per
     # token; text_offsets[i] is the byte length of the text of the first i tokens.
     per_token = len(text) // CONTEXT_TOKENS
     assert per_token * CONTEXT_TOKENS == len(text)
 
-    def store_chain(name, block_tokens):
-        """The state as a chain of CONTEXT_TOKENS / block_tokens blocks, checked bit-exact; returns the dir and files."""
+    def store_chain(name, block_tokens, key=None):
+        """The state as a chain of CONTEXT_TOKENS / block_tokens blocks (sealed
+        with key when given), checked bit-exact; returns the dir and files."""
         d = os.path.join(tmp, name)
         # durable=False: the fsyncs would only slow the set-up; the loads read the page cache either way.
         with kvstore.KVStore(d, budget_mb=UNLIMITED_BUDGET_MB, layout="chain", block_tokens=block_tokens,
-                             durable=False) as store:
+                             durable=False, key=key) as store:
             last = store.save(text, tokens, tensors, meta=kv_meta(), positional={k: 2 for k in tensors},
                               text_offsets=[per_token * i for i in range(CONTEXT_TOKENS + 1)])
             assert last is not None and last.is_block and last.tokens == CONTEXT_TOKENS, last
@@ -675,6 +769,8 @@ def bench_load(report, tmp, rng, tensors, quick):
 
     chain_dir, chain_paths = store_chain("load-chain", CHAIN_BLOCK_TOKENS)
     small_dir, small_paths = store_chain("load-chain-small", CHAIN_BLOCK_TOKENS // 2)
+    # KVStore's default layout, sealed (payload ABI 49).
+    sealed_chain_dir, sealed_chain_paths = store_chain("load-chain-sealed", CHAIN_BLOCK_TOKENS, key_path)
     chain_size = sum(os.path.getsize(p) for p in chain_paths)
     st_path = os.path.join(tmp, "peer.safetensors")
     save_prompt_cache(st_path, peer_caches(tensors))
@@ -683,7 +779,7 @@ def bench_load(report, tmp, rng, tensors, quick):
 
     # Warm page cache: read the files once before any timed load.
     buf = bytearray(RAW_READ_BUFFER)
-    for path in (kv_path, st_path, npy_path, *chain_paths, *small_paths):
+    for path in (kv_path, st_path, npy_path, sealed.path, *chain_paths, *small_paths, *sealed_chain_paths):
         read_raw(path, buf)
 
     # (child code, its arguments, samples quick/full).  The target pair gets
@@ -692,6 +788,8 @@ def bench_load(report, tmp, rng, tensors, quick):
         "kv_mlx": (_CHILD_KV, [store_dir, text_path, "mlx"], 2, 11),
         "peer": (_CHILD_MLX_LM, [st_path], 2, 11),
         "kv_chain": (_CHILD_KV, [chain_dir, text_path, "mlx"], 2, 11),
+        "kv_sealed": (_CHILD_KV, [sealed_dir, text_path, "mlx", key_path], 2, 11),
+        "kv_chain_sealed": (_CHILD_KV, [sealed_chain_dir, text_path, "mlx", key_path], 2, 11),
         "kv_chain_small": (_CHILD_KV, [small_dir, text_path, "mlx"], 1, 5),
         "kv_numpy": (_CHILD_KV, [store_dir, text_path, "numpy"], 1, 5),
         "mx_load": (_CHILD_MX_LOAD, [st_path], 1, 5),
@@ -740,7 +838,23 @@ def bench_load(report, tmp, rng, tensors, quick):
                note=f"{len(runs['kv_mlx'])}/{len(runs['peer'])} samples, warm page cache; median of per-round "
                     f"ratios {paired_ratio(times('kv_mlx', 'first_s'), times('peer', 'first_s')):.2f}; "
                     f"{abort_note}")
+    assert sorted({(r["payload_abi"], r["blocks"]) for r in runs["kv_sealed"]}) == [(48, 1)]
+    report.add(f"load {KV_BYTES // MiB} MiB sealed (AES-256-GCM), 1st in a fresh process, into MLX vs the "
+               "same state as a plain ABI 16 file", stats(times("kv_sealed", "first_s"), KV_BYTES), first_kv,
+               1 / SEALED_MIN_SPEED,
+               note=f"{len(runs['kv_sealed'])}/{len(runs['kv_mlx'])} samples; chunks read into MLX's blob and "
+                    f"decrypted in place; target: ≥ {SEALED_MIN_SPEED}× the plain load's speed; median of "
+                    f"per-round ratios {paired_ratio(times('kv_sealed', 'first_s'), times('kv_mlx', 'first_s')):.2f}")
     first_chain = stats(times("kv_chain", "first_s"), KV_BYTES)
+    assert sorted({(r["payload_abi"], r["blocks"]) for r in runs["kv_chain_sealed"]}) == [(49, CHAIN_BLOCKS)]
+    report.add(f"load {KV_BYTES // MiB} MiB sealed chain ({CHAIN_BLOCKS} blocks), 1st in a fresh process, into "
+               "MLX vs the same chain plain", stats(times("kv_chain_sealed", "first_s"), KV_BYTES), first_chain,
+               1 / SEALED_MIN_SPEED,
+               note=f"{len(runs['kv_chain_sealed'])}/{len(runs['kv_chain'])} samples; KVStore's default layout; "
+                    "chunks inside a tensor piece read into MLX's blob and decrypted in place, the others "
+                    f"through a scratch chunk; target: ≥ {SEALED_MIN_SPEED}× the plain load's speed; median of "
+                    "per-round ratios "
+                    f"{paired_ratio(times('kv_chain_sealed', 'first_s'), times('kv_chain', 'first_s')):.2f}")
     chain_rss = statistics.median(rss("kv_chain"))
     report.add(f"load {KV_BYTES // MiB} MiB chain ({CHAIN_BLOCKS} blocks), 1st in a fresh process, into MLX, "
                "CRC on vs the same state as one ABI 16 file", first_chain, first_kv, 1 / LOAD_CHAIN_MIN_SPEED,
@@ -802,7 +916,7 @@ def bench_load(report, tmp, rng, tensors, quick):
         (warm, "mx.load(safetensors)", times("mx_load", "warm_s")),
         (warm, "np.load(.npy)", times("np_load", "warm_s")),
         ("raw sequential read of the .kv", "os.preadv, 16 MiB buffer", raw["raw"]))]
-    for path in (kv_path, st_path, npy_path, text_path, *chain_paths):
+    for path in (kv_path, st_path, npy_path, text_path, sealed.path, *chain_paths, *sealed_chain_paths):
         os.unlink(path)
     return children, {"kv_bytes": kv_size, "chain_bytes": chain_size, "safetensors_bytes": st_size}, throughput
 
@@ -823,6 +937,8 @@ def bench_save(report, tmp, rng, tensors, quick):
                                    layout="whole"),
         "kv_durable": kvstore.KVStore(os.path.join(tmp, "save-durable"), budget_mb=UNLIMITED_BUDGET_MB,
                                       durable=True, layout="whole"),
+        "kv_sealed": kvstore.KVStore(os.path.join(tmp, "save-sealed"), budget_mb=UNLIMITED_BUDGET_MB,
+                                     durable=False, layout="whole", key=os.urandom(32)),
     }
     st_path = os.path.join(tmp, "save-peer.safetensors")
     npy_path = os.path.join(tmp, "save-peer.npy")
@@ -831,7 +947,7 @@ def bench_save(report, tmp, rng, tensors, quick):
     def kv_save(name):
         e = stores[name].save(text, tokens, tensors, meta=meta)
         assert e is not None, f"{name}: save refused"
-        assert e.payload_abi == 16, e.payload_abi
+        assert e.payload_abi == (48 if name == "kv_sealed" else 16), e.payload_abi
         sizes[name] = e.file_size
         return e.path
 
@@ -843,6 +959,7 @@ def bench_save(report, tmp, rng, tensors, quick):
     fns = {"kv_fast": lambda: kv_save("kv_fast"),
            "peer": lambda: peer_save("peer", st_path, lambda p: save_prompt_cache(p, caches)),
            "kv_durable": lambda: kv_save("kv_durable"),
+           "kv_sealed": lambda: kv_save("kv_sealed"),
            "mx_save": lambda: peer_save("mx_save", st_path, lambda p: mx.save_safetensors(p, tensors)),
            "np_save": lambda: peer_save("np_save", npy_path, lambda p: np_save_all(p, tensors))}
     names = list(fns)
@@ -869,6 +986,10 @@ def bench_save(report, tmp, rng, tensors, quick):
                stats(samples["kv_fast"], KV_BYTES), peer, SAVE_MAX_TIME_RATIO,
                note=f"{n} samples; median of per-round ratios "
                     f"{paired_ratio(samples['kv_fast'], samples['peer']):.2f}; {sizes_note}")
+    report.add(f"save {KV_BYTES // MiB} MiB sealed (AES-256-GCM), durable=False vs the same plain save",
+               stats(samples["kv_sealed"], KV_BYTES), stats(samples["kv_fast"], KV_BYTES), 1 / SEALED_MIN_SPEED,
+               note=f"{n} samples; target: ≥ {SEALED_MIN_SPEED}× the plain save's speed; median of per-round "
+                    f"ratios {paired_ratio(samples['kv_sealed'], samples['kv_fast']):.2f}")
     report.add(f"save {KV_BYTES // MiB} MiB, durable=True (fsync file + dir) vs mlx_lm save_prompt_cache "
                "(no fsync)", stats(samples["kv_durable"], KV_BYTES), peer, None, note=f"{n} samples")
     report.add(f"save {KV_BYTES // MiB} MiB, durable=False vs mx.save_safetensors of the tensors",
@@ -902,6 +1023,7 @@ def main(argv=None):
     report = Report()
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-store-") as tmp:
         curve = phase("lookup", bench_lookup, report, tmp, rng, args.quick)
+        phase("sealed lookup", bench_sealed_lookup, report, tmp, rng, args.quick)
         tensors = phase("state", make_state)
         report.section(f"Payload: save and load of a {KV_BYTES // MiB} MiB KV state vs mlx-lm, MLX, NumPy "
                        "and a raw read")

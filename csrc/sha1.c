@@ -312,13 +312,17 @@ void kvs_sha1_update(kvs_sha1_ctx *ctx, const uint8_t *data, size_t len)
 }
 
 /* A finished-but-not-compressed digest: the state so far and the padded
- * final block(s).  Kept apart so that two can be compressed together. */
+ * final block(s).  Kept apart so that two can be compressed together.
+ * With outer set it is the inner hash of an HMAC: once compressed, the same
+ * slot turns into the outer hash of that digest (one more block), so the
+ * outer hashes ride the two lanes beside the main pass as the inner ones do. */
 typedef struct {
     uint32_t st[5];
     uint8_t tail[2 * KVS_SHA1_BLOCK];
     size_t blocks;              /* 1 or 2 padded blocks */
     size_t done;                /* of which already compressed */
     uint8_t *out;
+    const uint32_t *outer;      /* an HMAC key's outer state, or NULL */
 } pending_digest;
 
 /* Pads the last len % 64 bytes of a message of len bytes whose whole
@@ -337,6 +341,7 @@ static void pad_tail(const uint32_t st[5], const uint8_t *tail, size_t n, uint64
         pd->tail[pd->blocks * KVS_SHA1_BLOCK - 1 - i] = (uint8_t)(bits >> (8 * i));
     pd->done = 0;
     pd->out = out;
+    pd->outer = NULL;
 }
 
 static void emit(const pending_digest *pd)
@@ -345,21 +350,46 @@ static void emit(const pending_digest *pd)
         store_be32(pd->out + 4 * i, pd->st[i]);
 }
 
+/* A slot whose blocks are all compressed: emits its digest and returns 1,
+ * or, the inner hash of an HMAC, becomes the outer hash and returns 0. */
+static int complete(pending_digest *pd)
+{
+    uint8_t inner[KVS_SHA1_DIGEST];
+
+    if (!pd->outer) {
+        emit(pd);
+        return 1;
+    }
+    for (int i = 0; i < 5; i++)
+        store_be32(inner + 4 * i, pd->st[i]);
+    pad_tail(pd->outer, inner, KVS_SHA1_DIGEST, KVS_SHA1_BLOCK + KVS_SHA1_DIGEST, pd, pd->out);
+    return 0;
+}
+
 static void finish_one(pending_digest *pd)
 {
-    sha1_blocks_fn(pd->st, pd->tail + KVS_SHA1_BLOCK * pd->done, pd->blocks - pd->done);
-    emit(pd);
+    do {
+        sha1_blocks_fn(pd->st, pd->tail + KVS_SHA1_BLOCK * pd->done, pd->blocks - pd->done);
+        pd->done = pd->blocks;
+    } while (!complete(pd));
 }
 
 static void finish_two(pending_digest *a, pending_digest *b)
 {
-    size_t la = a->blocks - a->done, lb = b->blocks - b->done, both = la < lb ? la : lb;
-    const uint8_t *pa = a->tail + KVS_SHA1_BLOCK * a->done, *pb = b->tail + KVS_SHA1_BLOCK * b->done;
-    sha1_blocks2_fn(a->st, pa, b->st, pb, both);
-    if (la > both) sha1_blocks_fn(a->st, pa + KVS_SHA1_BLOCK * both, la - both);
-    if (lb > both) sha1_blocks_fn(b->st, pb + KVS_SHA1_BLOCK * both, lb - both);
-    emit(a);
-    emit(b);
+    int fa = 0, fb = 0;
+
+    /* Both lanes run until one slot is finished; the other ends alone. */
+    while (!fa && !fb) {
+        size_t la = a->blocks - a->done, lb = b->blocks - b->done, both = la < lb ? la : lb;
+        sha1_blocks2_fn(a->st, a->tail + KVS_SHA1_BLOCK * a->done, b->st, b->tail + KVS_SHA1_BLOCK * b->done,
+                        both);
+        a->done += both;
+        b->done += both;
+        if (a->done == a->blocks) fa = complete(a);
+        if (b->done == b->blocks) fb = complete(b);
+    }
+    if (!fa) finish_one(a);
+    if (!fb) finish_one(b);
 }
 
 void kvs_sha1_digest(const kvs_sha1_ctx *ctx, uint8_t out[KVS_SHA1_DIGEST])
@@ -375,6 +405,66 @@ void kvs_sha1(const uint8_t *data, size_t len, uint8_t out[KVS_SHA1_DIGEST])
     kvs_sha1_begin(&ctx);
     kvs_sha1_update(&ctx, data, len);
     kvs_sha1_digest(&ctx, out);
+}
+
+/* ---- HMAC-SHA1 ------------------------------------------------------------ */
+
+void kvs_hmac_sha1_key(kvs_hmac_key *k, const uint8_t *key, size_t len)
+{
+    uint8_t block[KVS_SHA1_BLOCK], pad[KVS_SHA1_BLOCK];
+
+    memset(block, 0, sizeof block);
+    if (len > KVS_SHA1_BLOCK)
+        kvs_sha1(key, len, block);
+    else if (len)
+        memcpy(block, key, len);
+    for (int i = 0; i < KVS_SHA1_BLOCK; i++) pad[i] = block[i] ^ 0x36;
+    memcpy(k->inner, sha1_iv, sizeof sha1_iv);
+    sha1_blocks_fn(k->inner, pad, 1);
+    for (int i = 0; i < KVS_SHA1_BLOCK; i++) pad[i] = block[i] ^ 0x5c;
+    memcpy(k->outer, sha1_iv, sizeof sha1_iv);
+    sha1_blocks_fn(k->outer, pad, 1);
+}
+
+/* A keyed hash starts after the key's block: the state and the byte count. */
+static void keyed_begin(kvs_sha1_ctx *ctx, const kvs_hmac_key *key)
+{
+    kvs_sha1_begin(ctx);
+    if (key) {
+        memcpy(ctx->state, key->inner, sizeof ctx->state);
+        ctx->total = KVS_SHA1_BLOCK;
+    }
+}
+
+/* The outer hash: digest (the inner hash) becomes HMAC-SHA1, in place. */
+static void hmac_outer(const kvs_hmac_key *key, uint8_t digest[KVS_SHA1_DIGEST])
+{
+    pending_digest pd;
+    pad_tail(key->outer, digest, KVS_SHA1_DIGEST, KVS_SHA1_BLOCK + KVS_SHA1_DIGEST, &pd, digest);
+    finish_one(&pd);
+}
+
+void kvs_hmac_sha1_outer(const kvs_hmac_key *k, const uint8_t inner[KVS_SHA1_DIGEST], uint8_t out[KVS_SHA1_DIGEST])
+{
+    memmove(out, inner, KVS_SHA1_DIGEST);
+    hmac_outer(k, out);
+}
+
+/* A node's lookup tag (KVS_LOOKUP_TAG bytes) lets its inner hash stand in
+ * for its digest: all zero means none (the node is always confirmed). */
+static int tag_rules_out(const uint8_t *tag, const uint8_t inner[KVS_SHA1_DIGEST])
+{
+    static const uint8_t none[KVS_LOOKUP_TAG];
+    return memcmp(tag, none, KVS_LOOKUP_TAG) != 0 && memcmp(tag, inner, KVS_LOOKUP_TAG) != 0;
+}
+
+void kvs_hmac_sha1(const kvs_hmac_key *k, const uint8_t *data, size_t len, uint8_t out[KVS_SHA1_DIGEST])
+{
+    kvs_sha1_ctx ctx;
+    keyed_begin(&ctx, k);
+    kvs_sha1_update(&ctx, data, len);
+    kvs_sha1_digest(&ctx, out);
+    hmac_outer(k, out);
 }
 
 /* Sorts indices by length: an LSD radix sort on packed (length, index)
@@ -438,8 +528,7 @@ static void advance(uint32_t st[5], const uint8_t **p, size_t nblocks,
         *p += KVS_SHA1_BLOCK * m;
         nblocks -= m;
         pd[0].done += m;
-        if (pd[0].done == pd[0].blocks) {
-            emit(&pd[0]);
+        if (pd[0].done == pd[0].blocks && complete(&pd[0])) {
             pd[0] = pd[1];
             (*npending)--;
         }
@@ -454,7 +543,16 @@ size_t kvs_sha1_prefixes(const uint8_t *data, size_t len,
                          const uint64_t *lengths, size_t n,
                          size_t *order, uint8_t *out)
 {
+    return kvs_sha1_prefixes_keyed(data, len, lengths, n, order, out, NULL);
+}
+
+/* The pass behind kvs_sha1_prefixes_keyed (outer set) and
+ * kvs_hmac_sha1_inner_prefixes (outer clear). */
+static size_t prefixes(const uint8_t *data, size_t len, const uint64_t *lengths, size_t n,
+                       size_t *order, uint8_t *out, const kvs_hmac_key *key, int outer)
+{
     uint32_t st[5];
+    uint64_t head = key ? KVS_SHA1_BLOCK : 0;   /* bytes hashed before data */
     pending_digest pd[2];
     int npending = 0, ascending = 1;
     const uint8_t *p = data;
@@ -472,7 +570,7 @@ size_t kvs_sha1_prefixes(const uint8_t *data, size_t len,
     /* The pass hashes whole blocks straight from data and pads each
      * prefix's last partial block from data too: no streaming buffer.
      * Repeated lengths are copied after the pass. */
-    memcpy(st, sha1_iv, sizeof st);
+    memcpy(st, key ? key->inner : sha1_iv, sizeof st);
     for (size_t i = 0; i < n; i++) {
         size_t k = order[i];
         uint64_t want = lengths[k], whole = want / KVS_SHA1_BLOCK;
@@ -485,8 +583,9 @@ size_t kvs_sha1_prefixes(const uint8_t *data, size_t len,
             finish_two(&pd[0], &pd[1]);
             npending = 0;
         }
-        pad_tail(st, data + KVS_SHA1_BLOCK * whole, (size_t)(want % KVS_SHA1_BLOCK), want,
-                 &pd[npending++], out + KVS_SHA1_DIGEST * k);
+        pad_tail(st, data + KVS_SHA1_BLOCK * whole, (size_t)(want % KVS_SHA1_BLOCK), head + want,
+                 &pd[npending], out + KVS_SHA1_DIGEST * k);
+        pd[npending++].outer = key && outer ? key->outer : NULL;
     }
     if (npending == 2) finish_two(&pd[0], &pd[1]);
     else if (npending == 1) finish_one(&pd[0]);
@@ -494,6 +593,20 @@ size_t kvs_sha1_prefixes(const uint8_t *data, size_t len,
         if (lengths[order[i]] == lengths[order[i - 1]])
             memcpy(out + KVS_SHA1_DIGEST * order[i], out + KVS_SHA1_DIGEST * order[i - 1], KVS_SHA1_DIGEST);
     return 0;
+}
+
+size_t kvs_sha1_prefixes_keyed(const uint8_t *data, size_t len,
+                               const uint64_t *lengths, size_t n,
+                               size_t *order, uint8_t *out, const kvs_hmac_key *key)
+{
+    return prefixes(data, len, lengths, n, order, out, key, 1);
+}
+
+size_t kvs_hmac_sha1_inner_prefixes(const uint8_t *data, size_t len,
+                                    const uint64_t *lengths, size_t n,
+                                    size_t *order, uint8_t *out, const kvs_hmac_key *key)
+{
+    return prefixes(data, len, lengths, n, order, out, key, 0);
 }
 
 /* A binary min-heap of node indices keyed by their lengths. */
@@ -530,24 +643,44 @@ size_t kvs_sha1_forest(const uint8_t *data, size_t len,
                        int32_t first_root, const int32_t *first_child, const int32_t *next_sibling,
                        uint32_t *heap, uint32_t *matched)
 {
+    return kvs_sha1_forest_keyed(data, len, lengths, digests, n_nodes, first_root, first_child, next_sibling,
+                                 heap, matched, NULL, NULL);
+}
+
+size_t kvs_sha1_forest_keyed(const uint8_t *data, size_t len,
+                             const uint64_t *lengths, const uint8_t *digests, size_t n_nodes,
+                             int32_t first_root, const int32_t *first_child, const int32_t *next_sibling,
+                             uint32_t *heap, uint32_t *matched, const kvs_hmac_key *key, const uint8_t *tags)
+{
     kvs_sha1_ctx ctx;
-    uint8_t digest[KVS_SHA1_DIGEST];
-    uint64_t at = 0, digest_at = UINT64_MAX;
+    uint8_t inner[KVS_SHA1_DIGEST], digest[KVS_SHA1_DIGEST];
+    uint64_t at = 0, digest_at = UINT64_MAX, outer_at = UINT64_MAX;
     size_t nheap = 0, nmatched = 0, steps = 0;
 
     /* Every node sits in one list, so a lookup walks at most n_nodes links
      * in all; more means a cycle in the caller's arrays. */
     for (int32_t r = first_root; r >= 0 && (size_t)r < n_nodes && steps++ < n_nodes; r = next_sibling[r])
         if (lengths[r] <= len && nheap < n_nodes) heap_push(heap, &nheap, lengths, (uint32_t)r);
-    kvs_sha1_begin(&ctx);
+    keyed_begin(&ctx, key);
     while (nheap) {
         uint32_t node = heap_pop(heap, &nheap, lengths);
         uint64_t want = lengths[node];
         if (want != digest_at) {
             kvs_sha1_update(&ctx, data + at, (size_t)(want - at));
             at = want;
-            kvs_sha1_digest(&ctx, digest);
+            kvs_sha1_digest(&ctx, inner);
             digest_at = want;
+        }
+        if (!key) {
+            memcpy(digest, inner, KVS_SHA1_DIGEST);
+        } else {
+            /* The outer block only where a tag does not rule the node out. */
+            if (tags && tag_rules_out(tags + (size_t)KVS_LOOKUP_TAG * node, inner))
+                continue;
+            if (outer_at != want) {
+                kvs_hmac_sha1_outer(key, inner, digest);
+                outer_at = want;
+            }
         }
         if (memcmp(digest, digests + (size_t)KVS_SHA1_DIGEST * node, KVS_SHA1_DIGEST) != 0)
             continue;

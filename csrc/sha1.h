@@ -66,6 +66,56 @@ size_t kvs_sha1_forest(const uint8_t *data, size_t len,
                        int32_t first_root, const int32_t *first_child, const int32_t *next_sibling,
                        uint32_t *heap, uint32_t *matched);
 
+/* HMAC-SHA1 (RFC 2104), for the keyed names of sealed checkpoints: a
+ * sealed file is named by HMAC-SHA1(name key, text) instead of SHA1(text).
+ * The HMAC's inner hash is SHA1(key ^ ipad || text), so the one pass over a
+ * prompt that gives the SHA1 of every prefix gives the inner hash of every
+ * prefix too when it starts from the state after the key's ipad block; each
+ * keyed name then costs one more block (the outer hash of 20 bytes).  So
+ * the keyed variants below cost what the plain ones do, plus one block per
+ * digest. */
+typedef struct {
+    uint32_t inner[5];          /* the state after the block key ^ ipad */
+    uint32_t outer[5];          /* the state after the block key ^ opad */
+} kvs_hmac_key;
+
+/* A key of at most 64 bytes is used as it is; a longer one is hashed first
+ * (RFC 2104). */
+void kvs_hmac_sha1_key(kvs_hmac_key *k, const uint8_t *key, size_t len);
+
+void kvs_hmac_sha1(const kvs_hmac_key *k, const uint8_t *data, size_t len, uint8_t out[KVS_SHA1_DIGEST]);
+
+/* kvs_sha1_prefixes with HMAC-SHA1 digests under key (NULL: plain SHA1). */
+size_t kvs_sha1_prefixes_keyed(const uint8_t *data, size_t len,
+                               const uint64_t *lengths, size_t n,
+                               size_t *order, uint8_t *out, const kvs_hmac_key *key);
+
+/* The same pass giving each prefix's inner hash, SHA1(key ^ ipad || prefix),
+ * without the outer block: a lookup compares lookup tags (below) with it and
+ * finishes the HMAC only where a tag matches. */
+size_t kvs_hmac_sha1_inner_prefixes(const uint8_t *data, size_t len,
+                                    const uint64_t *lengths, size_t n,
+                                    size_t *order, uint8_t *out, const kvs_hmac_key *key);
+
+/* HMAC-SHA1 from an inner hash (out may be inner). */
+void kvs_hmac_sha1_outer(const kvs_hmac_key *k, const uint8_t inner[KVS_SHA1_DIGEST], uint8_t out[KVS_SHA1_DIGEST]);
+
+/* A sealed file's lookup tag: the first KVS_LOOKUP_TAG bytes of the inner
+ * hash of its text.  It rules out a prefix with the inner hash alone, so a
+ * keyed lookup costs what a plain one does, plus one outer block per tag
+ * that matches (the file itself, or one chance in 2^64).  Too short to let
+ * anyone extend the inner hash, and keyed like the name. */
+#define KVS_LOOKUP_TAG 8
+
+/* kvs_sha1_forest with HMAC-SHA1 digests under key (NULL: plain SHA1).
+ * tags (NULL: none) holds KVS_LOOKUP_TAG bytes per node: a node whose tag is
+ * not all zero is confirmed (outer block, digest compare) only when its tag
+ * matches the inner hash; a node without one always is. */
+size_t kvs_sha1_forest_keyed(const uint8_t *data, size_t len,
+                             const uint64_t *lengths, const uint8_t *digests, size_t n_nodes,
+                             int32_t first_root, const int32_t *first_child, const int32_t *next_sibling,
+                             uint32_t *heap, uint32_t *matched, const kvs_hmac_key *key, const uint8_t *tags);
+
 /* The block function in use, for tests of each path in isolation. */
 void kvs_sha1_blocks(uint32_t state[5], const uint8_t *p, size_t nblocks);
 

@@ -24,6 +24,22 @@ cdef extern from "sha1.h" nogil:
                            const uint8_t *digests, size_t n_nodes, int32_t first_root,
                            const int32_t *first_child, const int32_t *next_sibling,
                            uint32_t *heap, uint32_t *matched)
+    ctypedef struct kvs_hmac_key:
+        uint32_t inner[5]
+        uint32_t outer[5]
+    void kvs_hmac_sha1_key(kvs_hmac_key *k, const uint8_t *key, size_t n)
+    void kvs_hmac_sha1(const kvs_hmac_key *k, const uint8_t *data, size_t n, uint8_t *out)
+    size_t kvs_sha1_prefixes_keyed(const uint8_t *data, size_t n, const uint64_t *lengths,
+                                   size_t count, size_t *order, uint8_t *out, const kvs_hmac_key *key)
+    size_t kvs_hmac_sha1_inner_prefixes(const uint8_t *data, size_t n, const uint64_t *lengths,
+                                        size_t count, size_t *order, uint8_t *out, const kvs_hmac_key *key)
+    void kvs_hmac_sha1_outer(const kvs_hmac_key *k, const uint8_t *inner, uint8_t *out)
+    size_t kvs_sha1_forest_keyed(const uint8_t *data, size_t n, const uint64_t *lengths,
+                                 const uint8_t *digests, size_t n_nodes, int32_t first_root,
+                                 const int32_t *first_child, const int32_t *next_sibling,
+                                 uint32_t *heap, uint32_t *matched, const kvs_hmac_key *key,
+                                 const uint8_t *tags)
+    int KVS_LOOKUP_TAG
 
 cdef extern from "crc32c.h" nogil:
     uint32_t kvs_crc32c(uint32_t crc, const uint8_t *data, size_t n)

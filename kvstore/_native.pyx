@@ -14,7 +14,7 @@ from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcmp
+from libc.string cimport memcmp, memset
 
 from kvstore._native cimport *
 
@@ -100,26 +100,53 @@ def set_read_prefaults(on):
     return bool(kvs_io_set_prefault(1 if on else 0))
 
 
-def sha1(data):
-    """SHA1 digest (20 bytes) of any buffer-protocol object."""
+cdef const kvs_hmac_key *_hmac_key(object key, kvs_hmac_key *k) except? NULL:
+    """k set from key's bytes (an HMAC-SHA1 key), or NULL when key is None."""
     cdef Py_buffer view
+    if key is None:
+        return NULL
+    PyObject_GetBuffer(key, &view, PyBUF_SIMPLE)
+    try:
+        if view.len == 0:
+            raise ValueError("an HMAC key of 0 bytes")
+        kvs_hmac_sha1_key(k, <const uint8_t *>view.buf, <size_t>view.len)
+    finally:
+        PyBuffer_Release(&view)
+    return k
+
+
+def sha1(data, key=None):
+    """SHA1 digest (20 bytes) of any buffer-protocol object; HMAC-SHA1 under key (bytes) when given."""
+    cdef Py_buffer view
+    cdef kvs_hmac_key k
+    cdef const kvs_hmac_key *kp = _hmac_key(key, &k)
     cdef bytes out = PyBytes_FromStringAndSize(NULL, 20)
     cdef uint8_t *o = <uint8_t *>PyBytes_AS_STRING(out)
     PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
     try:
         with nogil:
-            kvs_sha1(<const uint8_t *>view.buf, <size_t>view.len, o)
+            if kp == NULL:
+                kvs_sha1(<const uint8_t *>view.buf, <size_t>view.len, o)
+            else:
+                kvs_hmac_sha1(kp, <const uint8_t *>view.buf, <size_t>view.len, o)
     finally:
         PyBuffer_Release(&view)
     return out
 
 
-def sha1_prefixes(data, lengths):
+# Bytes of a sealed file's lookup tag (csrc/sha1.h: KVS_LOOKUP_TAG).
+LOOKUP_TAG = KVS_LOOKUP_TAG
+
+
+def sha1_prefixes(data, lengths, key=None, inner=False):
     """Digests of data[:n] for every n in lengths, in the order given, in one pass.
 
     Args:
         data: any buffer-protocol object.
         lengths: iterable of ints, any order, repeats allowed.
+        key: bytes: HMAC-SHA1 digests under this key instead (the same one pass).
+        inner: with key, the HMAC's inner hashes, SHA1(key ^ ipad || prefix),
+            instead (a sealed file's lookup tag is the first LOOKUP_TAG bytes).
 
     Returns:
         list of 20-byte digests, one per length.
@@ -135,6 +162,11 @@ def sha1_prefixes(data, lengths):
     cdef size_t *order = NULL
     cdef uint8_t *out = NULL
     cdef list result
+    cdef kvs_hmac_key k
+    cdef const kvs_hmac_key *kp = _hmac_key(key, &k)
+    cdef bint inner_only = inner
+    if inner_only and kp == NULL:
+        raise ValueError("inner=True needs a key")
     if n == 0:
         return []
     PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
@@ -153,7 +185,10 @@ def sha1_prefixes(data, lengths):
                 raise ValueError(f"length {lens[i]!r} at index {i} is outside 0..{view.len} (the data length)")
             c_lens[i] = <uint64_t>v
         with nogil:
-            kvs_sha1_prefixes(<const uint8_t *>view.buf, <size_t>view.len, c_lens, n, order, out)
+            if inner_only:
+                kvs_hmac_sha1_inner_prefixes(<const uint8_t *>view.buf, <size_t>view.len, c_lens, n, order, out, kp)
+            else:
+                kvs_sha1_prefixes_keyed(<const uint8_t *>view.buf, <size_t>view.len, c_lens, n, order, out, kp)
         result = PyList_New(n)
         for i in range(n):
             d = PyBytes_FromStringAndSize(<char *>out + 20 * i, 20)
@@ -167,7 +202,7 @@ def sha1_prefixes(data, lengths):
         PyBuffer_Release(&view)
 
 
-def sha1_prefix_matches(data, lengths, expected):
+def sha1_prefix_matches(data, lengths, expected, key=None, tags=None):
     """Indices i where sha1(data[:lengths[i]]) == expected[20*i:20*i+20], ascending.
 
     The lookup primitive of the directory index: one SHA1 pass over data,
@@ -178,6 +213,10 @@ def sha1_prefix_matches(data, lengths, expected):
         lengths: a C-contiguous uint64 buffer (e.g. numpy.uint64 array) of
             lengths <= len(data); ascending order is fastest, repeats allowed.
         expected: a buffer of 20 * len(lengths) bytes, the digest for each length.
+        key: bytes: compare HMAC-SHA1 digests under this key instead.
+        tags: with key, LOOKUP_TAG bytes per length (all zero: none): the
+            pass gives the inner hashes, and the HMAC is finished (one block)
+            only where a tag matches its inner hash or is none.
 
     Raises:
         ValueError: sizes disagree or a length is larger than len(data).
@@ -189,8 +228,20 @@ def sha1_prefix_matches(data, lengths, expected):
     cdef size_t *order = NULL
     cdef uint8_t *out = NULL
     cdef list matches = []
+    cdef kvs_hmac_key k
+    cdef const kvs_hmac_key *kp = _hmac_key(key, &k)
+    cdef const uint8_t[::1] tag_view
+    cdef const uint8_t *tg = NULL
+    cdef uint8_t none[20]
+    cdef uint8_t digest[20]
     if n == 0:
         return matches
+    if tags is not None and kp != NULL:
+        tag_view = tags
+        if tag_view.shape[0] != KVS_LOOKUP_TAG * n:
+            raise ValueError(f"tags hold {tag_view.shape[0]} bytes, need {KVS_LOOKUP_TAG} * {n}")
+        tg = &tag_view[0]
+    memset(none, 0, 20)
     PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
     try:
         PyObject_GetBuffer(expected, &exp, PyBUF_SIMPLE)
@@ -202,12 +253,24 @@ def sha1_prefix_matches(data, lengths, expected):
             if order == NULL or out == NULL:
                 raise MemoryError()
             with nogil:
-                bad = kvs_sha1_prefixes(<const uint8_t *>view.buf, <size_t>view.len, &lens[0], n,
-                                        order, out)
+                if tg != NULL:
+                    bad = kvs_hmac_sha1_inner_prefixes(<const uint8_t *>view.buf, <size_t>view.len, &lens[0], n,
+                                                       order, out, kp)
+                else:
+                    bad = kvs_sha1_prefixes_keyed(<const uint8_t *>view.buf, <size_t>view.len, &lens[0], n,
+                                                  order, out, kp)
             if bad:
                 raise ValueError(f"length {lens[bad - 1]} at index {bad - 1} is larger than the data ({view.len})")
             for i in range(n):
-                if memcmp(out + 20 * i, <const uint8_t *>exp.buf + 20 * i, 20) == 0:
+                if tg == NULL:
+                    if memcmp(out + 20 * i, <const uint8_t *>exp.buf + 20 * i, 20) == 0:
+                        matches.append(i)
+                    continue
+                if (memcmp(tg + KVS_LOOKUP_TAG * i, none, KVS_LOOKUP_TAG) != 0
+                        and memcmp(tg + KVS_LOOKUP_TAG * i, out + 20 * i, KVS_LOOKUP_TAG) != 0):
+                    continue
+                kvs_hmac_sha1_outer(kp, out + 20 * i, digest)
+                if memcmp(digest, <const uint8_t *>exp.buf + 20 * i, 20) == 0:
                     matches.append(i)
         finally:
             PyBuffer_Release(&exp)
@@ -218,7 +281,7 @@ def sha1_prefix_matches(data, lengths, expected):
     return matches
 
 
-def sha1_forest_matches(data, lengths, digests, int first_root, first_child, next_sibling):
+def sha1_forest_matches(data, lengths, digests, int first_root, first_child, next_sibling, key=None, tags=None):
     """The nodes of a prefix forest whose digest matches data, in one pass (shortest first).
 
     Node i claims sha1(data[:lengths[i]]) == digests[20*i:20*i+20]; a node is
@@ -235,6 +298,10 @@ def sha1_forest_matches(data, lengths, digests, int first_root, first_child, nex
             the roots are first_root, next_sibling[first_root], ...; node
             i's children first_child[i], next_sibling[first_child[i]], ...;
             -1 ends a list.  An index out of range ends its list.
+        key: bytes: nodes claim HMAC-SHA1 digests under this key instead.
+        tags: with key, LOOKUP_TAG bytes per node (all zero: none); a node
+            with a tag is confirmed only when the tag matches its inner hash
+            (see sha1_prefix_matches).
 
     Returns:
         list of matching node indices.
@@ -250,12 +317,21 @@ def sha1_forest_matches(data, lengths, digests, int first_root, first_child, nex
     cdef uint32_t *heap = NULL
     cdef uint32_t *matched = NULL
     cdef Py_buffer view, dig
+    cdef kvs_hmac_key k
+    cdef const kvs_hmac_key *kp = _hmac_key(key, &k)
+    cdef const uint8_t[::1] tag_view
+    cdef const uint8_t *tg = NULL
     if fc.shape[0] < n or ns.shape[0] < n:
         raise ValueError(f"first_child and next_sibling need one entry per node ({n})")
     if n == 0 or first_root < 0:
         return []
     if n >= 0x7FFFFFFF:
         raise ValueError(f"{n} nodes: too many for int32 indices")
+    if tags is not None and kp != NULL:
+        tag_view = tags
+        if tag_view.shape[0] < KVS_LOOKUP_TAG * n:
+            raise ValueError(f"tags hold {tag_view.shape[0]} bytes, need {KVS_LOOKUP_TAG} * {n}")
+        tg = &tag_view[0]
     PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
     try:
         PyObject_GetBuffer(digests, &dig, PyBUF_SIMPLE)
@@ -267,9 +343,9 @@ def sha1_forest_matches(data, lengths, digests, int first_root, first_child, nex
             if heap == NULL or matched == NULL:
                 raise MemoryError()
             with nogil:
-                got = kvs_sha1_forest(<const uint8_t *>view.buf, <size_t>view.len, &lens[0],
-                                      <const uint8_t *>dig.buf, <size_t>n, first_root, &fc[0], &ns[0],
-                                      heap, matched)
+                got = kvs_sha1_forest_keyed(<const uint8_t *>view.buf, <size_t>view.len, &lens[0],
+                                            <const uint8_t *>dig.buf, <size_t>n, first_root, &fc[0], &ns[0],
+                                            heap, matched, kp, tg)
             return [matched[i] for i in range(<Py_ssize_t>got)]
         finally:
             PyBuffer_Release(&dig)

@@ -24,7 +24,7 @@ from kvstore import _native, payload
 from kvstore.errors import CorruptCheckpoint
 from kvstore.format import (CHAIN_END, CHAIN_RESTORABLE, NO_PARENT, PREFIX_SIZE, TOKEN_DIGEST,
                             entry_from_fd, open_checkpoint)
-from kvstore.index import chain_link_ok
+from kvstore.index import chain_link_ok, names_of
 
 # Blocks of this many tokens.  mlx-lm grows its KV buffers in steps of 256
 # tokens, and a block of 256 tokens of an 8B model (128 KiB of KV per token)
@@ -45,6 +45,7 @@ class BlockPlan:
     token_digest: bytes
     parent_token_digest: bytes
     last: bool                   # the end of the save
+    lookup_tag: bytes = b""      # a sealed store's (kvstore.index.names_of)
 
     @property
     def name(self):
@@ -107,15 +108,16 @@ def cut_points(n, grid, text_offsets, text_len):
     return cuts
 
 
-def plan_blocks(text, tokens, grid, text_offsets=None):
+def plan_blocks(text, tokens, grid, text_offsets=None, name_key=None):
     """The blocks a save of (text, tokens) is cut into, first block first.
 
-    Names come from one SHA1 pass over the text, token digests from one pass
-    over the token ids.
+    Names come from one SHA1 pass over the text (HMAC-SHA1 under name_key,
+    a sealed store's, when given, and their lookup tags), token digests from
+    one pass over the token ids.
     """
     n = int(tokens.size)
     cuts = cut_points(n, grid, text_offsets, len(text))
-    names = _native.sha1_prefixes(text, [t for _, t in cuts])
+    names, tags = names_of(text, [t for _, t in cuts], name_key)
     raw = np.ascontiguousarray(tokens, dtype="<u4").view(np.uint8)
     digests = [d[:TOKEN_DIGEST] for d in _native.sha1_prefixes(raw, [0] + [4 * c for c, _ in cuts])]
     out, prev = [], ""
@@ -123,7 +125,7 @@ def plan_blocks(text, tokens, grid, text_offsets=None):
         start_tok, start_txt = (0, 0) if i == 0 else cuts[i - 1]
         out.append(BlockPlan(sha=name.hex(), parent=prev, token_start=start_tok, tokens=tok,
                              text_start=start_txt, text_bytes=txt, token_digest=digests[i + 1],
-                             parent_token_digest=digests[i], last=i == len(cuts) - 1))
+                             parent_token_digest=digests[i], last=i == len(cuts) - 1, lookup_tag=tags[i]))
         prev = name.hex()
     return out
 
@@ -160,20 +162,36 @@ class OpenChain:
     Use as a context manager (closes every file).  ``blocks`` is
     [(fd, stat, Entry)], first block first.
 
+    For a sealed chain, opener(fd, stat, Entry) gives (a source of the
+    block's plain bytes, a kvstore.seal.SealedSource that authenticates
+    what it reads; the plain Entry) (kvstore.seal.Sealer.source) and
+    name_key is the key of the blocks' HMAC-SHA1 names; ``blocks`` then
+    holds the sources, their entries keeping the sealed files' paths and
+    names.
+
     Raises:
         CheckpointMissing: a block vanished since the lookup.
         CorruptCheckpoint: a block is corrupt or no longer continues its parent
             (``path`` names the block).
     """
 
-    def __init__(self, chain):
+    def __init__(self, chain, opener=None, name_key=None):
         self.blocks = []
+        self._held = []
+        self._name_key = name_key
         try:
             prev = None
             for e in chain:
                 fd, st = open_checkpoint(e.path)
                 self.blocks.append((fd, st, None))
                 cur = entry_from_fd(fd, st, e.path)
+                if opener is not None:
+                    # The sealed file stays open (its inode is not reused
+                    # before its hit is recorded); reads go through the source.
+                    self._held.append(fd)
+                    self.blocks.pop()
+                    fd, cur = opener(fd, st, cur)
+                    self.blocks.append((fd, st, cur))
                 if not cur.is_block or (prev is None and cur.parent) or \
                         (prev is not None and not chain_link_ok(cur, prev)):
                     raise CorruptCheckpoint("broken_chain", e.path, "block does not continue its parent")
@@ -191,12 +209,12 @@ class OpenChain:
         """The whole text: every block's segment, checked against its name."""
         parts = []
         for fd, _, e in self.blocks:
-            seg = os.pread(fd, e.segment_bytes, PREFIX_SIZE)
+            seg = payload.pread(fd, e.segment_bytes, PREFIX_SIZE)
             if len(seg) != e.segment_bytes:
                 raise CorruptCheckpoint("truncated", e.path, "text cut short")
             parts.append(seg)
         text = b"".join(parts)
-        names = _native.sha1_prefixes(text, [e.text_bytes for e in self.entries])
+        names = _native.sha1_prefixes(text, [e.text_bytes for e in self.entries], self._name_key)
         for (_, _, e), d in zip(self.blocks, names):
             if d.hex() != e.sha:
                 raise CorruptCheckpoint("text_hash", e.path, "stored text does not hash to the file name")
@@ -208,8 +226,12 @@ class OpenChain:
 
     def close(self):
         for fd, _, _ in self.blocks:
+            if type(fd) is int:
+                os.close(fd)
+        for fd in self._held:
             os.close(fd)
         self.blocks = []
+        self._held = []
 
     def __enter__(self):
         return self

@@ -29,6 +29,11 @@ class CorruptCheckpoint(KVStoreError, ValueError):
         super().__init__(f"{where}corrupt checkpoint ({reason}){': ' + detail if detail else ''}")
 
 
+class BadKey(KVStoreError, ValueError):
+    """A store key that cannot be used: not 32 bytes, or a key file that
+    others may read or write (the message names the path and the problem)."""
+
+
 class CheckpointOSError(KVStoreError, OSError):
     """An operating-system error on a checkpoint file or the store directory."""
 

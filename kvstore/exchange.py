@@ -24,7 +24,7 @@ from kvstore.errors import CorruptCheckpoint
 from kvstore.format import PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Header, entry_from_fd, open_checkpoint
 
 
-def export_checkpoint(store, entry, path):
+def export_checkpoint(store, entry, path, plain=False):
     """Writes the stored sequence that ends at entry as one ABI 16 file at path.
 
     The file is written under a temporary name next to path and renamed into
@@ -35,6 +35,8 @@ def export_checkpoint(store, entry, path):
         store: the KVStore holding entry.
         entry: an Entry (a chain's last block, or a whole file).
         path: where the file goes.
+        plain: required to export from a sealed store (docs/format.md §16):
+            the exported file holds the prompt text and KV state in the clear.
 
     Returns:
         the Entry of the new file.
@@ -43,6 +45,8 @@ def export_checkpoint(store, entry, path):
         CorruptCheckpoint: the checkpoint does not load (vanished, corrupt,
             or not loadable by this store; the log says which).
     """
+    if getattr(store, "sealed", False) and not plain:
+        raise ValueError("export from a sealed store writes the checkpoint in the clear: pass plain=True")
     ckpt = store.load(entry, into="numpy", min_tokens=1, consume=False)
     if ckpt is None:
         raise CorruptCheckpoint("not_loadable", entry.path, "vanished, corrupt or not for this store (see the log)")

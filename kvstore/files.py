@@ -253,25 +253,47 @@ def write_checkpoint(path, header, text, plan, trailer_raw=b"", head=b"", durabl
         the new file's Entry, or None when exclusive and another file already
         had the name.
     """
-    P = PREFIX_SIZE + len(text)
-    size = P + plan.payload_bytes + len(trailer_raw)
     with TempFile(path) as tmp:
-        # All blocks at once: faster writes, and no room fails here.
-        _native.preallocate(tmp.fd, size, tmp.path)
-        _native.pwrite_from(tmp.fd, header.pack() + len(text).to_bytes(4, "little") + text + head, 0, tmp.path)
-        plan.write(tmp.fd, tmp.path)
-        if trailer_raw:
-            _native.pwrite_from(tmp.fd, trailer_raw, P + plan.payload_bytes, tmp.path)
-        # A zero-byte last block sits at an aligned offset past the last
-        # byte written: without a trailer (or the preallocation) the file
-        # would end short of payload_bytes and read back as truncated.
-        os.ftruncate(tmp.fd, size)
+        write_image(tmp.fd, tmp.path, header, text, plan, trailer_raw, head)
         # Read back before publishing: once visible, the file may be wiped
         # (zeroed) by another process at once.
         entry = entry_from_fd(tmp.fd, os.fstat(tmp.fd), path)
         if not tmp.publish(durable, exclusive):
             return None
     return entry
+
+
+def image_size(text, plan, trailer_raw=b""):
+    """The size of the file write_image writes."""
+    return PREFIX_SIZE + len(text) + plan.payload_bytes + len(trailer_raw)
+
+
+def write_image(fd, path, header, text, plan, trailer_raw=b"", head=b"", crc=True):
+    """Writes the bytes of one checkpoint file into fd (a new, empty file),
+    or into an object with payload.pwrite_from's method (the sink that
+    kvstore.seal encrypts from): what write_checkpoint publishes.
+
+    Args:
+        crc: False writes 0 as every payload block's CRC (payload.Plan.write).
+
+    Returns:
+        the file size.
+    """
+    P = PREFIX_SIZE + len(text)
+    size = image_size(text, plan, trailer_raw)
+    if type(fd) is int:
+        # All blocks at once: faster writes, and no room fails here.
+        _native.preallocate(fd, size, path)
+    payload.pwrite_from(fd, header.pack() + len(text).to_bytes(4, "little") + text + head, 0, path)
+    plan.write(fd, path, crc)
+    if trailer_raw:
+        payload.pwrite_from(fd, trailer_raw, P + plan.payload_bytes, path)
+    if type(fd) is int:
+        # A zero-byte last block sits at an aligned offset past the last
+        # byte written: without a trailer (or the preallocation) the file
+        # would end short of payload_bytes and read back as truncated.
+        os.ftruncate(fd, size)
+    return size
 
 
 def _pid_alive(pid):
@@ -542,7 +564,7 @@ def checkpoint_names(directory):
         return sorted(de.name for de in it if is_checkpoint_name(de.name))
 
 
-__all__ = ["TempFile", "write_checkpoint", "sync_fd", "sync_dir", "sync_primitive", "sync_fallbacks", "SYNC_PRIMITIVE", "same_file", "unlink_if_same", "move_aside", "quarantine",
+__all__ = ["TempFile", "write_checkpoint", "write_image", "image_size", "sync_fd", "sync_dir", "sync_primitive", "sync_fallbacks", "SYNC_PRIMITIVE", "same_file", "unlink_if_same", "move_aside", "quarantine",
            "record_hit", "overwrite", "wipe_file", "crc_range", "verify_file", "scan_directory",
            "checkpoint_names", "remove_stale_temps", "short_name", "describe_error",
            "QUARANTINE_DIR", "CREATE_FLAGS", "RDWR_FLAGS", "READ_FLAGS"]

@@ -38,6 +38,28 @@ PAYLOAD_ABI_TENSORS = 16
 PAYLOAD_ABI_CHAIN = 17
 LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS, PAYLOAD_ABI_CHAIN})
 
+# Sealed checkpoints (docs/format.md §16): the same two layouts encrypted and
+# authenticated with a store key (kvstore.seal).  ABI = inner ABI + 32, so a
+# build (or a store) without the key sees a foreign ABI: listed, counted in
+# the budget, evictable, never loaded.
+SEALED_ABI_OFFSET = 32
+PAYLOAD_ABI_SEALED = PAYLOAD_ABI_TENSORS + SEALED_ABI_OFFSET        # 48
+PAYLOAD_ABI_SEALED_CHAIN = PAYLOAD_ABI_CHAIN + SEALED_ABI_OFFSET    # 49
+SEALED_ABIS = frozenset({PAYLOAD_ABI_SEALED, PAYLOAD_ABI_SEALED_CHAIN})
+
+# The clear seal head of a sealed file, at offset 52 (64 bytes):
+#   0  "KVSL"   4  u8 version 1   5  u8 log2 of the chunk size   6  u16 0
+#   8  key id (8 bytes)   16  file id (16 random bytes)   32  u64 sealed body length
+#   40 u64 the inner payload length   48  u8 inner payload ABI   49  15 bytes 0
+# A sealed chain block (ABI 49) follows it with a clear chain header whose
+# parent is the parent's file name and whose token digests are zero.
+SEAL_MAGIC = b"KVSL"
+SEAL_VERSION = 1
+# magic, version, log2 chunk size, 0, key id, file id, body length, inner payload
+# length, inner ABI, (3 zero bytes), first chunk length, lookup tag
+SEAL_HEAD = struct.Struct("<4sBBH8s16sQQB3xI8s")
+SEAL_HEAD_SIZE = SEAL_HEAD.size                    # 64
+
 # The chain header at the start of an ABI 17 payload (64 bytes):
 #   0  "KVCB"   4  u16 version 1   6  u16 flags   8  parent digest (20 bytes, zeros: none)
 #   28 u32 token start   32 u32 block grid (tokens)   36 u64 text start
@@ -191,6 +213,12 @@ class Entry:
     block_grid: int = 0
     token_digest: bytes = b""
     parent_token_digest: bytes = b""
+    # A sealed file (ABI 48 or 49): the id of the key that sealed it (clear,
+    # so that another key's files are foreign, never corrupt), and its lookup
+    # tag (the first bytes of its name's inner hash, docs/format.md §16).
+    # b"" otherwise.
+    key_id: bytes = b""
+    lookup_tag: bytes = b""
 
     @property
     def name(self):
@@ -219,8 +247,14 @@ class Entry:
         return self.payload_abi in LOADABLE_ABIS
 
     @property
+    def sealed(self):
+        """Encrypted and authenticated with a store key (docs/format.md §16)."""
+        return self.payload_abi in SEALED_ABIS
+
+    @property
     def is_block(self):
-        return self.payload_abi == PAYLOAD_ABI_CHAIN
+        """A block of a chain, sealed or not (a sealed one's links are clear)."""
+        return self.payload_abi in (PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_SEALED_CHAIN)
 
     @property
     def restorable(self):
@@ -228,7 +262,7 @@ class Entry:
         every snapshot its state needs (its chain gives the rest)."""
         if self.is_block:
             return bool(self.chain_flags & CHAIN_RESTORABLE)
-        return self.loadable
+        return self.loadable or self.sealed
 
     @property
     def ends_save(self):
@@ -320,6 +354,29 @@ def parse_chain_head(raw, tokens, path=None):
                 parent_token_digest=parent_token_digest)
 
 
+def parse_seal_heads(head, h, text_len, file_size, path=None):
+    """The clear fields of a sealed file (its seal head, and a block's chain
+    header), as Entry keyword arguments; only their structure is checked here,
+    their authenticity by kvstore.seal with the key.
+
+    Raises:
+        CorruptCheckpoint: a head cut short or malformed.
+    """
+    at = PREFIX_SIZE + SEAL_HEAD_SIZE
+    block = h.payload_abi == PAYLOAD_ABI_SEALED_CHAIN
+    if len(head) < at + (CHAIN_HEAD_SIZE if block else 0):
+        raise CorruptCheckpoint("truncated", path, "sealed file shorter than its seal head")
+    magic, version, _, _, key_id, _, body, _, inner, _, tag = SEAL_HEAD.unpack_from(head, PREFIX_SIZE)
+    if magic != SEAL_MAGIC or version != SEAL_VERSION:
+        raise CorruptCheckpoint("bad_seal_head", path, "seal head is not KVSL version 1")
+    if inner != h.payload_abi - SEALED_ABI_OFFSET or body < text_len:
+        raise CorruptCheckpoint("bad_seal_head", path, "seal head disagrees with the header")
+    out = dict(key_id=key_id, lookup_tag=tag)
+    if block:
+        out.update(parse_chain_head(head[at:at + CHAIN_HEAD_SIZE], h.tokens, path))
+    return out
+
+
 def entry_from_fd(fd, st, path):
     """Reads and validates the envelope of an open checkpoint into an Entry.
 
@@ -336,7 +393,10 @@ def entry_from_fd(fd, st, path):
             "truncated", path,
             f"file is {st.st_size} bytes; header says 52 + text {text_len} + payload {h.payload_bytes}")
     chain = {}
-    if h.payload_abi == PAYLOAD_ABI_CHAIN:
+    if h.payload_abi in SEALED_ABIS:
+        chain = parse_seal_heads(head, h, text_len, st.st_size, path)
+        text_len += chain.get("text_start", 0)
+    elif h.payload_abi == PAYLOAD_ABI_CHAIN:
         at = PREFIX_SIZE + text_len
         if h.payload_bytes < CHAIN_HEAD_SIZE:
             raise CorruptCheckpoint("bad_payload", path, "block payload shorter than its chain header")

@@ -23,6 +23,16 @@ size changed), so a lookup in an unchanged directory costs one stat.
 
 TieredLookup searches the directory and the remote tier's index of a bucket
 in the same single pass.
+
+A sealed store's files are named by HMAC-SHA1 of the text under the
+store's name key (kvstore.seal, docs/format.md §16).  The HMAC's inner hash
+is a SHA1 pass that starts from the key's state, so a sealed lookup is the
+same one pass over the prompt.  Each sealed file carries a lookup tag, the
+first bytes of its name's inner hash: a length whose inner hash does not
+start with the tag is passed over at once, and only a tag that matches (or
+an entry without one, a bucket's) costs the outer block that finishes the
+HMAC.  A sealed lookup so costs what a plain one does.  A keyed store that
+accepts unsealed files makes a second, plain pass.
 """
 
 import os
@@ -41,6 +51,42 @@ from kvstore.format import is_checkpoint_name, read_entry
 MTIME_GRANULARITY_NS = 50_000_000
 
 _EMPTY_U32 = np.zeros(0, dtype=np.uint32)
+_NO_TAG = bytes(_native.LOOKUP_TAG)
+
+
+def names_of(text, lengths, name_key=None):
+    """(names, lookup tags) of the prefixes of text of the given lengths:
+    their SHA1 digests and b"" tags, or under a sealed store's name_key their
+    HMAC-SHA1 names and lookup tags (the first _native.LOOKUP_TAG bytes of
+    each name's inner hash; docs/format.md §16)."""
+    names = _native.sha1_prefixes(text, lengths, name_key)
+    if name_key is None:
+        return names, [b""] * len(names)
+    inner = _native.sha1_prefixes(text, lengths, name_key, inner=True)
+    return names, [d[:_native.LOOKUP_TAG] for d in inner]
+
+
+def tag_bytes(entry):
+    """An entry's lookup tag as the lookup arrays hold it (zeros: none)."""
+    return entry.lookup_tag or _NO_TAG
+
+
+def name_keys(name_key, plain_names):
+    """The keys a lookup matches names under: None stands for plain SHA1
+    names, bytes for HMAC-SHA1 names under that key (a sealed store's)."""
+    if name_key is None:
+        return (None,)
+    return (name_key, None) if plain_names else (name_key,)
+
+
+def prefix_matches(data, lengths, digests, keys=(None,), tags=None):
+    """Indices i whose name digests[20*i:20*i+20] is data[:lengths[i]]'s
+    under any of keys (see name_keys), ascending: one pass per key.  tags:
+    the entries' lookup tags (LOOKUP_TAG bytes each), for the keyed pass."""
+    out = []
+    for key in keys:
+        out += _native.sha1_prefix_matches(data, lengths, digests, key, tags if key is not None else None)
+    return out if len(keys) == 1 else sorted(set(out))
 
 
 def chain_link_ok(child, parent):
@@ -65,6 +111,7 @@ class _Forest:
         self.live = 0
         self.lengths = np.zeros(capacity, dtype=np.uint64)
         self.digests = bytearray(20 * capacity)
+        self.tags = bytearray(_native.LOOKUP_TAG * capacity)
         self.first_child = np.full(capacity, -1, dtype=np.int32)
         self.next_sibling = np.full(capacity, -1, dtype=np.int32)
         self.parent = np.full(capacity, -1, dtype=np.int32)
@@ -75,6 +122,7 @@ class _Forest:
         cap = 2 * len(self.entry)
         self.lengths = np.resize(self.lengths, cap)
         self.digests.extend(bytes(len(self.digests)))
+        self.tags.extend(bytes(len(self.tags)))
         for name in ("first_child", "next_sibling", "parent"):
             old = getattr(self, name)
             new = np.full(cap, -1, dtype=np.int32)
@@ -91,6 +139,8 @@ class _Forest:
         self.live += 1
         self.lengths[i] = entry.text_bytes
         self.digests[20 * i:20 * i + 20] = bytes.fromhex(entry.sha)
+        t = _native.LOOKUP_TAG
+        self.tags[t * i:t * i + t] = tag_bytes(entry)
         self.entry[i] = entry
         self.parent[i] = parent
         self.first_child[i] = -1
@@ -135,10 +185,16 @@ class _Forest:
                 c = int(self.next_sibling[c])
         return out
 
-    def matches(self, data):
+    def matches(self, data, keys=(None,)):
+        """The nodes whose name matches data under any of keys (see name_keys)."""
         n = self.n
-        return _native.sha1_forest_matches(data, self.lengths[:n], memoryview(self.digests)[:20 * n],
-                                           self.first_root, self.first_child[:n], self.next_sibling[:n])
+        out = []
+        for key in keys:
+            tags = memoryview(self.tags)[:_native.LOOKUP_TAG * n] if key is not None else None
+            out += _native.sha1_forest_matches(data, self.lengths[:n], memoryview(self.digests)[:20 * n],
+                                               self.first_root, self.first_child[:n], self.next_sibling[:n], key,
+                                               tags)
+        return out if len(keys) == 1 else sorted(set(out))
 
 
 class DirectoryIndex:
@@ -151,10 +207,15 @@ class DirectoryIndex:
             valid envelopes count for the budget).
         min_tokens: the shortest checkpoint a lookup returns (shorter chain
             blocks still link longer ones).
+        name_key: for a sealed store, the key of its HMAC-SHA1 file names
+            (kvstore.seal.Sealer.name_key); None: names are SHA1s.
+        plain_names: with name_key, SHA1 names match too (unsealed files accepted).
     """
 
-    def __init__(self, path, fits=lambda e: True, min_tokens=0):
+    def __init__(self, path, fits=lambda e: True, min_tokens=0, name_key=None, plain_names=False):
         self.path = os.fspath(path)
+        self.name_key = name_key
+        self.keys = name_keys(name_key, plain_names)
         self.fits = fits
         self.min_tokens = min_tokens
         self.entries = {}          # name -> Entry (every valid envelope)
@@ -247,7 +308,7 @@ class DirectoryIndex:
         self._bytes += e.file_size
         if e.sha:
             self._by_sha[e.sha] = e
-        if not e.sha or not e.loadable or not self.fits(e):
+        if not e.sha or not (e.loadable or e.sealed) or not self.fits(e):
             return
         if not e.is_block:
             if e.tokens >= self.min_tokens:
@@ -366,15 +427,15 @@ class DirectoryIndex:
                 over for the next longest.
         """
         if not self._blocks:
-            entries, lengths, digests = self.lookup_arrays()
+            entries, lengths, digests, tags = self.lookup_arrays()
             n = int(np.searchsorted(lengths, len(data), side="right"))
             if n == 0:
                 return None
-            found = [entries[i] for i in _native.sha1_prefix_matches(data, lengths[:n],
-                                                                     memoryview(digests)[:20 * n])]
+            found = [entries[i] for i in prefix_matches(data, lengths[:n], memoryview(digests)[:20 * n],
+                                                        self.keys, memoryview(tags)[:_native.LOOKUP_TAG * n])]
         else:
             nodes = self._forest.entry
-            found = sorted((nodes[i] for i in self._forest.matches(data) if self._selectable(nodes[i])),
+            found = sorted((nodes[i] for i in self._forest.matches(data, self.keys) if self._selectable(nodes[i])),
                            key=lambda e: (e.text_bytes, e.tokens))
         for e in reversed(found):
             if accept is None or accept(e):
@@ -383,14 +444,15 @@ class DirectoryIndex:
 
     def lookup_arrays(self):
         """(selectable entries sorted by text length, their lengths as uint64, their
-        digests joined): what a flat lookup searches, for a caller that
-        searches this index together with another one in the same pass.
-        Built when asked for, kept until the index changes."""
+        digests joined, their lookup tags joined): what a flat lookup searches,
+        for a caller that searches this index together with another one in the
+        same pass.  Built when asked for, kept until the index changes."""
         if self._flat is None or self._flat[0] != self.generation:
             live = sorted((e for e in self._forest.entry[:self._forest.n] if e is not None and self._selectable(e)),
                           key=lambda e: (e.text_bytes, e.tokens))
             lengths = np.fromiter((e.text_bytes for e in live), dtype=np.uint64, count=len(live))
-            self._flat = (self.generation, (live, lengths, b"".join(bytes.fromhex(e.sha) for e in live)))
+            self._flat = (self.generation, (live, lengths, b"".join(bytes.fromhex(e.sha) for e in live),
+                                            b"".join(tag_bytes(e) for e in live)))
         return self._flat[1]
 
     def total_bytes(self):
@@ -399,7 +461,7 @@ class DirectoryIndex:
 
 
 def _merge(local, remote):
-    l_entries, l_lengths, l_digests = local
+    l_entries, l_lengths, l_digests, l_tags = local
     r_shas, r_lengths, r_digests = remote
     lengths = np.concatenate([l_lengths, r_lengths]).astype(np.uint64, copy=False)
     # Stable: at equal lengths local entries stay first (and in their order:
@@ -408,7 +470,11 @@ def _merge(local, remote):
     order = np.argsort(lengths, kind="stable")
     owners = [*l_entries, *r_shas]
     digests = np.frombuffer(bytes(l_digests) + bytes(r_digests), dtype=np.uint8).reshape(-1, 20)
-    return [owners[i] for i in order.tolist()], lengths[order], digests[order].tobytes()
+    # A bucket's listing carries no lookup tags: its entries are confirmed
+    # by their names alone.
+    tags = np.frombuffer(bytes(l_tags) + bytes(_native.LOOKUP_TAG * len(r_shas)),
+                         dtype=np.uint8).reshape(-1, _native.LOOKUP_TAG)
+    return [owners[i] for i in order.tolist()], lengths[order], digests[order].tobytes(), tags[order].tobytes()
 
 
 class TieredLookup:
@@ -443,11 +509,12 @@ class TieredLookup:
         if self._key != key:
             self._merged = _merge(self.local.lookup_arrays(), remote.snapshot)
             self._key = key
-        owners, lengths, digests = self._merged
+        owners, lengths, digests, tags = self._merged
         n = int(np.searchsorted(lengths, len(data), side="right"))
         if n == 0:
             return None, None
-        matches = _native.sha1_prefix_matches(data, lengths[:n], memoryview(digests)[:20 * n])
+        matches = prefix_matches(data, lengths[:n], memoryview(digests)[:20 * n], self.local.keys,
+                                 memoryview(tags)[:_native.LOOKUP_TAG * n])
         local = remote_at = None
         for i in reversed(matches):
             if not isinstance(owners[i], str):

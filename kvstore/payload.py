@@ -229,7 +229,7 @@ class Plan:
         assert len(raw) <= self.manifest_len
         return raw + b" " * (self.manifest_len - len(raw))
 
-    def write(self, fd, path):
+    def write(self, fd, path, crc=True):
         """Writes the payload at its place in fd, CRC'ing every block as it goes.
 
         A file takes one writer at a time in the kernel, so this thread does
@@ -237,6 +237,10 @@ class Plan:
         block's slices (GIL released): the CRC costs no wall time.  Blocks
         that need a contiguous copy are materialised one at a time, just
         before they are written.
+
+        Args:
+            crc: False writes 0 as every block's CRC (a sealed file's body,
+                whose GCM tags check every byte: kvstore.seal).
         """
         P = self.payload_start
         m = self.manifest
@@ -244,18 +248,18 @@ class Plan:
             [(t, src[4]) for t, src in zip(m["tensors"], self.sources)]
         pool = _get_pool()
         for t, materialize in blocks:
-            mv = _bytes_view(materialize())
-            parts = _slices(mv.nbytes)
+            mv = bytes_view(materialize())
+            parts = _slices(mv.nbytes) if crc else []
             crcs = [pool.submit(_native.crc32c, mv[a:b]) for a, b in parts]
-            _native.pwrite_from(fd, mv, P + t["offset"], path)
-            crc = None
-            for (a, b), fut in zip(parts, crcs):
+            pwrite_from(fd, mv, P + t["offset"], path)
+            value = 0
+            for i, ((a, b), fut) in enumerate(zip(parts, crcs)):
                 c = fut.result()
-                crc = c if crc is None else _native.crc32c_combine(crc, c, b - a)
-            t["crc32c"] = crc
+                value = c if i == 0 else _native.crc32c_combine(value, c, b - a)
+            t["crc32c"] = value
         raw = self.manifest_bytes()
         head = PAYLOAD_HEADER.pack(MAGIC, len(raw), self.data_offset, _native.crc32c(raw), 0)
-        _native.pwrite_from(fd, head + raw, P, path)
+        pwrite_from(fd, head + raw, P, path)
 
 
 # ---- reading --------------------------------------------------------------
@@ -390,7 +394,7 @@ def read_manifest(fd, entry, cached=False):
     path, P = entry.path, entry.tensors_offset
     if entry.tensors_bytes < PAYLOAD_HEADER.size:
         raise CorruptCheckpoint("bad_payload", path, "payload shorter than its header")
-    head = os.pread(fd, PAYLOAD_HEADER.size, P)
+    head = pread(fd, PAYLOAD_HEADER.size, P)
     if len(head) < PAYLOAD_HEADER.size:
         raise CorruptCheckpoint("truncated", path, "payload header cut short")
     magic, mlen, data_offset, mcrc, _ = PAYLOAD_HEADER.unpack(head)
@@ -401,7 +405,7 @@ def read_manifest(fd, entry, cached=False):
     if data_offset < PAYLOAD_HEADER.size + mlen or data_offset > entry.tensors_bytes \
             or (P + data_offset) % DATA_ALIGN:
         raise CorruptCheckpoint("bad_payload", path, f"data offset {data_offset} is invalid")
-    raw = os.pread(fd, mlen, P + PAYLOAD_HEADER.size)
+    raw = pread(fd, mlen, P + PAYLOAD_HEADER.size)
     if len(raw) != mlen:
         raise CorruptCheckpoint("truncated", path, "manifest cut short")
     if _native.crc32c(raw) != mcrc:
@@ -472,6 +476,11 @@ def _get_pool():
         return _pool
 
 
+def io_pool():
+    """The I/O threads' executor (IO_THREADS threads), shared with kvstore.seal's chunk jobs."""
+    return _get_pool()
+
+
 def _forget_pool_after_fork():
     # A forked child inherits the pool object but none of its threads: work
     # submitted to it would wait forever.  The child starts its own.
@@ -482,6 +491,31 @@ def _forget_pool_after_fork():
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def pread_into(src, buf, offset, path=None, crc=None):
+    """Fills buf from src at offset: src is a file descriptor, or an object
+    with the same pread_into method (a sealed file's authenticated plain
+    view, kvstore.seal.SealedSource).  Returns the CRC as _native.pread_into."""
+    if type(src) is int:
+        return _native.pread_into(src, buf, offset, path, crc)
+    return src.pread_into(buf, offset, path, crc)
+
+
+def pwrite_from(dst, buf, offset, path=None):
+    """Writes buf to dst at offset: dst is a file descriptor, or an object
+    with the same pwrite_from method (the in-memory image kvstore.seal
+    encrypts before anything reaches the disk)."""
+    if type(dst) is int:
+        return _native.pwrite_from(dst, buf, offset, path)
+    return dst.pwrite_from(buf, offset, path)
+
+
+def pread(src, n, offset):
+    """os.pread for a file descriptor or a source with pread_into."""
+    if type(src) is int:
+        return os.pread(src, n, offset)
+    return src.pread(n, offset)
 
 
 def _slices(n):
@@ -514,7 +548,8 @@ def _parallel(fn, fd, mv, offset, path, crc0):
     return _join(_submit(fn, fd, mv, offset, path, crc0), crc0)
 
 
-def _bytes_view(buf):
+def bytes_view(buf):
+    """buf's bytes as one flat memoryview (format "B", 1-D) of its memory."""
     mv = memoryview(buf)
     if mv.nbytes == 0:
         # cast() refuses a shape with a zero in it (an MLX array of shape
@@ -528,7 +563,7 @@ def read_block(fd, buf, offset, path, verify):
 
     Returns the CRC32C of the bytes (None when verify is false).
     """
-    return _parallel(_native.pread_into, fd, _bytes_view(buf), offset, path, 0 if verify else None)
+    return _parallel(pread_into, fd, bytes_view(buf), offset, path, 0 if verify else None)
 
 
 def _check(crc, want, path, what):
@@ -563,7 +598,7 @@ def read_tensors_numpy(fd, entry, manifest, verify=True):
     for name, dtype, shape, off, n, crc in manifest.tensors:
         a = np.empty(shape, dtype=_numpy_dtype(dtype))
         if n:
-            jobs = _submit(_native.pread_into, fd, _bytes_view(a.reshape(-1).view(np.uint8)),
+            jobs = _submit(pread_into, fd, bytes_view(a.reshape(-1).view(np.uint8)),
                            entry.tensors_offset + off, entry.path, crc0)
             pending.append((name, crc, jobs))
         out[name] = a
@@ -624,7 +659,7 @@ class _VirtualBlob(io.RawIOBase):
         return self.pos
 
     def readinto(self, b):
-        mv = _bytes_view(b)
+        mv = bytes_view(b)
         n, done = mv.nbytes, 0
         try:
             while done < n and self.pos < self.size:
@@ -644,6 +679,13 @@ class _VirtualBlob(io.RawIOBase):
 
     def _queue_all(self, mv):
         crc0 = 0 if self.verify else None
+        if type(self.fd) is not int:
+            # A sealed file's view decrypts whole chunks: one read of the
+            # blob's range (its tags vouch for every byte; no CRCs).
+            self.pending.append(("blob", None, _submit(pread_into, self.fd, mv, self.entry.tensors_offset + self.lo,
+                                                       self.entry.path, None)))
+            self.address = _native.buffer_address(mv)
+            return mv.nbytes
         for name, dtype, shape, off, n, crc in self.tensors:
             at = off - self.lo
             jobs = _submit(_native.pread_into, self.fd, mv[at:at + n], self.entry.tensors_offset + off,
@@ -724,6 +766,26 @@ def _mx_load_blob(fd, entry, tensors, lo, hi, verify, defer):
 
 def _mx_dtype(mx, name):
     return mx.bool_ if name == "bool" else getattr(mx, name)
+
+
+def numpy_to_mlx(arrays, dtypes):
+    """MLX copies of tensors a NumPy load returned (bfloat16 as uint16 bits).
+
+    Args:
+        arrays: {name: numpy array}.
+        dtypes: {name: the stored dtype name} (Checkpoint.dtypes).
+    """
+    import mlx.core as mx
+    out = {}
+    for name, a in arrays.items():
+        dtype = dtypes.get(name)
+        if dtype == "float64":
+            out[name] = mx.array(a, dtype=mx.float64)
+        elif dtype == "bfloat16":
+            out[name] = mx.array(a).view(mx.bfloat16)
+        else:
+            out[name] = mx.array(a)
+    return out
 
 
 def read_tensors_mlx(fd, entry, manifest, verify=True):
@@ -927,6 +989,18 @@ class _Batch:
         total = sum(p.nbytes for _, p in pieces)
         jobs = max(1, min(IO_THREADS, total // MIN_SLICE))
         share = max(1, -(-total // jobs))
+        src = pieces[0][1].fd if pieces else 0
+        if type(src) is not int and jobs > 1:
+            # A sealed chain's blocks are kvstore.seal.SealedSource objects:
+            # their read_pieces decrypts and authenticates the chunks read,
+            # each job its share of the chunks whole (a chunk cut between
+            # two jobs would be read and decrypted by both).
+            reads = [(b, p.fd, p.file_offset, p.run, p.count, p.stride, p.dst) for b, p in pieces]
+            pool = _get_pool()
+            for j in range(jobs):
+                self.jobs.append((pool.submit(src.read_pieces, self.buffers, reads, self.verify, (j, jobs)),
+                                  [(i, p.nbytes) for i, (_, p) in enumerate(pieces, first)] if j == 0 else []))
+            return
         groups, size = [[]], 0
         for i, (b, p) in enumerate(pieces, first):
             step = max(1, p.count if p.nbytes <= share else share // p.run)
@@ -939,14 +1013,15 @@ class _Batch:
                                                   p.dst + run0 * p.stride)))
                 size += k * p.run
         groups = [g for g in groups if g]
+        read = _native.pread_pieces if type(src) is int else src.read_pieces
         if last and not self.jobs and len(groups) == 1:
             g = groups[0]
-            self.jobs.append((_Done(_native.pread_pieces, self.buffers, [part[2] for part in g], self.verify),
+            self.jobs.append((_Done(read, self.buffers, [part[2] for part in g], self.verify),
                               [part[:2] for part in g]))
             return
         pool = _get_pool()
         for g in groups:
-            self.jobs.append((pool.submit(_native.pread_pieces, self.buffers, [part[2] for part in g],
+            self.jobs.append((pool.submit(read, self.buffers, [part[2] for part in g],
                                           self.verify), [part[:2] for part in g]))
 
     def wait(self):
@@ -1031,7 +1106,7 @@ def _queue(layout, batch, slots):
 
 def _tokens_view(layout):
     out = np.empty(layout.tokens, dtype="<u4")
-    return out, _bytes_view(out.view(np.uint8))
+    return out, bytes_view(out.view(np.uint8))
 
 
 def read_chain_numpy(layout, verify=True):
@@ -1042,7 +1117,7 @@ def read_chain_numpy(layout, verify=True):
     """
     tokens, tok_mv = _tokens_view(layout)
     out = {t.name: np.empty(t.shape, dtype=_numpy_dtype(t.dtype)) for t in layout.tensors}
-    buffers = [_bytes_view(out[t.name].reshape(-1).view(np.uint8)) for t in layout.tensors] + [tok_mv]
+    buffers = [bytes_view(out[t.name].reshape(-1).view(np.uint8)) for t in layout.tensors] + [tok_mv]
     _read_stream(layout, buffers, list(range(len(layout.tensors))) + [len(layout.tensors)], verify)
     return tokens.astype(np.uint32, copy=False), out
 
@@ -1125,7 +1200,7 @@ def read_chain_mlx(layout, verify=True):
     # CPU only): those tensors are read through NumPy and copied into MLX.
     wide = {s: np.empty(t.shape, dtype=np.float64) for s, t in enumerate(layout.tensors)
             if t.dtype == "float64" and t.nbytes}
-    others = {s: _bytes_view(a.reshape(-1).view(np.uint8)) for s, a in wide.items()}
+    others = {s: bytes_view(a.reshape(-1).view(np.uint8)) for s, a in wide.items()}
     others[-1] = tok_mv
     out = {}
     if direct:
@@ -1145,10 +1220,8 @@ def read_chain_mlx(layout, verify=True):
         if src.partial or src.address is None or _native.buffer_address(memoryview(blob)) != src.address:
             # MLX did not hand over the blob's own memory in one call.
             tokens, arrays = read_chain_numpy(layout, verify)
-            for s, t in enumerate(layout.tensors):
-                if t.nbytes:
-                    a = mx.array(arrays[t.name])
-                    out[t.name] = a.view(_mx_dtype(mx, t.dtype)) if t.dtype == "bfloat16" else a
+            out.update(numpy_to_mlx({t.name: arrays[t.name] for t in layout.tensors if t.nbytes},
+                                    {t.name: t.dtype for t in layout.tensors}))
         else:
             for s, at in zip(direct, src.places):
                 t = layout.tensors[s]

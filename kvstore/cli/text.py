@@ -121,7 +121,9 @@ def printable(s, limit=None):
 
 
 def abi(e):
-    return str(e.payload_abi) if e.loadable else f"{e.payload_abi}(foreign)"
+    if e.loadable:
+        return str(e.payload_abi)
+    return f"{e.payload_abi}(sealed)" if e.sealed else f"{e.payload_abi}(foreign)"
 
 
 def table(rows, header, right=()):

@@ -13,7 +13,7 @@ docs/format.md §13.
 import logging
 
 from kvstore.errors import RemoteError
-from kvstore.format import PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS
+from kvstore.format import PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, SEALED_ABI_OFFSET
 from kvstore.remote.breaker import CircuitBreaker, Health
 from kvstore.remote.index import RemoteIndex
 from kvstore.remote.janitor import (GC_MIN_AGE_S, GC_THREADS, RemoteObject, abort_stale_uploads, gc,
@@ -33,11 +33,16 @@ def open_tier(url, store, options=None):
         log.warning("kvstore: remote_model_identity_unset model_id=%d (every model with this id "
                     "shares one key prefix; pass model_identity=)", store.model_id)
     # A chained store shares blocks (payload ABI 17), a whole one ABI 16 files:
-    # two namespaces, since neither can continue the other's objects.
+    # two namespaces, since neither can continue the other's objects.  A
+    # sealed store's objects (48, 49: docs/format.md §16) are two more: they
+    # are uploaded as they are on disk, and authenticated before a fetch
+    # publishes them, so hosts sharing a key accept only what they sealed.
     abi = PAYLOAD_ABI_CHAIN if store.layout == "chain" else PAYLOAD_ABI_TENSORS
+    if store.sealed:
+        abi += SEALED_ABI_OFFSET
     fp = key_fingerprint(store.model_id, store.quant_bits, store.reject_different_quant, store.model_identity,
                          payload_abi=abi)
-    return RemoteTier(url, store.path, fp, options)
+    return RemoteTier(url, store.path, fp, options, check=store.verify_file)
 
 
 register_remote("s3", open_tier)

@@ -86,9 +86,14 @@ class RemoteTier:
         local_dir: the store directory (fetches land there).
         fingerprint: key_fingerprint(...) of the store.
         options: remote options; see KVStore.
+        check: check(path, name) -> None or a one-line reason: how a file is
+            checked before it is published or uploaded (the store's
+            verify_file: a sealed store authenticates it); default
+            kvstore.files.verify_file.
     """
 
-    def __init__(self, url, local_dir, fingerprint, options=None):
+    def __init__(self, url, local_dir, fingerprint, options=None, check=None):
+        self.check = check if check is not None else (lambda path, name=None: verify_file(path, name=name))
         self.bucket = Bucket(url, options)
         self.options = self.bucket.options
         self.url = url
@@ -110,7 +115,7 @@ class RemoteTier:
         self._pool = concurrent.futures.ThreadPoolExecutor(int(self.options["fetch_threads"]),
                                                            thread_name_prefix="kvstore-fetch")
         self.uploads = UploadQueue(self.bucket, self.fingerprint, self.index, self.health, self.options,
-                                   start=bool(self.options["upload"]))
+                                   start=bool(self.options["upload"]), check=self.check)
         self._thread = threading.Thread(target=self._refresh_loop, name="kvstore-remote-index", daemon=True)
         self._thread.start()
 
@@ -264,7 +269,7 @@ class RemoteTier:
                 return None
             local = None
             for e, tmp in zip(missing, tmps):       # parent first: a block's checks read its parents
-                reason = verify_file(tmp.path, name=e.sha + ".kv")
+                reason = self.check(tmp.path, name=e.sha + ".kv")
                 if reason is not None:
                     log.warning("kvstore: remote_corrupt reason=%s file=%s", reason.split(":")[0], short_name(e.sha))
                     return self._miss(e.sha, "corrupt", reject=True)
@@ -317,7 +322,7 @@ class RemoteTier:
         if failure is not None:
             return self._fetch_failed(sha, failure)
         self.breaker.success()
-        reason = verify_file(tmp.path, name=sha + ".kv") if verify else None
+        reason = self.check(tmp.path, name=sha + ".kv") if verify else None
         if reason is not None:
             log.warning("kvstore: remote_corrupt reason=%s file=%s", reason.split(":")[0], short_name(sha))
             return self._miss(sha, "corrupt", reject=True)

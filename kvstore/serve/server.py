@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm import server as mlx_server
 
-from kvstore import payload, remote
+from kvstore import payload, remote, seal
 from kvstore.chain import DEFAULT_BLOCK_TOKENS
 from kvstore.mlx import DEFAULT_CTX_SIZE
 from kvstore.policy import Options
@@ -120,7 +120,8 @@ class _Server:
                              model_id=int(self.fingerprint[:2], 16),
                              quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
                              options=options, layout=opts.layout, block_tokens=opts.block_tokens,
-                             max_write_mb_per_hour=opts.max_write_mb_per_hour, **extra)
+                             max_write_mb_per_hour=opts.max_write_mb_per_hour,
+                             key=opts.cache_key_file, **extra)
         if self.store.remote is not None:
             # The bucket's index before the first request (later refreshes
             # run in the background); a remote that is down costs one
@@ -210,6 +211,9 @@ def build_parser():
     p.add_argument("--require-cache-salt", action="store_true",
                    help="refuse completions without a cache_salt (400); requests with different salts "
                         "never share a cached prefix, in RAM, on disk or in the bucket")
+    p.add_argument("--cache-key-file", metavar="FILE", default=None,
+                   help="seal every checkpoint with this 32-byte key (kvstore key new FILE): text and KV "
+                        "encrypted and authenticated on disk and in the bucket; unsealed files are ignored")
     remote.add_arguments(p)
     return p
 
@@ -246,6 +250,12 @@ def main(argv=None):
         value = getattr(opts, name)
         if value is not None and value < 0:
             print(f"kvstore serve: error: --{name.replace('_', '-')} {value} must be >= 0", file=sys.stderr)
+            return 2
+    if opts.cache_key_file is not None:
+        try:
+            seal.load_key(opts.cache_key_file)
+        except (ValueError, OSError) as e:
+            print(f"kvstore serve: error: --cache-key-file: {e}", file=sys.stderr)
             return 2
     _check_mlx_lm()
     if hasattr(signal, "SIGUSR1"):

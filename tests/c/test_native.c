@@ -48,6 +48,85 @@ static void check_prefixes(const uint8_t *data, size_t len, const uint64_t *leng
     check(ok, what, len);
 }
 
+static int cmp_u64(const void *a, const void *b);
+
+/* HMAC-SHA1 (RFC 2202 vectors), and its keyed prefix pass and forest
+ * against one kvs_hmac_sha1 per length, on the selected SHA1. */
+static void check_hmac(const uint8_t *buf)
+{
+    static const struct { size_t klen; uint8_t kbyte; const char *data; size_t dlen; const char *hex; } v[] = {
+        {20, 0x0b, "Hi There", 8, "b617318655057264e28bc0b6fb378c8ef146be00"},
+        {4, 0, "what do ya want for nothing?", 28, "effcdf6ae5eb2fa2d27416d5f184df9c259a7c79"},
+        {80, 0xaa, "Test Using Larger Than Block-Size Key - Hash Key First", 54,
+         "aa4ae5e15272d00e95705637ce8a3b55ed402112"},
+    };
+    uint8_t key[80], d[20], out[NLEN * 20];
+    uint64_t lengths[NLEN];
+    size_t order[NLEN];
+    char hx[41];
+    kvs_hmac_key k;
+
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+        if (v[i].kbyte) memset(key, v[i].kbyte, v[i].klen);
+        else memcpy(key, "Jefe", 4);
+        kvs_hmac_sha1_key(&k, key, v[i].klen);
+        kvs_hmac_sha1(&k, (const uint8_t *)v[i].data, v[i].dlen, d);
+        hex(d, hx);
+        check(strcmp(hx, v[i].hex) == 0, "hmac_sha1 rfc2202", v[i].dlen);
+    }
+    kvs_hmac_sha1_key(&k, buf, 32);
+    for (int round = 0; round < 50; round++) {
+        size_t len = (size_t)next_byte() << 4 | (next_byte() & 15), n = 1 + next_byte() % NLEN, ok = 1;
+        for (size_t i = 0; i < n; i++) lengths[i] = (uint64_t)(next_byte() << 8 | next_byte()) % (len + 1);
+        ok = kvs_sha1_prefixes_keyed(buf + 100, len, lengths, n, order, out, &k) == 0;
+        for (size_t i = 0; ok && i < n; i++) {
+            kvs_hmac_sha1(&k, buf + 100, (size_t)lengths[i], d);
+            ok = memcmp(d, out + 20 * i, 20) == 0;
+        }
+        check(ok, "sha1_prefixes_keyed", len);
+        /* A forest of one chain: every node matches, in order. */
+        qsort(lengths, n, sizeof lengths[0], cmp_u64);
+        size_t m = 0;
+        int32_t first_child[NLEN], next_sibling[NLEN];
+        uint32_t heap[NLEN], matched[NLEN];
+        for (size_t i = 0; i < n; i++)
+            if (!m || lengths[i] > lengths[m - 1]) lengths[m++] = lengths[i];
+        for (size_t i = 0; i < m; i++) {
+            kvs_hmac_sha1(&k, buf + 100, (size_t)lengths[i], out + 20 * i);
+            first_child[i] = i + 1 < m ? (int32_t)(i + 1) : -1;
+            next_sibling[i] = -1;
+        }
+        size_t got = kvs_sha1_forest_keyed(buf + 100, len, lengths, out, m, 0, first_child, next_sibling,
+                                           heap, matched, &k, NULL);
+        ok = got == m;
+        for (size_t i = 0; ok && i < m; i++) ok = matched[i] == i;
+        check(ok, "sha1_forest_keyed", len);
+        /* The inner hashes: the outer block makes each one the HMAC; their
+         * first bytes as lookup tags find the same chain, and a wrong tag
+         * at node j stops the walk there (its children are never tried). */
+        uint8_t inner[NLEN * 20], tags[NLEN * KVS_LOOKUP_TAG];
+        ok = kvs_hmac_sha1_inner_prefixes(buf + 100, len, lengths, m, order, inner, &k) == 0;
+        for (size_t i = 0; ok && i < m; i++) {
+            kvs_hmac_sha1_outer(&k, inner + 20 * i, d);
+            ok = memcmp(d, out + 20 * i, 20) == 0;
+            memcpy(tags + KVS_LOOKUP_TAG * i, inner + 20 * i, KVS_LOOKUP_TAG);
+        }
+        check(ok, "hmac_sha1_inner_prefixes", len);
+        got = kvs_sha1_forest_keyed(buf + 100, len, lengths, out, m, 0, first_child, next_sibling, heap, matched,
+                                    &k, tags);
+        check(got == m, "sha1_forest_keyed tags", len);
+        size_t j = m / 2;
+        tags[KVS_LOOKUP_TAG * j] ^= 1;
+        got = kvs_sha1_forest_keyed(buf + 100, len, lengths, out, m, 0, first_child, next_sibling, heap, matched,
+                                    &k, tags);
+        check(got == j, "sha1_forest_keyed wrong tag", len);
+        memset(tags + KVS_LOOKUP_TAG * j, 0, KVS_LOOKUP_TAG);          /* no tag: confirmed by the outer block */
+        got = kvs_sha1_forest_keyed(buf + 100, len, lengths, out, m, 0, first_child, next_sibling, heap, matched,
+                                    &k, tags);
+        check(got == m, "sha1_forest_keyed no tag", len);
+    }
+}
+
 static int cmp_u64(const void *a, const void *b)
 {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
@@ -205,8 +284,10 @@ int main(void)
             hex(d0, hx);
             check(strcmp(hx, "da39a3ee5e6b4b0d3255bfef95601890afd80709") == 0, "sha1 empty", 0);
         }
-        if (kvs_sha1_select(impl) == 0)
+        if (kvs_sha1_select(impl) == 0) {
             check_prefixes_all(buf, MAX);
+            check_hmac(buf);
+        }
         if (kvs_crc32c_select(impl) == 0) {
             check(kvs_crc32c(0, (const uint8_t *)"123456789", 9) == 0xE3069283u, "crc32c check", 9);
             uint32_t whole = kvs_crc32c(0, buf, 100000);
