@@ -29,7 +29,7 @@ import logging
 import os
 import re
 
-from kvstore import _native
+from kvstore import _native, payload
 from kvstore import trailers as trailer_mod
 from kvstore.errors import AmbiguousSession, KVStoreError, SessionNotFound
 from kvstore.format import ExtFlag, Reason, entry_from_fd, open_checkpoint, read_entry
@@ -76,15 +76,19 @@ class SessionInfo:
         return self.sha[:12]
 
 
-def read_title(entry):
+def read_title(entry, sealer=None):
     """The session title in a checkpoint's trailer, or None.
 
     Reads only the trailer's section headers and the title body (at most
     trailers.TITLE_MAX_BYTES); applies parse_trailer's rules: the first
-    section for ext bit 3 whose CRC and UTF-8 check out wins.
+    section for ext bit 3 whose CRC and UTF-8 check out wins.  A sealed
+    file's trailer is read through its key (decrypting and authenticating
+    only the chunks the reads cover).
 
     Args:
         entry: an Entry (its ext flags say whether a title is there).
+        sealer: the kvstore.seal.Sealer of a sealed file's key (KVStore.sealer),
+            or None: sealed files then show no title.
 
     Returns:
         str, or None when there is no title or it cannot be read.
@@ -99,11 +103,16 @@ def read_title(entry):
         cur = entry_from_fd(fd, st, entry.path)     # the file may have changed since listing
         if not cur.ext_flags & ExtFlag.SESSION_TITLE:
             return None
+        src = fd
+        if cur.sealed:
+            if sealer is None or cur.key_id != sealer.key_id:
+                return None
+            src, cur = sealer.source(fd, st, cur)
         hook = trailer_mod.hooks()[_TITLE_BIT]
-        for bit, offset, length, crc in trailer_mod.trailer_sections(fd, cur):
+        for bit, offset, length, crc in trailer_mod.trailer_sections(src, cur):
             if bit != _TITLE_BIT or length > trailer_mod.TITLE_MAX_BYTES:
                 continue
-            body = os.pread(fd, length, offset)
+            body = payload.pread(src, length, offset)
             if len(body) != length or _native.crc32c(body) != crc:
                 continue
             try:
@@ -168,10 +177,10 @@ def list(store):   # noqa: A001 - the verb of docs/format.md §9; the builtin is
     Returns:
         list of SessionInfo, by creation time, newest first.
     """
-    return from_entries(store.entries())
+    return from_entries(store.entries(), store.sealer)
 
 
-def from_entries(entries):
+def from_entries(entries, sealer=None):
     """The agent sessions among entries (headers re-read from disk), newest first.
 
     For a caller that lists a directory itself (`kvstore session list`
@@ -179,11 +188,12 @@ def from_entries(entries):
 
     Args:
         entries: Entry objects (kvstore.files.scan_directory, KVStore.entries).
+        sealer: the key of sealed sessions' titles (see read_title), or None.
 
     Returns:
         list of SessionInfo, by creation time, newest first.
     """
-    out = [SessionInfo(sha=e.sha, title=read_title(e), tokens=e.tokens, hits=e.hits,
+    out = [SessionInfo(sha=e.sha, title=read_title(e, sealer), tokens=e.tokens, hits=e.hits,
                        created_at=e.created_at, last_used=e.last_used, model_id=e.model_id,
                        payload_abi=e.payload_abi, file_size=e.file_size, path=e.path)
            for e in _fresh(entries) if e.reason == Reason.AGENT_SESSION and e.sha and e.restorable]

@@ -262,6 +262,11 @@ class KVStore:
                              self._seal.key_id if self._seal is not None else None)
 
     @property
+    def sealer(self):
+        """The kvstore.seal.Sealer of the store's key, or None (a plain store)."""
+        return self._seal
+
+    @property
     def _name_key(self):
         """The key of the files' HMAC-SHA1 names (a sealed store's); None: SHA1 names."""
         return None if self._seal is None else self._seal.name_key

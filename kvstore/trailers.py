@@ -332,8 +332,10 @@ def trailer_sections(fd, entry):
     at a truncated section header or body.
 
     Args:
-        fd: the open checkpoint.
-        entry: its Entry (from read_entry or entry_from_fd).
+        fd: the open checkpoint, or a sealed file's plain view (an object
+            with pread(n, offset): kvstore.seal.SealedSource).
+        entry: its Entry (from read_entry or entry_from_fd; a sealed file's
+            plain one).
 
     Yields:
         (bit, body offset in the file, body length, CRC32C the header records);
@@ -342,7 +344,7 @@ def trailer_sections(fd, entry):
     hdr = SECTION_HEADER.size
     at, end = entry.trailer_offset, entry.file_size
     while end - at >= hdr:
-        raw = os.pread(fd, hdr, at)
+        raw = os.pread(fd, hdr, at) if type(fd) is int else fd.pread(hdr, at)
         if len(raw) < hdr:
             return
         bit, length, crc = SECTION_HEADER.unpack(raw)

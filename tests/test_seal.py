@@ -222,13 +222,46 @@ def test_trailers_and_sessions_round_trip_sealed(tmp_path):
         raw = open(e.path, "rb").read()
         assert b"a secret title" not in raw
         listed = sessions.list(s)
-        assert [x.sha for x in listed] == [e.sha]
+        assert [(x.sha, x.title) for x in listed] == [(e.sha, "a secret title")]
         ck = sessions.switch(s, e.sha[:8])
         assert ck.trailers == {3: "a secret title"} and np.array_equal(ck.tokens, ids)
         # A new title rewrites the sealed file (sealed anew), never in place.
         e2 = sessions.save(s, text, ids, kv(ids), {}, title="another")
         assert e2.sha == e.sha and e2.inode != e.inode
         assert sessions.switch(s, e.sha[:8]).trailers == {3: "another"}
+    # Without the key (or with another) the session is listed with no title.
+    with make_store(tmp_path / "kv") as s:
+        assert [(x.sha, x.title) for x in sessions.list(s)] == [(e.sha, None)]
+    with sealed_store(tmp_path / "kv", key=OTHER_KEY) as s:
+        assert [(x.sha, x.title) for x in sessions.list(s)] == [(e.sha, None)]
+
+
+def test_cli_inspect_and_session_list_read_sealed_files_through_the_key(tmp_path):
+    key = tmp_path / "store.key"
+    seal.new_key_file(key)
+    d = tmp_path / "kv"
+    text, ids, _ = seq(40)
+    with make_store(d, key=key, block_tokens=16) as s:
+        e = sessions.save(s, text, ids, kv(ids), {}, title="the sealed title", positional=POS,
+                          text_offsets=seq(40)[2])
+    assert e.is_block and e.parent
+    p = kvs("session", "list", d, "--key", key)
+    assert p.returncode == 0 and "the sealed title" in p.stdout, p.stdout + p.stderr
+    p = kvs("session", "list", d)
+    assert p.returncode == 0 and e.sha[:12] in p.stdout and "the sealed title" not in p.stdout
+    p = kvs("inspect", e.path, "--key", key, "--text")
+    assert p.returncode == 0, p.stderr
+    assert "this key; heads authenticated" in p.stdout and "manifest:" in p.stdout
+    assert "title: the sealed title" in p.stdout and "crc ok" in p.stdout
+    assert p.stdout.rstrip("\n").endswith(text.decode())           # the whole sequence, parents first
+    p = kvs("inspect", e.path)
+    assert p.returncode == 0 and "no key given: text, manifest and trailers hidden" in p.stdout
+    assert "manifest:" not in p.stdout and "the sealed title" not in p.stdout
+    p = kvs("inspect", e.path, "--text")
+    assert p.returncode == 2 and "is sealed: give its key" in p.stderr
+    flip(e.path, seal.BODY_OFFSET + 3)
+    p = kvs("inspect", e.path, "--key", key)
+    assert p.returncode == 1 and "does not authenticate" in p.stdout
 
 
 def test_hits_in_place_still_authenticate(tmp_path):

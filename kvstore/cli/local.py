@@ -27,15 +27,15 @@ import os
 import sys
 import time
 
-from kvstore import counters, files, policy, seal, sessions, trailers
+from kvstore import _native, counters, files, policy, seal, sessions, trailers
 from kvstore import remote
 from kvstore.cli import text
 from kvstore.cli.remote import cmd_remote_ls
 from kvstore.cli.text import PROG, UsageError
 from kvstore.errors import CheckpointMissing, CorruptCheckpoint, KVStoreError, UnsafePath
 from kvstore.files import QUARANTINE_DIR, checkpoint_names, describe_error, scan_directory
-from kvstore.format import ExtFlag, entry_from_fd, open_checkpoint, read_entry
-from kvstore.payload import read_manifest
+from kvstore.format import SEALED_ABI_OFFSET, ExtFlag, entry_from_fd, open_checkpoint, read_entry
+from kvstore.payload import pread, read_manifest
 from kvstore.chain import DEFAULT_BLOCK_TOKENS
 from kvstore.exchange import export_checkpoint, import_checkpoint
 from kvstore.store import DEFAULT_BUDGET_MB, LAYOUTS, KVStore
@@ -135,7 +135,7 @@ def cmd_ls(args):
     if not args.blocks:
         shown = {e.name for e in seqs}
         ranked = [(score, e) for score, e in ranked if e.name in shown]
-    titles = {e.name: sessions.read_title(e) for _, e in ranked}
+    titles = {e.name: sessions.read_title(e, sealer) for _, e in ranked}
     if args.json:
         out = []
         for score, e in ranked:
@@ -243,6 +243,7 @@ def cmd_inspect(args):
             ("hits", e.hits),
             ("ctx size", e.ctx_size),
             ("payload abi", f"{e.payload_abi} (loadable)" if e.loadable
+             else f"{e.payload_abi} (sealed {e.payload_abi - SEALED_ABI_OFFSET})" if e.sealed
              else f"{e.payload_abi} (foreign: listed and counted, not loadable by this build)"),
             ("created", text.stamp(e.created_at, now)),
             ("last used", text.stamp(e.last_used, now) if e.last_used else "never"),
@@ -254,19 +255,38 @@ def cmd_inspect(args):
         ]
         if e.is_block:
             rows += _block_rows(e, os.path.dirname(path))
+        # A sealed file shows its manifest, trailers and text through its key.
+        sealer = _sealer(args)
+        src, plain, why = fd, e, None
+        if e.sealed:
+            if sealer is None or sealer.key_id != e.key_id:
+                why = "no key given" if sealer is None else "sealed with another key"
+                rows.append(("sealed", f"key id {e.key_id.hex()} ({why}: text, manifest and trailers hidden)"))
+            else:
+                try:
+                    src, plain = sealer.source(fd, st, e)
+                except CorruptCheckpoint as err:
+                    why = f"does not authenticate: {describe_error(err)}"
+                    status = 1
+                rows.append(("sealed", f"key id {e.key_id.hex()} (this key; " + (why or "heads authenticated") + ")"))
         w = max(len(k) for k, _ in rows)
         for k, v in rows:
             print(f"{k.ljust(w)}  {v}")
-        if e.loadable:
+        if why is not None:
+            if args.text:
+                raise UsageError(f"{e.name[:12]} is sealed: give its key (--key FILE or ${KEY_ENV})")
+            return status
+        if plain.loadable:
             try:
-                m = read_manifest(fd, e)
+                m = read_manifest(src, plain)
             except CorruptCheckpoint as err:
                 print(f"manifest: corrupt ({describe_error(err)})")
                 status = 1
             else:
                 print("manifest:")
-                print(f"  tokens: count={e.stored_tokens} bytes={4 * e.stored_tokens} offset={m.tokens[0]} "
-                      f"crc32c=0x{m.tokens[2]:08x}")
+                print(f"  tokens: count={plain.stored_tokens} bytes={4 * plain.stored_tokens} "
+                      f"offset={m.tokens[0]} crc32c=0x{m.tokens[2]:08x}" + (" (sealed: the tags check)"
+                                                                          if e.sealed else ""))
                 trows = [(text.printable(name), dtype, "(" + ", ".join(str(x) for x in shape)
                           + ("," if len(shape) == 1 else "") + ")", n,
                           f"axis {m.axes[name]}" if name in m.axes else "snapshot")
@@ -277,19 +297,19 @@ def cmd_inspect(args):
                                     text.table(trows, ("NAME", "DTYPE", "SHAPE", "BYTES", "KIND"),
                                                right={3}).split("\n")))
                 print(f"  meta keys: {', '.join(text.printable(k) for k in sorted(m.meta)) or '-'}")
-        sections = list(trailers.trailer_sections(fd, e))
+        sections = list(trailers.trailer_sections(src, plain))
         print(f"trailer sections ({len(sections)}):")
         for bit, off, length, crc in sections:
             name = ExtFlag(1 << bit).name.lower().replace("_", "-") if bit < 4 else "unknown"
-            ok = files.crc_range(fd, off, length, path) == crc
-            print(f"  bit {bit} ({name})  length {length}  crc {'ok' if ok else 'BAD (dropped on load)'}")
-        title = sessions.read_title(e)
+            got = files.crc_range(fd, off, length, path) if src is fd else _native.crc32c(pread(src, length, off))
+            print(f"  bit {bit} ({name})  length {length}  crc {'ok' if got == crc else 'BAD (dropped on load)'}")
+        title = sessions.read_title(e, sealer)
         if title is not None:
             print(f"title: {text.printable(title)}")
         if args.text:
             print("text:")
             sys.stdout.flush()
-            _copy_text(fd, e, sys.stdout.buffer, os.path.dirname(path))
+            _copy_text(src, plain, sys.stdout.buffer, os.path.dirname(path), sealer)
             sys.stdout.buffer.write(b"\n")
             sys.stdout.buffer.flush()
     finally:
@@ -318,9 +338,11 @@ def _block_rows(e, d):
     ]
 
 
-def _copy_text(fd, e, out, d, chunk=1 << 20):
+def _copy_text(fd, e, out, d, sealer=None, chunk=1 << 20):
     """Writes the stored prompt text to out, a bounded chunk at a time; for a
-    chain block, its whole sequence's text (its parents' segments first)."""
+    chain block, its whole sequence's text (its parents' segments first).
+    fd may be a sealed file's plain view (e its plain Entry); sealer reads
+    its sealed parents."""
     parts, cur = [], e
     while cur.is_block and cur.parent:
         try:
@@ -330,9 +352,18 @@ def _copy_text(fd, e, out, d, chunk=1 << 20):
                              f"byte {cur.text_start} is not here") from None
         parts.append(cur)
     for p in reversed(parts):
-        pfd, _ = open_checkpoint(p.path)
+        pfd, pst = open_checkpoint(p.path)
         try:
-            _copy_segment(pfd, p, out, chunk)
+            if p.sealed:
+                if sealer is None:
+                    raise UsageError(f"{e.name}: parent {p.name[:12]} is sealed: give its key")
+                try:
+                    src, plain = sealer.source(pfd, pst, p)
+                except CorruptCheckpoint as err:
+                    raise UsageError(f"{e.name}: parent {p.name[:12]}: {describe_error(err)}") from None
+                _copy_segment(src, plain, out, chunk)
+            else:
+                _copy_segment(pfd, p, out, chunk)
         finally:
             os.close(pfd)
     _copy_segment(fd, e, out, chunk)
@@ -340,7 +371,7 @@ def _copy_text(fd, e, out, d, chunk=1 << 20):
 
 def _copy_segment(fd, e, out, chunk):
     for off in range(0, e.segment_bytes, chunk):
-        data = os.pread(fd, min(chunk, e.segment_bytes - off), e.text_offset + off)
+        data = pread(fd, min(chunk, e.segment_bytes - off), e.text_offset + off)
         if not data:
             break
         out.write(data)
@@ -647,7 +678,7 @@ def cmd_import(args):
 
 def cmd_session_list(args):
     d = _directory(args.dir)
-    found = sessions.from_entries(scan_directory(d)[0])
+    found = sessions.from_entries(scan_directory(d)[0], _sealer(args))
     now = int(time.time())
     if args.json:
         print(json.dumps([{
@@ -699,6 +730,7 @@ def add_parsers(sub):
     s.add_argument("target", metavar="FILE|SHA-PREFIX")
     s.add_argument("--dir", default=".", help="directory to search for a hash prefix (default: .)")
     s.add_argument("--text", action="store_true", help="also print the stored prompt text")
+    _add_key(s)
     s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("verify", help="check every envelope and payload CRC")
@@ -750,6 +782,7 @@ def add_parsers(sub):
     s = ss.add_parser("list", help="saved agent sessions, newest first")
     s.add_argument("dir", metavar="DIR")
     s.add_argument("--json", action="store_true")
+    _add_key(s)
     s.set_defaults(func=cmd_session_list)
 
     s = sub.add_parser("key", help="store keys of sealed checkpoints")
