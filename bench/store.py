@@ -715,16 +715,22 @@ def bench_load(report, tmp, rng, tensors, quick):
     with open(text_path, "wb") as f:
         f.write(text)
     tokens = np.arange(CONTEXT_TOKENS, dtype=np.uint32)
-    # One whole ABI 16 file (layout="whole": KVStore's default is "chain").
-    with kvstore.KVStore(store_dir, budget_mb=UNLIMITED_BUDGET_MB, layout="whole") as store:
-        entry = store.save(text, tokens, tensors, meta=kv_meta())
-        assert entry is not None and entry.payload_abi == 16, entry
-        # Correctness before speed: every tensor comes back bit-exact.
-        ck = store.load(store.find(text), into="mlx")
-        assert ck is not None and np.array_equal(ck.tokens, tokens)
-        for k, a in tensors.items():
-            assert mx.array_equal(ck.tensors[k], a).item(), k
-        del ck
+
+    def store_whole(d, abi, **kw):
+        """The state as one whole file (layout="whole": KVStore's default is
+        "chain") of payload ABI abi, checked bit-exact; returns its Entry."""
+        with kvstore.KVStore(d, budget_mb=UNLIMITED_BUDGET_MB, layout="whole", **kw) as store:
+            e = store.save(text, tokens, tensors, meta=kv_meta())
+            assert e is not None and e.payload_abi == abi, e
+            # Correctness before speed: every tensor comes back bit-exact.
+            ck = store.load(store.find(text), into="mlx")
+            assert ck is not None and np.array_equal(ck.tokens, tokens)
+            for k, a in tensors.items():
+                assert mx.array_equal(ck.tensors[k], a).item(), k
+            del ck
+        return e
+
+    entry = store_whole(store_dir, 16)
     kv_path = entry.path
     # The same state sealed (docs/format.md §16): one ABI 48 file.
     from kvstore import seal
@@ -732,15 +738,7 @@ def bench_load(report, tmp, rng, tensors, quick):
     if not os.path.exists(key_path):
         seal.new_key_file(key_path)
     sealed_dir = os.path.join(tmp, "load-sealed")
-    with kvstore.KVStore(sealed_dir, budget_mb=UNLIMITED_BUDGET_MB, layout="whole", key=key_path,
-                         durable=False) as store:
-        sealed = store.save(text, tokens, tensors, meta=kv_meta())
-        assert sealed is not None and sealed.payload_abi == 48, sealed
-        ck = store.load(store.find(text), into="mlx")
-        assert ck is not None and np.array_equal(ck.tokens, tokens)
-        for k, a in tensors.items():
-            assert mx.array_equal(ck.tensors[k], a).item(), k
-        del ck
+    sealed = store_whole(sealed_dir, 48, key=key_path, durable=False)
     # The same state, text and tokens as a chain of CHAIN_BLOCKS blocks
     # (docs/format.md §14): every KV tensor grows along axis 2, one row per
     # token; text_offsets[i] is the byte length of the text of the first i tokens.

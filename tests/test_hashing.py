@@ -332,13 +332,20 @@ def test_keyed_prefixes_property(impl, data):
     assert _native.sha1_prefix_matches(d, asc, names, key + b"x") == []
 
 
-def test_keyed_forest_matches_one_chain_and_not_a_plain_one(impl):
-    key = bytes(range(32))
+def keyed_chain(key):
+    """A forest of one chain of four nodes over BUF[:5000] and its HMAC-SHA1
+    names under key: (data, lengths, first_child, next_sibling, names)."""
     data = BUF[:5000]
     lengths = np.array([100, 700, 2000, 4999], dtype=np.uint64)
     first_child = np.array([1, 2, 3, -1], np.int32)
     next_sibling = np.full(4, -1, np.int32)
     keyed = b"".join(hmac.new(key, data[:int(n)], "sha1").digest() for n in lengths)
+    return data, lengths, first_child, next_sibling, keyed
+
+
+def test_keyed_forest_matches_one_chain_and_not_a_plain_one(impl):
+    key = bytes(range(32))
+    data, lengths, first_child, next_sibling, keyed = keyed_chain(key)
     plain = b"".join(hashlib.sha1(data[:int(n)]).digest() for n in lengths)
     assert _native.sha1_forest_matches(data, lengths, keyed, 0, first_child, next_sibling, key) == [0, 1, 2, 3]
     assert _native.sha1_forest_matches(data, lengths, keyed, 0, first_child, next_sibling) == []
@@ -383,11 +390,7 @@ def test_lookup_tags_pass_over_only_lengths_that_cannot_match(impl, data):
 
 def test_lookup_tags_in_the_forest(impl):
     key = bytes(range(32))
-    data = BUF[:5000]
-    lengths = np.array([100, 700, 2000, 4999], dtype=np.uint64)
-    first_child = np.array([1, 2, 3, -1], np.int32)
-    next_sibling = np.full(4, -1, np.int32)
-    keyed = b"".join(hmac.new(key, data[:int(n)], "sha1").digest() for n in lengths)
+    data, lengths, first_child, next_sibling, keyed = keyed_chain(key)
     T = _native.LOOKUP_TAG
     tags = bytearray(b"".join(inner_hash(key, data[:int(n)])[:T] for n in lengths))
     assert _native.sha1_forest_matches(data, lengths, keyed, 0, first_child, next_sibling, key, tags) == [0, 1, 2, 3]

@@ -38,7 +38,8 @@ from kvstore.mlx import MLXEngine, save_prompt_cache  # noqa: E402
 from kvstore.prompt_cache import PromptCache  # noqa: E402
 
 from kvstore.demo import model as mlx_model  # noqa: E402
-from kvhelpers import make_store, stored  # noqa: E402
+from kvhelpers import checkpoint_files, make_store, stored  # noqa: E402
+from kvstore.format import read_entry  # noqa: E402
 
 # One model for the whole file.  Prefill cost on this CPU is dominated by the
 # attention, which grows with heads x head_dim: 2 query heads sharing one KV
@@ -464,3 +465,33 @@ def test_model_directory_end_to_end(tok, tmp_path):
         ref_out, _ = ref.generate(PromptCache(nothing, ref, prefill_step=STEP), second, max_tokens=GEN_TOKENS)
     assert ref_out == out2
     assert same_steps(ref.logits[-len(ref_out):], engine2.logits[-len(out2):])
+
+
+def test_a_sealed_store_restores_bit_exact(tok, tmp_path):
+    # Sealed checkpoints (docs/format.md §16) restore the same state: the
+    # decode after a sealed disk hit equals a cold prefill's, logit for logit.
+    pytest.importorskip("cryptography")
+    model = mlx_model.make_model(seed=0, layers=2, hidden=64, heads=2, kv_heads=1, head_dim=16)
+    opts = kvstore.Options(min_tokens=64, boundary_trim_tokens=8, boundary_align_tokens=64)
+    prompt = mlx_model.text_of_tokens(tok, mlx_model.prose(("json", "argparse")), 300)
+    assert prompt is not None
+
+    cold = RecordingEngine(model, tok)
+    with make_store(tmp_path / "kv", options=opts, key=bytes(range(32)), block_tokens=64) as store:
+        cold_out, rep = cold.generate(PromptCache(store, cold, prefill_step=64), prompt, max_tokens=6)
+        assert rep["stored"]
+    assert all(read_entry(tmp_path / "kv" / n).sealed for n in checkpoint_files(tmp_path / "kv"))
+    hit = RecordingEngine(model, tok)
+    with make_store(tmp_path / "kv", options=opts, key=bytes(range(32)), block_tokens=64) as store:
+        hit_out, rep = hit.generate(PromptCache(store, hit, prefill_step=64), prompt, max_tokens=6)
+        assert rep["source"] == "disk" and rep["reused_tokens"] > 0
+    assert hit_out == cold_out
+    # The decode steps' logits equal bit for bit.
+    n = len(hit_out) - 1
+    for a, b in zip(hit.logits[-n:], cold.logits[-n:]):
+        assert same(a, b)
+    # Without the key the same directory is a cold start.
+    plain = RecordingEngine(model, tok)
+    with make_store(tmp_path / "kv", options=opts, block_tokens=64) as store:
+        _, rep = plain.generate(PromptCache(store, plain, prefill_step=64), prompt, max_tokens=2)
+        assert rep["source"] == "none"

@@ -642,51 +642,6 @@ def test_cli_export_of_a_sealed_store_needs_plain(tmp_path):
     assert checkpoint_files(d2) == checkpoint_files(d)
 
 
-# ---- MLX: a sealed hit restores bit for bit -------------------------------------------------
-
-def test_mlx_prompt_cache_restores_bit_exact_from_a_sealed_store(tok, tmp_path):
-    mx = pytest.importorskip("mlx.core")
-    pytest.importorskip("mlx_lm")
-    from kvstore.demo import model as mlx_model
-    from kvstore.mlx import MLXEngine
-    from kvstore.prompt_cache import PromptCache
-
-    model = mlx_model.make_model(seed=0, layers=2, hidden=64, heads=2, kv_heads=1, head_dim=16)
-    opts = kvstore.Options(min_tokens=64, boundary_trim_tokens=8, boundary_align_tokens=64)
-    prompt = mlx_model.text_of_tokens(tok, mlx_model.prose(("json", "argparse")), 300)
-    assert prompt is not None
-
-    class Recording(MLXEngine):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.logits = []
-
-        def prefill(self, tokens):
-            out = super().prefill(tokens)
-            self.logits.append(out)
-            return out
-
-    cold = Recording(model, tok)
-    with make_store(tmp_path / "kv", options=opts, key=KEY, block_tokens=64) as store:
-        cold_out, rep = cold.generate(PromptCache(store, cold, prefill_step=64), prompt, max_tokens=6)
-        assert rep["stored"]
-    assert all(read_entry(tmp_path / "kv" / n).sealed for n in checkpoint_files(tmp_path / "kv"))
-    hit = Recording(model, tok)
-    with make_store(tmp_path / "kv", options=opts, key=KEY, block_tokens=64) as store:
-        hit_out, rep = hit.generate(PromptCache(store, hit, prefill_step=64), prompt, max_tokens=6)
-        assert rep["source"] == "disk" and rep["reused_tokens"] > 0
-    assert hit_out == cold_out
-    # The decode steps' logits equal bit for bit.
-    n = len(hit_out) - 1
-    for a, b in zip(hit.logits[-n:], cold.logits[-n:]):
-        assert mx.array_equal(a, b).item()
-    # Without the key the same directory is a cold start.
-    plain = Recording(model, tok)
-    with make_store(tmp_path / "kv", options=opts, block_tokens=64) as store:
-        _, rep = plain.generate(PromptCache(store, plain, prefill_step=64), prompt, max_tokens=2)
-        assert rep["source"] == "none"
-
-
 def test_sealed_entries_keep_their_clear_fields(tmp_path):
     with sealed_store(tmp_path / "kv", layout="whole", ctx_size=8192, model_id=3) as s:
         text, ids, _, e = save(s, 77, reason=kvstore.Reason.SHUTDOWN)
