@@ -771,7 +771,7 @@ def _mx_dtype(mx, name):
     return mx.bool_ if name == "bool" else getattr(mx, name)
 
 
-def numpy_to_mlx(arrays, dtypes):
+def _numpy_to_mlx(arrays, dtypes):
     """MLX copies of tensors a NumPy load returned (bfloat16 as uint16 bits).
 
     Args:
@@ -1223,7 +1223,7 @@ def read_chain_mlx(layout, verify=True):
         if src.partial or src.address is None or _native.buffer_address(memoryview(blob)) != src.address:
             # MLX did not hand over the blob's own memory in one call.
             tokens, arrays = read_chain_numpy(layout, verify)
-            out.update(numpy_to_mlx({t.name: arrays[t.name] for t in layout.tensors if t.nbytes},
+            out.update(_numpy_to_mlx({t.name: arrays[t.name] for t in layout.tensors if t.nbytes},
                                     {t.name: t.dtype for t in layout.tensors}))
         else:
             for s, at in zip(direct, src.places):

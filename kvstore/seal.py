@@ -289,41 +289,6 @@ class Sealer:
 
     # -- reading -------------------------------------------------------------
 
-    def open(self, fd, st, entry):
-        """Authenticates and decrypts a whole sealed file into a plain copy in
-        memory (kvstore verify): every chunk, padding included.
-
-        The chunks are read straight into one anonymous buffer and decrypted
-        there in place, in parallel on the I/O threads; nothing plain is
-        written to any file.
-
-        Args:
-            fd, st: the sealed file, open, and its stat.
-            entry: its Entry (read from fd, sealed with this key).
-
-        Returns:
-            (a MemoryFile of the plain file's bytes, the plain file's Entry, as source()).
-
-        Raises:
-            CorruptCheckpoint: reason ``auth_failed`` when a chunk does not
-                authenticate (tampered, truncated, spliced, renamed, or
-                sealed with another key of the same id), ``truncated`` or
-                ``bad_seal_head`` when the layout is inconsistent.
-        """
-        path = entry.path
-        head = os.pread(fd, BODY_OFFSET, 0)
-        h, grid, file_id, inner_payload, inner_abi, aad = self._parse(head, st, entry)
-        body = grid.body
-        tags = self._tags(fd, entry, grid)
-        array = np.empty(PREFIX_SIZE + body, dtype=np.uint8)
-        mv = memoryview(array)
-        inner = dataclasses.replace(h, payload_abi=inner_abi, payload_bytes=inner_payload)
-        mv[:PREFIX_SIZE] = inner.pack() + head[HEADER_SIZE:PREFIX_SIZE]
-        src = SealedSource(fd, path, self._file_key(file_id), aad, tags, grid)
-        _wait([payload.io_pool().submit(_decrypt_run, src, mv, lo, hi) for lo, hi in _runs(grid.count)])
-        mem = MemoryFile(array, path)
-        return mem, self._plain_entry(h, head, entry, inner_abi, inner_payload, body, mem)
-
     def source(self, fd, st, entry):
         """A sealed file read in place: (SealedSource, the plain file's Entry).
 
@@ -423,29 +388,28 @@ class Sealer:
                 return "not_sealed: written without a key"
             if e.key_id != self.key_id:
                 return "other_key: sealed with another key"
-            mem, plain = self.open(fd, st, e)
+            src, plain = self.source(fd, st, e)
+            # Every chunk, padding included, one scratch chunk per I/O thread.
+            _wait([payload.io_pool().submit(_authenticate, src, lo, hi) for lo, hi in _runs(src.chunks)])
+            if progress is not None:
+                progress(st.st_size)
+            if not plain.is_block:
+                text = src.pread(plain.text_bytes, PREFIX_SIZE)
+                (digest,), (tag,) = index.names_of(text, [len(text)], self.name_key)
+                if digest.hex() != plain.sha:
+                    return "text_hash: stored text does not match the file name"
+                if plain.lookup_tag not in (tag, bytes(len(tag))):
+                    return "lookup_tag: the lookup tag is not the name's (lookups pass the file over)"
+            # The manifest parses and its blocks lie in the payload; the
+            # payload's CRC fields are 0 (the tags checked every byte).
+            payload.read_manifest(src, plain)
+            return None
         except CheckpointMissing:
             raise
         except Exception as err:      # noqa: BLE001 - one line per file, whatever broke
             return files.describe_error(err)
         finally:
             os.close(fd)
-        try:
-            if progress is not None:
-                progress(st.st_size)
-            if not plain.is_block:
-                text = mem.pread(plain.text_bytes, PREFIX_SIZE)
-                (name,), (tag,) = index.names_of(text, [len(text)], self.name_key)
-                if name.hex() != plain.sha:
-                    return "text_hash: stored text does not match the file name"
-                if plain.lookup_tag not in (tag, bytes(len(tag))):
-                    return "lookup_tag: the lookup tag is not the name's (lookups pass the file over)"
-            # The manifest parses and its blocks lie in the payload; the
-            # payload's CRC fields are 0 (the tags checked every byte).
-            payload.read_manifest(mem, plain)
-            return None
-        except Exception as err:      # noqa: BLE001
-            return files.describe_error(err)
 
 
 class _SealingSink:
@@ -563,19 +527,6 @@ class _SealingSink:
         n = c1 - c0
         self.jobs.append((payload.io_pool().submit(_seal_chunk, self.key, self.aad, i, self.chunks, pieces,
                                                    memoryview(out)[:n], self.tags), i, out, n))
-
-
-class MemoryFile:
-    """A file's bytes in memory, read like a descriptor (kvstore.payload.pread):
-    a sealed file's authenticated plain copy (Sealer.open)."""
-
-    def __init__(self, array, path=None):
-        self.array = array
-        self.mv = memoryview(array)
-        self.path = path
-
-    def pread(self, n, offset):
-        return bytes(self.mv[offset:offset + max(0, n)])
 
 
 class SealedSource:
@@ -867,11 +818,11 @@ def _seal_chunk(key, aad, i, chunks, pieces, out, tags):
     tags[TAG_BYTES * i:TAG_BYTES * (i + 1)] = enc.tag
 
 
-def _decrypt_run(src, mv, lo, hi):
-    """Reads chunks [lo, hi) of src straight into the plain copy mv (the
-    plain file's bytes) and decrypts them in place."""
+def _authenticate(src, lo, hi):
+    """Reads and authenticates chunks [lo, hi) of src, through one scratch chunk."""
+    scratch = bytearray(src.grid.size)
     for i in range(lo, hi):
-        src.decrypt(i, mv[PREFIX_SIZE + src.grid.span(i)[0]:])
+        src.decrypt(i, scratch)
 
 
 __all__ = ["KEY_BYTES", "CHUNK_BYTES", "BODY_OFFSET", "load_key", "new_key_file", "Sealer"]
