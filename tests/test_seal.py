@@ -466,6 +466,47 @@ def test_a_tampered_block_falls_back_to_its_ancestor(tmp_path):
         assert sorted(x.tokens for x in s.entries()) == [16, 32, 48]
 
 
+def test_a_clear_chain_header_edited_to_another_parent_is_a_miss(tmp_path):
+    # An attacker relinks block 16..32 of chain A under chain B's first block
+    # (same lengths, a valid chain header CRC): no prompt finds it there (its
+    # name is A's), A's prompt gets A's first block, and a load of the block
+    # fails authentication (the clear chain header is in every chunk's AAD).
+    from kvstore.format import CHAIN_HEAD_SIZE, SEAL_HEAD_SIZE, pack_chain_head, parse_chain_head
+    d = tmp_path / "kv"
+    with sealed_store(d) as s:
+        a_text, _, a_tensors, _ = save(s, 48, 100)
+        b_text, _, b_tensors, _ = save(s, 48, 200)
+        files = {x.name: x for x in s.entries()}
+    by_end = {}
+    for x in files.values():
+        by_end.setdefault(x.tokens, []).append(x)
+    a2 = next(x for x in by_end[32] if x.parent in {y.sha for y in by_end[16]} and
+              files[x.parent + ".kv"].text_bytes == x.text_start)
+    a1 = files[a2.parent + ".kv"]
+    b1 = next(x for x in by_end[16] if x.sha != a1.sha)
+    assert b1.text_bytes == a1.text_bytes
+    at = PREFIX_SIZE + SEAL_HEAD_SIZE
+    raw = open(a2.path, "rb").read(at + CHAIN_HEAD_SIZE)[at:]
+    f = parse_chain_head(raw, a2.tokens)
+    forged = pack_chain_head(bytes.fromhex(b1.sha), f["token_start"], f["text_start"], f["block_grid"],
+                             f["chain_flags"], bytes(8), bytes(8))
+    with open(a2.path, "r+b") as fh:
+        fh.seek(at)
+        fh.write(forged)
+    with sealed_store(d) as s:
+        hit = s.find(a_text)
+        assert hit is not None and hit.tokens == 16
+        ck = s.load(hit)
+        assert np.array_equal(ck.tensors["k"], a_tensors["k"][:, :, :16])
+        ck = s.load(s.find(b_text))
+        assert ck.entry.tokens == 48 and np.array_equal(ck.tensors["k"], b_tensors["k"])
+        assert s.verify_file(a2.path).startswith("auth_failed")
+        forged_entry = next(x for x in s.entries() if x.sha == a2.sha)
+        assert forged_entry.parent == b1.sha
+        assert s.load(forged_entry) is None
+        assert a2.sha not in {x.sha for x in s.entries()}
+
+
 @pytest.mark.parametrize("width", [12000, 5], ids=["decrypted-in-place", "through-scratch"])
 def test_a_forged_tensor_chunk_of_a_block_falls_back_to_its_ancestor(tmp_path, width):
     # A chain load reads a chunk that lies inside one tensor piece with long
