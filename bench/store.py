@@ -849,8 +849,9 @@ def bench_load(report, tmp, rng, tensors, quick):
                "MLX vs the same chain plain", stats(times("kv_chain_sealed", "first_s"), KV_BYTES), first_chain,
                1 / SEALED_MIN_SPEED,
                note=f"{len(runs['kv_chain_sealed'])}/{len(runs['kv_chain'])} samples; KVStore's default layout; "
-                    "chunks inside a tensor piece read into MLX's blob and decrypted in place, the others "
-                    f"through a scratch chunk; target: ≥ {SEALED_MIN_SPEED}× the plain load's speed; median of "
+                    "each chunk read and decrypted once, its rows of 16 KiB or more where they land in MLX's "
+                    "blob, the rest through a scratch chunk, each I/O thread a run of whole chunks; target: "
+                    f"≥ {SEALED_MIN_SPEED}× the plain load's speed; median of "
                     "per-round ratios "
                     f"{paired_ratio(times('kv_chain_sealed', 'first_s'), times('kv_chain', 'first_s')):.2f}")
     chain_rss = statistics.median(rss("kv_chain"))

@@ -994,15 +994,16 @@ class _Batch:
         share = max(1, -(-total // jobs))
         src = pieces[0][1].fd if pieces else 0
         if type(src) is not int and jobs > 1:
-            # A sealed chain's blocks are kvstore.seal.SealedSource objects:
-            # their read_pieces decrypts and authenticates the chunks read,
-            # each job its share of the chunks whole (a chunk cut between
-            # two jobs would be read and decrypted by both).
-            reads = [(b, p.fd, p.file_offset, p.run, p.count, p.stride, p.dst) for b, p in pieces]
+            # A sealed chain's blocks are kvstore.seal.SealedSource objects,
+            # which decrypt and authenticate the chunks they read: the work
+            # is planned once, chunk by chunk, and each job takes an equal
+            # run of whole chunks (no per-piece results: the tags vouch).
+            work = src.chunk_work(self.buffers, [(b, p.fd, p.file_offset, p.run, p.count, p.stride, p.dst)
+                                                 for b, p in pieces])
             pool = _get_pool()
             for j in range(jobs):
-                self.jobs.append((pool.submit(src.read_pieces, self.buffers, reads, self.verify, (j, jobs)),
-                                  [(i, p.nbytes) for i, (_, p) in enumerate(pieces, first)] if j == 0 else []))
+                share = work[len(work) * j // jobs:len(work) * (j + 1) // jobs]
+                self.jobs.append((pool.submit(src.read_chunks, self.buffers, share), []))
             return
         groups, size = [[]], 0
         for i, (b, p) in enumerate(pieces, first):

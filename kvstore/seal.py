@@ -9,18 +9,19 @@ shared.  The 52-byte header stays clear: listing, the budget and eviction
 work without the key, and a store without it sees a foreign payload ABI.
 
 The sealed body is exactly the bytes of the unsealed file after its 52-byte
-prefix, cut into chunks of CHUNK_BYTES, each with its own tag.  A save
-encrypts each chunk as soon as the plain writer has gone past it, straight
-from the writer's buffers.  A load reads through a SealedSource, which
+prefix (its payload CRC fields 0: the tags check every byte), cut into
+chunks of CHUNK_BYTES (a Grid: the first ends where the tensor data starts),
+each with its own tag.  A save encrypts each chunk as soon as the plain
+writer has written its last byte, straight from the writer's buffers.  A load reads through a SealedSource, which
 decrypts the chunks a read covers and checks their tags before the read
 returns (cryptography releases the GIL while OpenSSL runs, so the I/O
 threads decrypt in parallel), as far as it can straight into where the
 bytes go: MLX's blob, a NumPy array, a tensor's rows.  Nothing plain is ever
-written to a file.  What a chunk's tag binds (its
-AAD) is the file name, every header field that never changes in place, the
-seal head (file id, lengths), a block's clear chain header, the chunk index
-and whether it is the last: a truncated, reordered, renamed, re-headed or
-spliced file fails to authenticate.
+written to a file.  What a chunk's tag binds (its AAD) is the file name,
+every header field that never changes in place, the seal head (file id,
+lengths, chunk grid, lookup tag), a block's clear chain header, the chunk
+index and whether it is the last: a truncated, reordered, renamed,
+re-headed or spliced file fails to authenticate.
 
 This module owns the key, the names, the sealed layout and its checks; the
 store decides when to seal, and treats a file that fails authentication as
@@ -418,9 +419,9 @@ class _SealingSink:
 
     The writer goes forward through the tensor data, so once a write reaches
     a chunk's end (or starts past it), that chunk has all its bytes: an I/O
-    thread then encrypts
-    it straight from the writer's buffers (the pieces recorded for it, zeros
-    between them) into a chunk buffer and keeps its tag, while the writer
+    thread then encrypts it straight from the writer's buffers (the pieces
+    recorded for it, zeros between them) into a chunk buffer and keeps its
+    tag, while the writer
     goes on (cryptography releases the GIL while OpenSSL runs).  The
     writer's thread writes the encrypted chunks to the sealed file in order,
     as they come back: the kernel takes one buffered writer of a file at a
@@ -653,31 +654,38 @@ class SealedSource:
             raise CorruptCheckpoint("auth_failed", self.path, f"chunk {i} does not authenticate") from None
 
     @staticmethod
-    def read_pieces(buffers, pieces, verify=False, share=(0, 1)):
+    def read_pieces(buffers, pieces, verify=False):
         """kvstore._native.pread_pieces for sealed sources (a chain load's
         reads, kvstore.payload._Batch): each piece (buffer index, source,
         file offset, run, count, stride, destination offset) covers
         run * count consecutive plain bytes that land every stride bytes.
 
-        share: (j, n): this call reads the j-th of n equal runs of the
-        chunks the pieces touch (n calls, one per I/O thread, read them all).
+        Each chunk the pieces touch is read and decrypted once (chunk_work,
+        then read_chunks).  No CRC is computed: the tags vouch for the
+        bytes.  Returns [(0, 0)] per piece; raises CorruptCheckpoint for a
+        chunk that does not authenticate or a piece past the body.
+        """
+        SealedSource.read_chunks(buffers, SealedSource.chunk_work(buffers, pieces))
+        return [(0, 0)] * len(pieces)
 
-        Each chunk the pieces touch is read and decrypted once
-        (decrypt_chunk): the rows of DIRECT_ROW bytes or more that lie in it,
-        of whatever pieces, straight where they land; the rest (short rows,
-        the text, the manifest, padding) in a scratch chunk, from which the
-        short rows are copied out once the chunk has authenticated.
+    @staticmethod
+    def chunk_work(buffers, pieces):
+        """What reading pieces (as read_pieces takes them) asks of each chunk
+        they touch, in file order: [((source, chunk index), (direct rows,
+        copies))].  The rows of DIRECT_ROW bytes or more that lie in a chunk,
+        of whatever pieces, are read straight where they land (decrypt_chunk's
+        direct); the rest of the chunk (short rows, the tokens, padding) goes
+        through a scratch chunk, and copies says where its short rows go.
+        A run of the list is a share of the work for one I/O thread (whole
+        chunks: a chunk cut between two threads would be read by both).
 
-        No CRC is computed: the tags vouch for the bytes.  Returns
-        [(0, 0)] per piece; raises CorruptCheckpoint for a chunk that does
-        not authenticate or a piece past the body.
+        Also asks the kernel to read the pieces' ciphertext ahead.
         """
         _read_ahead(pieces)
-        views = [payload.bytes_view(x) for x in buffers]
-        work = {}                 # (source, chunk) -> ([direct rows], [(scratch offset, buffer, rows)])
+        work = {}
         for b, src, off, run, count, stride, dst in pieces:
             n = run * count
-            if count and dst + (count - 1) * stride + run > views[b].nbytes:
+            if count and dst + (count - 1) * stride + run > memoryview(buffers[b]).nbytes:
                 raise ValueError("piece does not fit its buffer")
             b0 = src._body_range(off, n)
             for i in src.grid.covering(b0, b0 + n):
@@ -689,14 +697,23 @@ class SealedSource:
                         direct.append((b0 + k, b, at, r, rows, step))
                     else:
                         copies.append((b0 + k - lo, b, at, r, rows, step))
-        scratch = None
-        j, n = share
-        mine = list(work.items())
-        for (src, i), (direct, copies) in mine[len(mine) * j // n:len(mine) * (j + 1) // n]:
-            if scratch is None or scratch.nbytes < src.grid.size:
-                scratch = memoryview(bytearray(src.grid.size))
+        for direct, _ in work.values():
             direct.sort()
-            src.decrypt_chunk(i, [*views, scratch], direct, scratch)
+        return list(work.items())
+
+    @staticmethod
+    def read_chunks(buffers, work):
+        """Reads and decrypts the chunks of work (chunk_work's, or a run of
+        it), each in one GCM pass (decrypt_chunk), then copies each chunk's
+        short rows out of the scratch chunk once it has authenticated.
+
+        Returns [] (a job of kvstore.payload._Batch: no per-piece results).
+        """
+        views = [payload.bytes_view(x) for x in buffers]
+        scratch = memoryview(bytearray(max((src.grid.size for (src, _), _ in work), default=0)))
+        bufs = [*views, scratch]
+        for (src, i), (direct, copies) in work:
+            src.decrypt_chunk(i, bufs, direct, scratch)
             for k, b, at, r, rows, step in copies:
                 data = np.frombuffer(scratch, dtype=np.uint8, count=r * rows, offset=k)
                 d = np.frombuffer(views[b], dtype=np.uint8)
@@ -705,7 +722,7 @@ class SealedSource:
                 else:
                     np.lib.stride_tricks.as_strided(d[at:], shape=(rows, r), strides=(step, 1))[...] = \
                         data.reshape(rows, r)
-        return [(0, 0)] * len(pieces)
+        return []
 
 
 # Rows this long or longer are read and decrypted where they land (one GCM
