@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
 #if defined(__linux__)
@@ -157,6 +158,14 @@ size_t kvs_pread_pieces(kvs_piece *pieces, size_t n, int with_crc)
         failed += rc != 0;
     }
     return failed;
+}
+
+void kvs_copy_runs(uint8_t *dst, const uint8_t *src, size_t run, size_t count, size_t stride)
+{
+    for (size_t r = 0; r < count; r++) {
+        populate(dst + r * stride, run);
+        memcpy(dst + r * stride, src + r * run, run);
+    }
 }
 
 int kvs_pwrite_full(int fd, const uint8_t *buf, size_t len, uint64_t off, uint32_t *crc)

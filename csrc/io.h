@@ -54,6 +54,12 @@ typedef struct {
 #define KVS_PIECE_IOV 64
 size_t kvs_pread_pieces(kvs_piece *pieces, size_t n, int with_crc);
 
+/* Copies count runs of run bytes, consecutive in src, to dst every stride
+ * bytes (a sealed chain block's rows, decrypted in a scratch chunk, to their
+ * places in a tensor); each destination run's pages are mapped first, as a
+ * read maps them.  The caller checks that the runs fit both buffers. */
+void kvs_copy_runs(uint8_t *dst, const uint8_t *src, size_t run, size_t count, size_t stride);
+
 /* Allocates the first len bytes of a new file's blocks (the size becomes
  * len).  Returns 0 or -errno: -EOPNOTSUPP where the filesystem or system
  * cannot (the caller writes as usual), -ENOSPC, -EDQUOT or -EFBIG where the

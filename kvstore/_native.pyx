@@ -538,6 +538,40 @@ def pread_pieces(buffers, pieces, verify=True):
         free(c)
 
 
+def copy_runs(dst, uint64_t dst_offset, src, uint64_t src_offset, uint64_t run, uint64_t count, uint64_t stride):
+    """Copies count runs of run bytes, consecutive in src from src_offset, to
+    dst every stride bytes from dst_offset, GIL released; each destination
+    run's pages are mapped first (as pread_pieces maps them).
+
+    Raises:
+        ValueError: the runs do not fit src or dst, or stride < run.
+    """
+    cdef Py_buffer d, s
+    cdef uint64_t dspan, sspan
+    PyObject_GetBuffer(dst, &d, PyBUF_WRITABLE)
+    try:
+        PyObject_GetBuffer(src, &s, PyBUF_SIMPLE)
+        try:
+            if not count or not run:
+                return
+            dspan, sspan = <uint64_t>d.len, <uint64_t>s.len
+            # (count - 1) * stride + run <= dspan - dst_offset and
+            # count * run <= sspan - src_offset, without overflow.
+            if (dst_offset > dspan or run > dspan - dst_offset or (count > 1 and (
+                    stride < run or (dspan - dst_offset - run) // stride < count - 1))):
+                raise ValueError(f"{count} runs of {run} bytes every {stride} from {dst_offset} "
+                                 f"do not fit a buffer of {dspan}")
+            if src_offset > sspan or (sspan - src_offset) // run < count:
+                raise ValueError(f"{count} runs of {run} bytes from {src_offset} pass a source of {sspan}")
+            with nogil:
+                kvs_copy_runs(<uint8_t *>d.buf + dst_offset, <const uint8_t *>s.buf + src_offset,
+                              <size_t>run, <size_t>count, <size_t>stride)
+        finally:
+            PyBuffer_Release(&s)
+    finally:
+        PyBuffer_Release(&d)
+
+
 def raise_status(int rc, path, str what="read"):
     """Raises the exception a status of pread_pieces stands for (nothing for 0)."""
     _raise_status(rc, path, what)

@@ -609,49 +609,22 @@ class SealedSource:
             raise CorruptCheckpoint("auth_failed", self.path, f"chunk {i} does not authenticate") from None
         return part
 
-    def decrypt_chunk(self, i, buffers, direct, scratch):
-        """Reads chunk i and decrypts it in one GCM pass, its long rows
-        straight where they land and every other byte in scratch.
+    def decrypt_chunk(self, i, buffers, rows, scratch):
+        """Reads chunk i into scratch, decrypts it there and checks its tag
+        (decrypt), then copies rows out: [(body offset, buffer index,
+        destination offset, run, count, stride)], count runs of run bytes,
+        consecutive in the body, landing every stride bytes in buffers[b].
 
-        Args:
-            buffers: the load's byte views, scratch (a byte view of at least
-                the chunk's length) the last of them.
-            direct: [(body offset, buffer index, destination offset, run,
-                count, stride)] inside the chunk, sorted and not
-                overlapping: count rows of run bytes, consecutive in the
-                body, landing every stride bytes in the buffer; read there
-                (one read each) and decrypted in place.
-            scratch: every other byte of the chunk is read to its offset in
-                the chunk here and decrypted here.
+        The chunk is decrypted where it was read, still in cache, and no
+        byte of it reaches a destination before its tag has checked.
 
         Raises:
-            CorruptCheckpoint: ``auth_failed`` (every byte it wrote is wiped first).
+            CorruptCheckpoint: ``auth_failed`` (nothing copied).
         """
-        lo, hi = self.grid.span(i)
-        g = len(buffers) - 1
-        reads, parts, at = [], [], lo
-        for off, b, dst, run, count, stride in [*direct, (hi, g, hi - lo, 0, 0, 0)]:
-            if off > at:                                  # the bytes before it: scratch
-                reads.append((g, self.fd, BODY_OFFSET + at, off - at, 1, off - at, at - lo))
-                parts.append(scratch[at - lo:off - lo])
-            if count:
-                reads.append((b, self.fd, BODY_OFFSET + off, run, count, stride, dst))
-                view = buffers[b]
-                parts.extend(view[dst + r * stride:dst + r * stride + run] for r in range(count))
-            at = off + run * count
-        for rc, _ in _native.pread_pieces(buffers, reads, False):
-            _native.raise_status(rc, self.path, f"chunk {i}")
-        dec = Cipher(algorithms.AES(self.key), modes.GCM(_NONCE.pack(i), self.tags[TAG_BYTES * i:TAG_BYTES * (i + 1)])
-                     ).decryptor()
-        dec.authenticate_additional_data(_chunk_aad(self.aad, i, self.chunks))
-        for part in parts:
-            dec.update_into(part, part)
-        try:
-            dec.finalize()
-        except InvalidTag:
-            for part in parts:
-                part[:] = bytes(len(part))
-            raise CorruptCheckpoint("auth_failed", self.path, f"chunk {i} does not authenticate") from None
+        lo = self.grid.span(i)[0]
+        plain = self.decrypt(i, scratch)
+        for off, b, dst, run, count, stride in rows:
+            _native.copy_runs(buffers[b], dst, plain, off - lo, run, count, stride)
 
     @staticmethod
     def read_pieces(buffers, pieces, verify=False):
@@ -671,13 +644,10 @@ class SealedSource:
     @staticmethod
     def chunk_work(buffers, pieces):
         """What reading pieces (as read_pieces takes them) asks of each chunk
-        they touch, in file order: [((source, chunk index), (direct rows,
-        copies))].  The rows of DIRECT_ROW bytes or more that lie in a chunk,
-        of whatever pieces, are read straight where they land (decrypt_chunk's
-        direct); the rest of the chunk (short rows, the tokens, padding) goes
-        through a scratch chunk, and copies says where its short rows go.
-        A run of the list is a share of the work for one I/O thread (whole
-        chunks: a chunk cut between two threads would be read by both).
+        they touch, in file order: [((source, chunk index), rows)], rows as
+        decrypt_chunk takes them.  A run of the list is a share of the work
+        for one I/O thread (whole chunks: a chunk cut between two threads
+        would be read and decrypted by both).
 
         Also asks the kernel to read the pieces' ciphertext ahead.
         """
@@ -691,44 +661,24 @@ class SealedSource:
             for i in src.grid.covering(b0, b0 + n):
                 lo, hi = src.grid.span(i)
                 a, z = max(lo, b0), min(hi, b0 + n)
-                direct, copies = work.setdefault((src, i), ([], []))
-                for k, at, r, rows, step in _rows(dst, run, stride, a - b0, z - a):
-                    if r >= DIRECT_ROW:
-                        direct.append((b0 + k, b, at, r, rows, step))
-                    else:
-                        copies.append((b0 + k - lo, b, at, r, rows, step))
-        for direct, _ in work.values():
-            direct.sort()
+                rows = work.setdefault((src, i), [])
+                rows.extend((b0 + k, b, at, r, k_rows, step) for k, at, r, k_rows, step
+                            in _rows(dst, run, stride, a - b0, z - a))
         return list(work.items())
 
     @staticmethod
     def read_chunks(buffers, work):
-        """Reads and decrypts the chunks of work (chunk_work's, or a run of
-        it), each in one GCM pass (decrypt_chunk), then copies each chunk's
-        short rows out of the scratch chunk once it has authenticated.
+        """Reads, decrypts and authenticates the chunks of work (chunk_work's,
+        or a run of it) through one scratch chunk, each chunk's rows copied
+        to their places once it has authenticated (decrypt_chunk).
 
         Returns [] (a job of kvstore.payload._Batch: no per-piece results).
         """
         views = [payload.bytes_view(x) for x in buffers]
-        scratch = memoryview(bytearray(max((src.grid.size for (src, _), _ in work), default=0)))
-        bufs = [*views, scratch]
-        for (src, i), (direct, copies) in work:
-            src.decrypt_chunk(i, bufs, direct, scratch)
-            for k, b, at, r, rows, step in copies:
-                data = np.frombuffer(scratch, dtype=np.uint8, count=r * rows, offset=k)
-                d = np.frombuffer(views[b], dtype=np.uint8)
-                if rows == 1 or step == r:
-                    d[at:at + r * rows] = data
-                else:
-                    np.lib.stride_tricks.as_strided(d[at:], shape=(rows, r), strides=(step, 1))[...] = \
-                        data.reshape(rows, r)
+        scratch = bytearray(max((src.grid.size for (src, _), _ in work), default=0))
+        for (src, i), rows in work:
+            src.decrypt_chunk(i, views, rows, scratch)
         return []
-
-
-# Rows this long or longer are read and decrypted where they land (one GCM
-# update a row); shorter ones go through the scratch chunk and one strided
-# copy per chunk and piece.
-DIRECT_ROW = 16 << 10
 
 
 def _read_ahead(pieces):

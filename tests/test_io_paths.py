@@ -317,3 +317,22 @@ def test_lowering_one_threads_priority_leaves_the_others():
     assert seen == {"ok": True, "nice": max(11, base)} or base > 11
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
     assert payload.lower_thread_priority(0) is False
+
+
+def test_copy_runs_lands_every_run_and_refuses_runs_that_do_not_fit():
+    # A sealed chain's rows, decrypted in a scratch chunk, copied to their places.
+    src = bytes(range(256)) * 4
+    dst = bytearray(b"\xee" * 2000)
+    _native.copy_runs(dst, 7, src, 3, 10, 5, 100)
+    for r in range(5):
+        assert dst[7 + 100 * r:17 + 100 * r] == src[3 + 10 * r:13 + 10 * r]
+        assert dst[17 + 100 * r:7 + 100 * (r + 1)] == b"\xee" * 90
+    _native.copy_runs(dst, 0, src, 0, 0, 5, 1)                 # nothing to copy
+    with pytest.raises(ValueError, match="do not fit"):
+        _native.copy_runs(dst, 1900, src, 0, 10, 2, 100)        # the second run passes dst
+    with pytest.raises(ValueError, match="do not fit"):
+        _native.copy_runs(dst, 0, src, 0, 10, 2, 5)             # runs that overlap
+    with pytest.raises(ValueError, match="pass a source"):
+        _native.copy_runs(dst, 0, src, 1000, 10, 3, 10)
+    with pytest.raises(ValueError, match="pass a source"):
+        _native.copy_runs(dst, 0, src, 2000, 1, 1, 1)
