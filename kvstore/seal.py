@@ -231,6 +231,10 @@ class Sealer:
     def __repr__(self):
         return f"Sealer(key_id={self.key_id.hex()})"
 
+    def owns(self, entry):
+        """True for a sealed file of this key (by the key id in its clear seal head)."""
+        return entry.sealed and entry.key_id == self.key_id
+
     # -- names ---------------------------------------------------------------
 
     def name(self, text):

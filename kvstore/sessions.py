@@ -105,7 +105,7 @@ def read_title(entry, sealer=None):
             return None
         src = fd
         if cur.sealed:
-            if sealer is None or cur.key_id != sealer.key_id:
+            if sealer is None or not sealer.owns(cur):
                 return None
             src, cur = sealer.source(fd, st, cur)
         hook = trailer_mod.hooks()[_TITLE_BIT]

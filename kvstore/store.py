@@ -259,12 +259,17 @@ class KVStore:
         """
         ctx = self.ctx_size if ctx_size is None else ctx_size
         return policy.misfit(entry, self.model_id, ctx, self.quant_bits, self.reject_different_quant, self._abis,
-                             self._seal.key_id if self._seal is not None else None)
+                             self._key_id)
 
     @property
     def sealer(self):
         """The kvstore.seal.Sealer of the store's key, or None (a plain store)."""
         return self._seal
+
+    @property
+    def _key_id(self):
+        """The id of the store's key (a sealed store's); None for a plain store."""
+        return None if self._seal is None else self._seal.key_id
 
     @property
     def _name_key(self):
@@ -357,18 +362,15 @@ class KVStore:
         except CheckpointOSError as e:
             log.warning("kvstore: miss reason=unreadable file=%s errno=%s", short_name(entry.name), e.errno)
             return self._miss(entry)
-        rfd = fd
         try:
             cur = entry_from_fd(fd, st, entry.path)
             if not self._eligible(cur, min_tokens) or cur.is_block:
                 # Rewritten since the lookup (another model, context, ABI...).
                 log.info("kvstore: miss reason=not_eligible abi=%d file=%s", cur.payload_abi, short_name(entry.name))
                 return self._miss(entry)
-            plain = cur
-            if cur.sealed:
-                # Read in place: each read decrypts and authenticates the
-                # chunks it covers before it returns (kvstore.seal).
-                rfd, plain = self._seal.source(fd, st, cur)
+            # A sealed file is read in place: each read decrypts and
+            # authenticates the chunks it covers before it returns.
+            rfd, plain = self._open_plain(fd, st, cur)
             text = payload.pread(rfd, plain.text_bytes, PREFIX_SIZE)
             if len(text) != plain.text_bytes:
                 raise CorruptCheckpoint("truncated", entry.path, "text cut short")
@@ -862,7 +864,7 @@ class KVStore:
         sealed file of this store's key, its authenticated head (real token
         digests), or None when it does not authenticate."""
         e = _current(path)
-        if e is None or not e.sealed or self._seal is None or e.key_id != self._seal.key_id:
+        if e is None or self._seal is None or not self._seal.owns(e):
             return e
         try:
             fd, st = open_checkpoint(path)
@@ -1179,8 +1181,7 @@ class KVStore:
         cands = [e for e in entries
                  if e.reason == Reason.CONTINUED and e.sha and e.text_bytes < len(text)
                  and policy.misfit(incoming, e.model_id, e.ctx_size, e.quant_bits,
-                                   self.reject_different_quant, self._abis,
-                                   self._seal.key_id if self._seal is not None else None) is None]
+                                   self.reject_different_quant, self._abis, self._key_id) is None]
         if not cands:
             return frozenset()
         out = set()

@@ -143,7 +143,7 @@ def cmd_ls(args):
                 "sha": e.sha, "prefix": e.sha[:12], "reason": text.reason_name(e.reason),
                 "tokens": e.tokens, "hits": e.hits, "ctx_size": e.ctx_size, "quant_bits": e.quant_bits,
                 "model_id": e.model_id, "payload_abi": e.payload_abi,
-                "loadable": e.loadable or (sealer is not None and e.sealed and e.key_id == sealer.key_id),
+                "loadable": e.loadable or (sealer is not None and sealer.owns(e)),
                 "sealed": e.sealed,
                 "file_size": e.file_size, "created_at": e.created_at, "last_used": e.last_used,
                 "age_s": max(0, now - e.created_at) if e.created_at else None,
@@ -183,7 +183,7 @@ def cmd_ls(args):
     else:
         print(f"no checkpoints in {d}")
     total = sum(e.file_size for e in entries)
-    ours = sum(1 for e in entries if sealer is not None and e.sealed and e.key_id == sealer.key_id)
+    ours = sum(1 for e in entries if sealer is not None and sealer.owns(e))
     foreign = sum(1 for e in entries if not e.loadable) - ours
     if blocks:
         print(f"{text.plural(len(seqs), 'stored sequence')} in {text.plural(len(entries), 'file')} "
@@ -259,7 +259,7 @@ def cmd_inspect(args):
         sealer = _sealer(args)
         src, plain, why = fd, e, None
         if e.sealed:
-            if sealer is None or sealer.key_id != e.key_id:
+            if sealer is None or not sealer.owns(e):
                 why = "no key given" if sealer is None else "sealed with another key"
                 rows.append(("sealed", f"key id {e.key_id.hex()} ({why}: text, manifest and trailers hidden)"))
             else:
@@ -408,7 +408,7 @@ def cmd_verify(args):
             except (KVStoreError, OSError) as err:
                 reason = describe_error(err)
             else:
-                ours = sealer is not None and e.sealed and e.key_id == sealer.key_id
+                ours = sealer is not None and sealer.owns(e)
                 if ours:
                     reason = sealer.verify_file(path, bar.advance)
                 else:

@@ -93,7 +93,7 @@ class RemoteTier:
     """
 
     def __init__(self, url, local_dir, fingerprint, options=None, check=None):
-        self.check = check if check is not None else (lambda path, name=None: verify_file(path, name=name))
+        self.check = check if check is not None else verify_file
         self.bucket = Bucket(url, options)
         self.options = self.bucket.options
         self.url = url

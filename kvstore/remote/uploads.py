@@ -73,7 +73,7 @@ class UploadQueue:
     def __init__(self, bucket, fingerprint, index, health, options, start=True, check=None):
         # check(path) -> None or a reason: files.verify_file, or a sealed
         # store's (which authenticates) -- nothing bad reaches the bucket.
-        self.check = check if check is not None else (lambda path, name=None: verify_file(path, name=name))
+        self.check = check if check is not None else verify_file
         self.bucket = bucket
         self.fingerprint = fingerprint
         self.index = index
