@@ -472,7 +472,7 @@ def bench_sealed_lookup(report, tmp, rng, quick):
     pass over the prompt, one more SHA1 block per tag that matches) vs a
     plain store, the same 10,000 lengths, in the same run."""
     from kvstore import seal
-    from kvstore.index import names_of
+    from kvstore.names import names_of
     n = max(LOOKUP_SIZES)
     key = os.urandom(32)
     sealer = seal.Sealer(key)
@@ -482,7 +482,7 @@ def bench_sealed_lookup(report, tmp, rng, quick):
     hit, miss = bytes(hit), bytes(miss)
     lengths = rng.sample(range(1, MAX_TEXT_BYTES), n - 1)
     digests = kvstore.sha1_prefixes(bytes(MAX_TEXT_BYTES), lengths)
-    names, tags = names_of(bytes(MAX_TEXT_BYTES), lengths, sealer.name_key)
+    names, tags = names_of(bytes(MAX_TEXT_BYTES), lengths, sealer.names)
     header = sparse_entry_header()
     stores, reals = {}, {}
     for kind in ("plain", "sealed"):

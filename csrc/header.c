@@ -41,6 +41,7 @@ void kvs_header_pack(const kvs_header *h, uint8_t out[KVS_HEADER_SIZE])
     put_le(out + 12, h->hits, 4);
     put_le(out + 16, h->ctx_size, 4);
     out[20] = h->payload_abi;
+    put_le(out + 21, h->model_tag & KVS_MODEL_TAG_MAX, 3);
     put_le(out + 24, h->created_at, 8);
     put_le(out + 32, h->last_used, 8);
     put_le(out + 40, h->payload_bytes, 8);
@@ -58,6 +59,7 @@ int kvs_header_parse(const uint8_t in[KVS_HEADER_SIZE], kvs_header *h)
     h->hits = (uint32_t)get_le(in + 12, 4);
     h->ctx_size = (uint32_t)get_le(in + 16, 4);
     h->payload_abi = in[20];
+    h->model_tag = (uint32_t)get_le(in + 21, 3);
     h->created_at = get_le(in + 24, 8);
     h->last_used = get_le(in + 32, 8);
     h->payload_bytes = get_le(in + 40, 8);

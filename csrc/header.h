@@ -14,6 +14,7 @@
 #define KVS_HEADER_SIZE 48
 #define KVS_PREFIX_SIZE 52          /* header + u32 text length */
 #define KVS_FORMAT_VERSION 1
+#define KVS_MODEL_TAG_MAX 0xFFFFFFu  /* the model tag is 24 bits (ds4's reserved bytes 21..23) */
 
 /* Status codes.  Negative errno values are also returned for OS failures. */
 #define KVS_OK 0
@@ -33,6 +34,7 @@ typedef struct {
     uint32_t hits;
     uint32_t ctx_size;
     uint8_t payload_abi;
+    uint32_t model_tag;         /* bytes 21..23 (u24): 0 = no model fingerprint recorded */
     uint64_t created_at;
     uint64_t last_used;
     uint64_t payload_bytes;

@@ -644,13 +644,14 @@ size_t kvs_sha1_forest(const uint8_t *data, size_t len,
                        uint32_t *heap, uint32_t *matched)
 {
     return kvs_sha1_forest_keyed(data, len, lengths, digests, n_nodes, first_root, first_child, next_sibling,
-                                 heap, matched, NULL, NULL);
+                                 heap, matched, NULL, NULL, 1);
 }
 
 size_t kvs_sha1_forest_keyed(const uint8_t *data, size_t len,
                              const uint64_t *lengths, const uint8_t *digests, size_t n_nodes,
                              int32_t first_root, const int32_t *first_child, const int32_t *next_sibling,
-                             uint32_t *heap, uint32_t *matched, const kvs_hmac_key *key, const uint8_t *tags)
+                             uint32_t *heap, uint32_t *matched, const kvs_hmac_key *key, const uint8_t *tags,
+                             int outer)
 {
     kvs_sha1_ctx ctx;
     uint8_t inner[KVS_SHA1_DIGEST], digest[KVS_SHA1_DIGEST];
@@ -671,7 +672,7 @@ size_t kvs_sha1_forest_keyed(const uint8_t *data, size_t len,
             kvs_sha1_digest(&ctx, inner);
             digest_at = want;
         }
-        if (!key) {
+        if (!key || !outer) {
             memcpy(digest, inner, KVS_SHA1_DIGEST);
         } else {
             /* The outer block only where a tag does not rule the node out. */

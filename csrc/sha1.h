@@ -110,11 +110,17 @@ void kvs_hmac_sha1_outer(const kvs_hmac_key *k, const uint8_t inner[KVS_SHA1_DIG
 /* kvs_sha1_forest with HMAC-SHA1 digests under key (NULL: plain SHA1).
  * tags (NULL: none) holds KVS_LOOKUP_TAG bytes per node: a node whose tag is
  * not all zero is confirmed (outer block, digest compare) only when its tag
- * matches the inner hash; a node without one always is. */
+ * matches the inner hash; a node without one always is.
+ *
+ * With outer 0 the nodes' digests are the inner hashes themselves,
+ * SHA1(key ^ ipad || prefix): a SHA1 of the prefix in a namespace (a model's
+ * plain files are named so, docs/format.md §17), which costs what a plain
+ * lookup does; tags are then ignored. */
 size_t kvs_sha1_forest_keyed(const uint8_t *data, size_t len,
                              const uint64_t *lengths, const uint8_t *digests, size_t n_nodes,
                              int32_t first_root, const int32_t *first_child, const int32_t *next_sibling,
-                             uint32_t *heap, uint32_t *matched, const kvs_hmac_key *key, const uint8_t *tags);
+                             uint32_t *heap, uint32_t *matched, const kvs_hmac_key *key, const uint8_t *tags,
+                             int outer);
 
 /* The block function in use, for tests of each path in isolation. */
 void kvs_sha1_blocks(uint32_t state[5], const uint8_t *p, size_t nblocks);

@@ -38,7 +38,7 @@ cdef extern from "sha1.h" nogil:
                                  const uint8_t *digests, size_t n_nodes, int32_t first_root,
                                  const int32_t *first_child, const int32_t *next_sibling,
                                  uint32_t *heap, uint32_t *matched, const kvs_hmac_key *key,
-                                 const uint8_t *tags)
+                                 const uint8_t *tags, int outer)
     int KVS_LOOKUP_TAG
 
 cdef extern from "crc32c.h" nogil:
@@ -63,6 +63,7 @@ cdef extern from "header.h" nogil:
         uint32_t hits
         uint32_t ctx_size
         uint8_t payload_abi
+        uint32_t model_tag
         uint64_t created_at
         uint64_t last_used
         uint64_t payload_bytes

@@ -115,8 +115,11 @@ cdef const kvs_hmac_key *_hmac_key(object key, kvs_hmac_key *k) except? NULL:
     return k
 
 
-def sha1(data, key=None):
-    """SHA1 digest (20 bytes) of any buffer-protocol object; HMAC-SHA1 under key (bytes) when given."""
+def sha1(data, key=None, inner=False):
+    """SHA1 digest (20 bytes) of any buffer-protocol object; HMAC-SHA1 under key (bytes) when given,
+    or with inner=True the HMAC's inner hash SHA1(key ^ ipad || data) (see sha1_prefixes)."""
+    if inner:
+        return sha1_prefixes(data, [len(memoryview(data).cast("B"))], key, inner=True)[0]
     cdef Py_buffer view
     cdef kvs_hmac_key k
     cdef const kvs_hmac_key *kp = _hmac_key(key, &k)
@@ -202,7 +205,7 @@ def sha1_prefixes(data, lengths, key=None, inner=False):
         PyBuffer_Release(&view)
 
 
-def sha1_prefix_matches(data, lengths, expected, key=None, tags=None):
+def sha1_prefix_matches(data, lengths, expected, key=None, tags=None, inner=False):
     """Indices i where sha1(data[:lengths[i]]) == expected[20*i:20*i+20], ascending.
 
     The lookup primitive of the directory index: one SHA1 pass over data,
@@ -217,6 +220,8 @@ def sha1_prefix_matches(data, lengths, expected, key=None, tags=None):
         tags: with key, LOOKUP_TAG bytes per length (all zero: none): the
             pass gives the inner hashes, and the HMAC is finished (one block)
             only where a tag matches its inner hash or is none.
+        inner: with key, the expected digests are the inner hashes
+            themselves (names in a namespace; tags are ignored).
 
     Raises:
         ValueError: sizes disagree or a length is larger than len(data).
@@ -234,9 +239,12 @@ def sha1_prefix_matches(data, lengths, expected, key=None, tags=None):
     cdef const uint8_t *tg = NULL
     cdef uint8_t none[20]
     cdef uint8_t digest[20]
+    cdef bint inner_only = inner
+    if inner_only and kp == NULL:
+        raise ValueError("inner=True needs a key")
     if n == 0:
         return matches
-    if tags is not None and kp != NULL:
+    if tags is not None and kp != NULL and not inner_only:
         tag_view = tags
         if tag_view.shape[0] != KVS_LOOKUP_TAG * n:
             raise ValueError(f"tags hold {tag_view.shape[0]} bytes, need {KVS_LOOKUP_TAG} * {n}")
@@ -253,7 +261,7 @@ def sha1_prefix_matches(data, lengths, expected, key=None, tags=None):
             if order == NULL or out == NULL:
                 raise MemoryError()
             with nogil:
-                if tg != NULL:
+                if tg != NULL or inner_only:
                     bad = kvs_hmac_sha1_inner_prefixes(<const uint8_t *>view.buf, <size_t>view.len, &lens[0], n,
                                                        order, out, kp)
                 else:
@@ -262,7 +270,7 @@ def sha1_prefix_matches(data, lengths, expected, key=None, tags=None):
             if bad:
                 raise ValueError(f"length {lens[bad - 1]} at index {bad - 1} is larger than the data ({view.len})")
             for i in range(n):
-                if tg == NULL:
+                if tg == NULL:      # plain SHA1, inner hashes, or HMACs finished by the pass
                     if memcmp(out + 20 * i, <const uint8_t *>exp.buf + 20 * i, 20) == 0:
                         matches.append(i)
                     continue
@@ -281,7 +289,8 @@ def sha1_prefix_matches(data, lengths, expected, key=None, tags=None):
     return matches
 
 
-def sha1_forest_matches(data, lengths, digests, int first_root, first_child, next_sibling, key=None, tags=None):
+def sha1_forest_matches(data, lengths, digests, int first_root, first_child, next_sibling, key=None, tags=None,
+                        inner=False):
     """The nodes of a prefix forest whose digest matches data, in one pass (shortest first).
 
     Node i claims sha1(data[:lengths[i]]) == digests[20*i:20*i+20]; a node is
@@ -302,6 +311,8 @@ def sha1_forest_matches(data, lengths, digests, int first_root, first_child, nex
         tags: with key, LOOKUP_TAG bytes per node (all zero: none); a node
             with a tag is confirmed only when the tag matches its inner hash
             (see sha1_prefix_matches).
+        inner: with key, nodes claim the inner hashes themselves (names in
+            a namespace; tags are ignored).
 
     Returns:
         list of matching node indices.
@@ -321,13 +332,16 @@ def sha1_forest_matches(data, lengths, digests, int first_root, first_child, nex
     cdef const kvs_hmac_key *kp = _hmac_key(key, &k)
     cdef const uint8_t[::1] tag_view
     cdef const uint8_t *tg = NULL
+    cdef int outer = 0 if inner else 1
+    if inner and kp == NULL:
+        raise ValueError("inner=True needs a key")
     if fc.shape[0] < n or ns.shape[0] < n:
         raise ValueError(f"first_child and next_sibling need one entry per node ({n})")
     if n == 0 or first_root < 0:
         return []
     if n >= 0x7FFFFFFF:
         raise ValueError(f"{n} nodes: too many for int32 indices")
-    if tags is not None and kp != NULL:
+    if tags is not None and kp != NULL and outer:
         tag_view = tags
         if tag_view.shape[0] < KVS_LOOKUP_TAG * n:
             raise ValueError(f"tags hold {tag_view.shape[0]} bytes, need {KVS_LOOKUP_TAG} * {n}")
@@ -345,7 +359,7 @@ def sha1_forest_matches(data, lengths, digests, int first_root, first_child, nex
             with nogil:
                 got = kvs_sha1_forest_keyed(<const uint8_t *>view.buf, <size_t>view.len, &lens[0],
                                             <const uint8_t *>dig.buf, <size_t>n, first_root, &fc[0], &ns[0],
-                                            heap, matched, kp, tg)
+                                            heap, matched, kp, tg, outer)
             return [matched[i] for i in range(<Py_ssize_t>got)]
         finally:
             PyBuffer_Release(&dig)
@@ -378,7 +392,7 @@ def crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b):
 
 def pack_header(int version, int quant_bits, int reason, int ext_flags, int model_id,
                 uint32_t tokens, uint32_t hits, uint32_t ctx_size, int payload_abi,
-                uint64_t created_at, uint64_t last_used, uint64_t payload_bytes):
+                uint64_t created_at, uint64_t last_used, uint64_t payload_bytes, uint32_t model_tag=0):
     """The 48 header bytes; fields must already be range-checked by the caller."""
     cdef kvs_header h
     cdef bytes out = PyBytes_FromStringAndSize(NULL, KVS_HEADER_SIZE)
@@ -394,6 +408,7 @@ def pack_header(int version, int quant_bits, int reason, int ext_flags, int mode
     h.created_at = created_at
     h.last_used = last_used
     h.payload_bytes = payload_bytes
+    h.model_tag = model_tag
     kvs_header_pack(&h, <uint8_t *>PyBytes_AS_STRING(out))
     return out
 
@@ -418,7 +433,7 @@ def parse_header(buf, path=None):
         raise CorruptCheckpoint("bad_version", path, f"version {h.version}, expected 1")
     _raise_status(rc, path, "header")
     return (h.version, h.quant_bits, h.reason, h.ext_flags, h.model_id, h.tokens, h.hits,
-            h.ctx_size, h.payload_abi, h.created_at, h.last_used, h.payload_bytes)
+            h.ctx_size, h.payload_abi, h.created_at, h.last_used, h.payload_bytes, h.model_tag)
 
 
 def envelope_fits(uint64_t file_size, uint32_t text_len, uint64_t payload_bytes):

@@ -15,7 +15,7 @@ for _n in range(256):
         _c = (_c >> 1) ^ _POLY if _c & 1 else _c >> 1
     _TABLE.append(_c)
 
-_HEADER = struct.Struct("<3sBBBBBIIIB3xQQQ")
+_HEADER = struct.Struct("<3sBBBBBIIIB3sQQQ")   # bytes 21..23: the u24 model tag
 HEADER_SIZE = _HEADER.size  # 48
 
 
@@ -47,9 +47,10 @@ def crc32c(data, crc=0):
 
 
 def pack_header(version, quant_bits, reason, ext_flags, model_id, tokens, hits, ctx_size,
-                payload_abi, created_at, last_used, payload_bytes):
+                payload_abi, created_at, last_used, payload_bytes, model_tag=0):
     return _HEADER.pack(b"KVC", version, quant_bits, reason, ext_flags, model_id, tokens, hits,
-                        ctx_size, payload_abi, created_at, last_used, payload_bytes)
+                        ctx_size, payload_abi, model_tag.to_bytes(3, "little"), created_at, last_used,
+                        payload_bytes)
 
 
 def parse_header(buf):
@@ -63,4 +64,5 @@ def parse_header(buf):
         raise ValueError("bad_version")
     if fields[5] == 0:
         raise ValueError("zero_tokens")
-    return tuple(fields)
+    tag = int.from_bytes(fields.pop(9), "little")
+    return (*fields, tag)

@@ -24,7 +24,8 @@ from kvstore import _native, payload
 from kvstore.errors import CorruptCheckpoint
 from kvstore.format import (CHAIN_END, CHAIN_RESTORABLE, NO_PARENT, PREFIX_SIZE, TOKEN_DIGEST,
                             entry_from_fd, open_checkpoint)
-from kvstore.index import chain_link_ok, names_of
+from kvstore.index import chain_link_ok
+from kvstore.names import names_of
 
 # Blocks of this many tokens.  mlx-lm grows its KV buffers in steps of 256
 # tokens, and a block of 256 tokens of an 8B model (128 KiB of KV per token)
@@ -45,7 +46,7 @@ class BlockPlan:
     token_digest: bytes
     parent_token_digest: bytes
     last: bool                   # the end of the save
-    lookup_tag: bytes = b""      # a sealed store's (kvstore.index.names_of)
+    lookup_tag: bytes = b""      # a sealed store's (kvstore.names.names_of)
 
     @property
     def name(self):
@@ -162,12 +163,12 @@ class OpenChain:
     Use as a context manager (closes every file).  ``blocks`` is
     [(fd, stat, Entry)], first block first.
 
-    For a sealed chain, opener(fd, stat, Entry) gives (a source of the
-    block's plain bytes, a kvstore.seal.SealedSource that authenticates
-    what it reads; the plain Entry) (kvstore.seal.Sealer.source) and
-    name_key is the key of the blocks' HMAC-SHA1 names; ``blocks`` then
-    holds the sources, their entries keeping the sealed files' paths and
-    names.
+    name_key is the kvstore.names.NameKey of the blocks' names (None:
+    SHA1).  For a sealed chain, opener(fd, stat, Entry) gives (a source of
+    the block's plain bytes, a kvstore.seal.SealedSource that authenticates
+    what it reads; the plain Entry) (kvstore.seal.Sealer.source); ``blocks``
+    then holds the sources, their entries keeping the sealed files' paths
+    and names.
 
     Raises:
         CheckpointMissing: a block vanished since the lookup.
@@ -214,7 +215,7 @@ class OpenChain:
                 raise CorruptCheckpoint("truncated", e.path, "text cut short")
             parts.append(seg)
         text = b"".join(parts)
-        names = _native.sha1_prefixes(text, [e.text_bytes for e in self.entries], self._name_key)
+        names, _ = names_of(text, [e.text_bytes for e in self.entries], self._name_key)
         for (_, _, e), d in zip(self.blocks, names):
             if d.hex() != e.sha:
                 raise CorruptCheckpoint("text_hash", e.path, "stored text does not hash to the file name")

@@ -51,8 +51,13 @@ HEAD = struct.Struct("<4sHH")          # magic, version, slot count
 U64_MAX = 2**64 - 1
 
 # The plain counters, all monotonic.
-COUNTER_NAMES = ("saves", "bytes_written", "loads", "bytes_read", "hits", "misses", "evictions",
-                 "bytes_evicted", "corrupt", "stores_skipped_write_budget")
+_FIRST_COUNTERS = ("saves", "bytes_written", "loads", "bytes_read", "hits", "misses", "evictions",
+                   "bytes_evicted", "corrupt", "stores_skipped_write_budget")
+# Counters added since (their slots follow the write budget's): restores the
+# canary checked, and those it found made by another model or damaged
+# (kvstore.mlx.canary, docs/format.md §17).
+_LATER_COUNTERS = ("canary_checks", "canary_failures")
+COUNTER_NAMES = _FIRST_COUNTERS + _LATER_COUNTERS
 
 # Latency histograms: Prometheus's default buckets (prometheus_client's
 # Histogram.DEFAULT_BUCKETS), so a scrape of them needs no re-bucketing.  The
@@ -74,7 +79,8 @@ def histogram_slots(name):
 BUDGET_SLOTS = ("write_budget_level_bytes", "write_budget_refill_us", "write_budget_capacity_bytes")
 
 # Append-only: never reorder, never remove; new names go at the end.
-SLOTS = COUNTER_NAMES + histogram_slots("load_seconds") + histogram_slots("save_seconds") + BUDGET_SLOTS
+SLOTS = (_FIRST_COUNTERS + histogram_slots("load_seconds") + histogram_slots("save_seconds") + BUDGET_SLOTS
+         + _LATER_COUNTERS)
 INDEX = {name: i for i, name in enumerate(SLOTS)}
 # name -> (slot of each bucket, of the count, of the sum)
 _HISTOGRAM_INDEX = {h: ([INDEX[n] for n in histogram_slots(h)[:-2]], INDEX[f"{h}_count"], INDEX[f"{h}_sum_us"])

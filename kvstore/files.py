@@ -26,7 +26,9 @@ import secrets
 import sys
 import time
 
-from kvstore import _native, payload
+from kvstore import _native, names, payload
+from kvstore.identity import ModelIdentity
+from kvstore.index import chain_link_ok
 from kvstore.errors import CheckpointMissing, CheckpointOSError, CorruptCheckpoint, KVStoreError, UnsafePath
 from kvstore.format import PREFIX_SIZE, entry_from_fd, is_checkpoint_name, open_checkpoint, read_entry
 
@@ -42,7 +44,7 @@ QUARANTINE_DIR = ".quarantine"
 # A temporary file is "<40 hex>.kv.tmp.<pid>.<random>".  One whose writer is
 # gone is debris of a crash; one older than this is removed even if its pid
 # is alive again (pid reuse, or a writer on another host of a shared mount).
-TMP_RE = re.compile(r"^[0-9a-fA-F]{40}\.kv\.tmp\.(\d+)\.[0-9a-f]+$")
+TMP_RE = re.compile(r"^(?:[0-9a-fA-F]{40}\.kv|\.models)\.tmp\.(\d+)\.[0-9a-f]+$")
 STALE_TMP_AGE_S = 24 * 3600
 
 # wipe overwrites in blocks of this size before unlinking.
@@ -479,7 +481,10 @@ def verify_file(path, progress=None, name=None):
             return None
         buf = bytearray(min(VERIFY_CHUNK, max(e.segment_bytes, e.payload_bytes, 1)))
         mv = memoryview(buf)
-        h = hashlib.sha1()
+        manifest = payload.read_manifest(fd, e)
+        h, why = _name_hasher(e, manifest.model)
+        if why is not None:
+            return why
         if e.is_block and e.parent:
             why = _hash_ancestors(os.path.dirname(path), e, h, mv)
             if why is not None:
@@ -492,7 +497,6 @@ def verify_file(path, progress=None, name=None):
                 progress(k)
         if e.sha and h.hexdigest() != e.sha:
             return "text_hash: stored text does not hash to the file name"
-        manifest = payload.read_manifest(fd, e)
         blocks = [(manifest.tokens[0], 4 * e.stored_tokens, manifest.tokens[2], "tokens")]
         blocks += [(off, n, crc, f"tensor {tname!r}") for tname, _, _, off, n, crc in manifest.tensors]
         for off, n, want, what in blocks:
@@ -505,6 +509,23 @@ def verify_file(path, progress=None, name=None):
         return describe_error(err)
     finally:
         os.close(fd)
+
+
+def _name_hasher(entry, model):
+    """(a SHA1 stream that gives entry's name from its text, None), or (None,
+    the one-line reason the file's model is not what its header says).
+
+    A file that names its model (header tag) is named in that model's
+    namespace, and its manifest carries the identity (docs/format.md §17).
+    """
+    if not entry.model_tag:
+        return hashlib.sha1(), None
+    if model is None:
+        return None, "model_mismatch: the header names a model, the manifest none"
+    ident = ModelIdentity(model)
+    if ident.tag != entry.model_tag:
+        return None, "model_mismatch: the manifest names another model than the header"
+    return names.hasher(ident.names), None
 
 
 def _hash_ancestors(directory, entry, h, mv):
@@ -520,8 +541,7 @@ def _hash_ancestors(directory, entry, h, mv):
             return f"broken_chain: parent {cur.parent[:12]} is missing"
         except (KVStoreError, OSError) as err:
             return f"broken_chain: parent {cur.parent[:12]}: {describe_error(err)}"
-        if not (parent.is_block and parent.tokens == cur.token_start and parent.text_bytes == cur.text_start
-                and parent.token_digest == cur.parent_token_digest) or len(chain) > 1 << 20:
+        if not chain_link_ok(cur, parent) or len(chain) > 1 << 20:
             return f"broken_chain: parent {cur.parent[:12]} does not end where its child starts"
         chain.append(parent)
         cur = parent

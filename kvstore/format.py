@@ -113,6 +113,7 @@ _RANGES = {
     "quant_bits": 0xFF, "reason": 0xFF, "ext_flags": 0xFF, "model_id": 0xFF,
     "tokens": 0xFFFFFFFF, "hits": 0xFFFFFFFF, "ctx_size": 0xFFFFFFFF, "payload_abi": 0xFF,
     "created_at": 2**64 - 1, "last_used": 2**64 - 1, "payload_bytes": 2**64 - 1,
+    "model_tag": 0xFFFFFF,
 }
 
 
@@ -131,6 +132,10 @@ class Header:
     created_at: int = 0
     last_used: int = 0
     version: int = FORMAT_VERSION
+    # Bytes 21..23 (ds4's reserved bytes, written 0 there): 24 bits naming the
+    # model that made the checkpoint (kvstore.identity.ModelIdentity.tag); 0:
+    # none recorded (ds4's files, kvstore's before model identities).
+    model_tag: int = 0
 
     def pack(self):
         """Returns the 48 header bytes.
@@ -152,7 +157,7 @@ class Header:
         return _native.pack_header(
             self.version, self.quant_bits, int(self.reason), int(self.ext_flags), self.model_id,
             self.tokens, self.hits, self.ctx_size, self.payload_abi,
-            self.created_at, self.last_used, self.payload_bytes)
+            self.created_at, self.last_used, self.payload_bytes, self.model_tag)
 
     @classmethod
     def unpack(cls, buf, path=None):
@@ -163,13 +168,14 @@ class Header:
                 tokens, or quant bits outside VALID_QUANT_BITS.
         """
         (version, quant, reason, ext, model_id, tokens, hits, ctx, abi,
-         created, last_used, payload_bytes) = _native.parse_header(buf, path)
+         created, last_used, payload_bytes, model_tag) = _native.parse_header(buf, path)
         if quant not in VALID_QUANT_BITS:
             raise CorruptCheckpoint("bad_quant_bits", path,
                                     f"quant bits {quant}, expected one of {sorted(VALID_QUANT_BITS)}")
         return cls(quant_bits=quant, tokens=tokens, ctx_size=ctx, payload_bytes=payload_bytes,
                    reason=_reason(reason), ext_flags=ExtFlag(ext), model_id=model_id, hits=hits,
-                   payload_abi=abi, created_at=created, last_used=last_used, version=version)
+                   payload_abi=abi, created_at=created, last_used=last_used, version=version,
+                   model_tag=model_tag)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +225,8 @@ class Entry:
     # b"" otherwise.
     key_id: bytes = b""
     lookup_tag: bytes = b""
+    # The header's model tag (0: the file names no model; docs/format.md §17).
+    model_tag: int = 0
 
     @property
     def name(self):
@@ -411,7 +419,8 @@ def entry_from_fd(fd, st, path):
                  ext_flags=h.ext_flags, model_id=h.model_id, tokens=h.tokens, hits=h.hits,
                  ctx_size=h.ctx_size, payload_abi=h.payload_abi, created_at=h.created_at,
                  last_used=h.last_used, payload_bytes=h.payload_bytes, text_bytes=text_len,
-                 file_size=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino, **chain)
+                 file_size=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino, model_tag=h.model_tag,
+                 **chain)
 
 
 def read_entry(path):

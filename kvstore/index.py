@@ -44,6 +44,7 @@ from kvstore import _native
 
 from kvstore.errors import KVStoreError
 from kvstore.format import is_checkpoint_name, read_entry
+from kvstore.names import native_args
 
 # Directory mtimes come from a coarse kernel clock (a few ms on Linux): a
 # change made within this window of the last listing may carry the same
@@ -54,46 +55,30 @@ _EMPTY_U32 = np.zeros(0, dtype=np.uint32)
 _NO_TAG = bytes(_native.LOOKUP_TAG)
 
 
-def names_of(text, lengths, name_key=None):
-    """(names, lookup tags) of the prefixes of text of the given lengths:
-    their SHA1 digests and b"" tags, or under a sealed store's name_key their
-    HMAC-SHA1 names and lookup tags (the first _native.LOOKUP_TAG bytes of
-    each name's inner hash; docs/format.md §16)."""
-    names = _native.sha1_prefixes(text, lengths, name_key)
-    if name_key is None:
-        return names, [b""] * len(names)
-    inner = _native.sha1_prefixes(text, lengths, name_key, inner=True)
-    return names, [d[:_native.LOOKUP_TAG] for d in inner]
-
-
 def tag_bytes(entry):
     """An entry's lookup tag as the lookup arrays hold it (zeros: none)."""
     return entry.lookup_tag or _NO_TAG
 
 
-def name_keys(name_key, plain_names):
-    """The keys a lookup matches names under: None stands for plain SHA1
-    names, bytes for HMAC-SHA1 names under that key (a sealed store's)."""
-    if name_key is None:
-        return (None,)
-    return (name_key, None) if plain_names else (name_key,)
-
-
 def prefix_matches(data, lengths, digests, keys=(None,), tags=None):
     """Indices i whose name digests[20*i:20*i+20] is data[:lengths[i]]'s
-    under any of keys (see name_keys), ascending: one pass per key.  tags:
-    the entries' lookup tags (LOOKUP_TAG bytes each), for the keyed pass."""
+    under any of keys (kvstore.names.NameKey, or None: SHA1), ascending: one
+    pass per key.  tags: the entries' lookup tags (LOOKUP_TAG bytes each),
+    for an HMAC pass."""
     out = []
     for key in keys:
-        out += _native.sha1_prefix_matches(data, lengths, digests, key, tags if key is not None else None)
+        k, inner = native_args(key)
+        out += _native.sha1_prefix_matches(data, lengths, digests, k, tags if k is not None else None, inner)
     return out if len(keys) == 1 else sorted(set(out))
 
 
 def chain_link_ok(child, parent):
-    """True when parent is the block child's chain continues from."""
+    """True when parent is the block child's chain continues from (the same
+    model made both: a chain never crosses models)."""
     return (parent is not None and parent.is_block and parent.sha == child.parent
             and parent.tokens == child.token_start and parent.text_bytes == child.text_start
-            and parent.token_digest == child.parent_token_digest and parent.model_id == child.model_id)
+            and parent.token_digest == child.parent_token_digest and parent.model_id == child.model_id
+            and parent.model_tag == child.model_tag)
 
 
 class _Forest:
@@ -186,14 +171,15 @@ class _Forest:
         return out
 
     def matches(self, data, keys=(None,)):
-        """The nodes whose name matches data under any of keys (see name_keys)."""
+        """The nodes whose name matches data under any of keys (see prefix_matches)."""
         n = self.n
         out = []
         for key in keys:
-            tags = memoryview(self.tags)[:_native.LOOKUP_TAG * n] if key is not None else None
+            k, inner = native_args(key)
+            tags = memoryview(self.tags)[:_native.LOOKUP_TAG * n] if k is not None else None
             out += _native.sha1_forest_matches(data, self.lengths[:n], memoryview(self.digests)[:20 * n],
-                                               self.first_root, self.first_child[:n], self.next_sibling[:n], key,
-                                               tags)
+                                               self.first_root, self.first_child[:n], self.next_sibling[:n], k,
+                                               tags, inner)
         return out if len(keys) == 1 else sorted(set(out))
 
 
@@ -207,15 +193,14 @@ class DirectoryIndex:
             valid envelopes count for the budget).
         min_tokens: the shortest checkpoint a lookup returns (shorter chain
             blocks still link longer ones).
-        name_key: for a sealed store, the key of its HMAC-SHA1 file names
-            (kvstore.seal.Sealer.name_key); None: names are SHA1s.
-        plain_names: with name_key, SHA1 names match too (unsealed files accepted).
+        keys: the kvstore.names.NameKey of every kind of name a lookup
+            matches (None: SHA1 names), the store's own first: one pass over
+            the prompt each.
     """
 
-    def __init__(self, path, fits=lambda e: True, min_tokens=0, name_key=None, plain_names=False):
+    def __init__(self, path, fits=lambda e: True, min_tokens=0, keys=(None,)):
         self.path = os.fspath(path)
-        self.name_key = name_key
-        self.keys = name_keys(name_key, plain_names)
+        self.keys = tuple(keys)
         self.fits = fits
         self.min_tokens = min_tokens
         self.entries = {}          # name -> Entry (every valid envelope)
@@ -419,7 +404,8 @@ class DirectoryIndex:
         """The selectable entry with the longest text that is a prefix of data.
 
         One SHA1 pass over data gives the digest at every stored length
-        tried; the longest match wins (of equal length, more tokens).
+        tried; the longest match wins (of equal length, more tokens, then a
+        file that names its model over one that names none).
 
         Args:
             data: the prompt bytes.
@@ -436,7 +422,7 @@ class DirectoryIndex:
         else:
             nodes = self._forest.entry
             found = sorted((nodes[i] for i in self._forest.matches(data, self.keys) if self._selectable(nodes[i])),
-                           key=lambda e: (e.text_bytes, e.tokens))
+                           key=_preference)
         for e in reversed(found):
             if accept is None or accept(e):
                 return e
@@ -449,7 +435,7 @@ class DirectoryIndex:
         same pass.  Built when asked for, kept until the index changes."""
         if self._flat is None or self._flat[0] != self.generation:
             live = sorted((e for e in self._forest.entry[:self._forest.n] if e is not None and self._selectable(e)),
-                          key=lambda e: (e.text_bytes, e.tokens))
+                          key=_preference)
             lengths = np.fromiter((e.text_bytes for e in live), dtype=np.uint64, count=len(live))
             self._flat = (self.generation, (live, lengths, b"".join(bytes.fromhex(e.sha) for e in live),
                                             b"".join(tag_bytes(e) for e in live)))
@@ -458,6 +444,13 @@ class DirectoryIndex:
     def total_bytes(self):
         """The bytes of every valid envelope listed (kept as entries come and go)."""
         return self._bytes
+
+
+def _preference(e):
+    """Ascending: the best match last.  Longer text, then more tokens; then a
+    file of the store's model over one that names no model (a store that
+    accepts both sees no third kind)."""
+    return e.text_bytes, e.tokens, e.model_tag != 0
 
 
 def _merge(local, remote):

@@ -162,9 +162,11 @@ class Plan:
             (recorded in the manifest as "axis"); others are snapshots.
         head: bytes before the tensor payload within the payload (a chain
             block's 64-byte header).
+        model: the identity of the model that made the state (recorded as
+            "model"; docs/format.md §17), or None.
     """
 
-    def __init__(self, text_len, tokens, tensors, meta, axes=None, head=0, cuts=None, dtypes=None):
+    def __init__(self, text_len, tokens, tensors, meta, axes=None, head=0, cuts=None, dtypes=None, model=None):
         self.payload_start = PREFIX_SIZE + text_len + head
         self.head = head
         self.tokens = np.ascontiguousarray(tokens, dtype="<u4").reshape(-1)
@@ -192,6 +194,8 @@ class Plan:
         }
         if cuts:
             self.manifest["cuts"] = [[int(t), int(n)] for t, n in sorted(cuts.items())]
+        if model is not None:
+            self.manifest["model"] = str(model)
         for name, dtype, shape, nbytes, _ in self.sources:
             row = {"name": name, "dtype": dtype, "shape": list(shape),
                    "offset": 0, "nbytes": nbytes, "crc32c": _CRC_PLACEHOLDER}
@@ -263,6 +267,10 @@ class Plan:
 
 
 # ---- reading --------------------------------------------------------------
+
+# The longest model identity a manifest may carry (kvstore.identity.MAX_IDENTITY_CHARS).
+MAX_MODEL_CHARS = 1024
+
 
 class Manifest:
     """A validated manifest: every offset and length bounded by the payload."""
@@ -374,6 +382,11 @@ class Manifest:
                 isinstance(c, list) and len(c) == 2 and all(type(v) is int and v > 0 for v in c) for c in cuts):
             raise CorruptCheckpoint("bad_manifest", path, "cuts is not a list of [tokens, text length] pairs")
         self.cuts = {t: n for t, n in cuts if t <= entry.stored_tokens}
+        # Optional: the identity of the model that made the state (docs/format.md §17).
+        model = m.get("model")
+        if model is not None and (not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_CHARS):
+            raise CorruptCheckpoint("bad_manifest", path, "model is not a string of 1..1024 characters")
+        self.model = model
 
 
 # Validated manifests of chain blocks met before, by their bytes and the
@@ -864,12 +877,13 @@ class ChainTensor:
 
 
 def _growing(m):
-    """What a chain's blocks must agree on: each growing tensor's dtype, the
-    dimensions before and after its axis, and the axis (kept on the manifest)."""
+    """What a chain's blocks must agree on: the model that made them, each
+    growing tensor's dtype, the dimensions before and after its axis, and
+    the axis (kept on the manifest)."""
     g = m.__dict__.get("_growing")
     if g is None:
-        g = m._growing = {r[0]: (r[1], r[2][:m.axes[r[0]]], r[2][m.axes[r[0]] + 1:], m.axes[r[0]])
-                          for r in m.tensors if r[0] in m.axes}
+        g = m._growing = (m.model, {r[0]: (r[1], r[2][:m.axes[r[0]]], r[2][m.axes[r[0]] + 1:], m.axes[r[0]])
+                                    for r in m.tensors if r[0] in m.axes})
     return g
 
 
@@ -910,6 +924,7 @@ class ChainLayout:
                 self._manifest(i)
         self.tokens = target.tokens
         self.meta = m_t.meta
+        self.model = m_t.model
         self.axes = dict(m_t.axes)
         self.tensors = []
         for name, dtype, shape, off, n, crc in m_t.tensors:
@@ -926,7 +941,8 @@ class ChainLayout:
             m = read_manifest(fd, e, cached=True)
         if i and _growing(m) != self._reference:
             raise CorruptCheckpoint("chain_mismatch", self.blocks[i][1].path,
-                                    "block grows other tensors (names, dtypes, shapes or axes) than its chain")
+                                    "block grows other tensors (names, dtypes, shapes or axes) than its chain, "
+                                    "or names another model")
         return m
 
     def pieces(self):

@@ -45,6 +45,12 @@ DEFAULT_BOUNDARY_ALIGN_TOKENS = 2048
 # Hits are evidence only while the workload still resembles the one that made
 # them; they halve every six hours (DS4_KVSTORE_HIT_HALF_LIFE_SECONDS).
 DEFAULT_HALF_LIFE = 6 * 3600
+# A checkpoint nobody has used for this long goes before any other when the
+# directory is over its budget, whatever its score: in a directory that many
+# models share (docs/format.md §17) the files of a model tried once and
+# dropped would otherwise keep their anchors' double score for ever.  30 days
+# outlives a month's pause in a project, not a model nobody runs any more.
+DEFAULT_STALE_AFTER_S = 30 * 24 * 3600
 # Decayed hit counts below this are noise and count as zero
 # (KV_CACHE_MIN_EFFECTIVE_HITS).
 MIN_EFFECTIVE_HITS = 0.01
@@ -89,6 +95,9 @@ class Options:
         boundary_align_tokens: store lengths and waypoints are multiples of
             this (>= 1; ds4's 0, "no alignment", is spelled 1 here).
         hit_half_life_s: seconds for a checkpoint's hit count to halve.
+        stale_after_s: a checkpoint unused for this long is evicted before
+            every fresher one when the directory is over its budget (None:
+            by score alone).
 
     Raises:
         ValueError: a count is negative, the alignment is < 1 or the half-life
@@ -101,6 +110,7 @@ class Options:
     boundary_trim_tokens: int = DEFAULT_BOUNDARY_TRIM_TOKENS
     boundary_align_tokens: int = DEFAULT_BOUNDARY_ALIGN_TOKENS
     hit_half_life_s: float = DEFAULT_HALF_LIFE
+    stale_after_s: float = DEFAULT_STALE_AFTER_S
 
     def __post_init__(self):
         # ds4 validates none of these; a negative count or a zero alignment
@@ -125,6 +135,12 @@ class Options:
             raise TypeError(f"Options.hit_half_life_s={half_life!r} is not a number")
         if not half_life > 0:           # also refuses NaN
             raise ValueError(f"Options.hit_half_life_s={half_life} must be > 0")
+        stale = self.stale_after_s
+        if stale is not None:
+            if isinstance(stale, bool) or not isinstance(stale, numbers.Real):
+                raise TypeError(f"Options.stale_after_s={stale!r} is not a number or None")
+            if not stale > 0:
+                raise ValueError(f"Options.stale_after_s={stale} must be > 0 (or None)")
 
 
 DEFAULT_OPTIONS = Options()
@@ -435,15 +451,17 @@ def _named_in(entry, names):
 
 
 def eviction_order(entries, now, superseded=frozenset(), protected=frozenset(),
-                   half_life_s=DEFAULT_HALF_LIFE):
+                   half_life_s=DEFAULT_HALF_LIFE, stale_after_s=None):
     """Every entry in the order eviction deletes them: the next victim first.
 
-    The lowest :func:`eviction_score` goes first; on a tie, the one used
-    longest ago (``last_used``, or ``created_at`` when never hit); on a
-    further tie, the earlier in ``entries``.  Protected entries (the file
-    just written) come after all the others, in the same order among
-    themselves.  Scores do not change as victims go, so this one ordering
-    serves the store, the command line's dry run and the bucket's janitor.
+    Stale entries (unused for more than stale_after_s; an entry without
+    any time is not) go first, the one used longest ago first.  Then the lowest :func:`eviction_score` goes
+    first; on a tie, the one used longest ago (``last_used``, or
+    ``created_at`` when never hit); on a further tie, the earlier in
+    ``entries``.  Protected entries (the file just written) come after all
+    the others, in the same order among themselves.  Scores do not change
+    as victims go, so this one ordering serves the store, the command
+    line's dry run and the bucket's janitor.
 
     Args:
         entries: candidate entries (:class:`kvstore.Entry` or alike).
@@ -451,6 +469,7 @@ def eviction_order(entries, now, superseded=frozenset(), protected=frozenset(),
         superseded: shas of continued waypoints the incoming store supersedes.
         protected: shas (or file names) to keep while others remain.
         half_life_s: hit half-life in seconds.
+        stale_after_s: Options.stale_after_s (None: no stale rule).
 
     Returns:
         list of the entries.
@@ -460,9 +479,12 @@ def eviction_order(entries, now, superseded=frozenset(), protected=frozenset(),
     # decay uses, t = last_used or created_at.
     def rank(indexed):
         index, entry = indexed
+        used = _used_at(entry)
+        if stale_after_s is not None and used and now - used > stale_after_s:
+            return (_named_in(entry, protected), False, used, 0.0, index)
         score = eviction_score(entry, now, superseded=_named_in(entry, superseded),
                                half_life_s=half_life_s)
-        return (_named_in(entry, protected), score, _used_at(entry), index)
+        return (_named_in(entry, protected), True, score, used, index)
 
     entries = list(entries)
     # A chain block another entry continues waits until that entry has gone:
@@ -489,13 +511,13 @@ def eviction_order(entries, now, superseded=frozenset(), protected=frozenset(),
 
 
 def select_victims(entries, budget_bytes, now, superseded=frozenset(), protected=frozenset(),
-                   half_life_s=DEFAULT_HALF_LIFE, kept_bytes=0):
+                   half_life_s=DEFAULT_HALF_LIFE, kept_bytes=0, stale_after_s=None):
     """The entries to delete, in order, until the rest fit the budget.
 
     Args:
         entries: the candidates (``file_size`` each); all count for the budget.
         budget_bytes: the budget; 0 means unlimited (nothing is selected).
-        now, superseded, protected, half_life_s: as :func:`eviction_order`.
+        now, superseded, protected, half_life_s, stale_after_s: as :func:`eviction_order`.
         kept_bytes: bytes that count for the budget but are never candidates.
 
     Returns:
@@ -506,7 +528,7 @@ def select_victims(entries, budget_bytes, now, superseded=frozenset(), protected
     victims = []
     if not budget_bytes:
         return victims
-    for e in eviction_order(entries, now, superseded, protected, half_life_s):
+    for e in eviction_order(entries, now, superseded, protected, half_life_s, stale_after_s):
         if total <= budget_bytes:
             break
         victims.append(e)
@@ -614,13 +636,14 @@ def write_allowed(reason, nbytes, available_bytes, capacity_bytes):
 # --- Which checkpoints an engine can load
 
 def misfit(entry, model_id, ctx_size=None, quant_bits=None, reject_different_quant=False, abis=LOADABLE_ABIS,
-           key_id=None):
+           key_id=None, model_tag=0, accept_untagged=False):
     """Why a checkpoint cannot be loaded by an engine, or None when it fits.
 
     A checkpoint fits when its payload ABI is one this build loads, it was
-    made by the same model id, with a context no larger than the engine's
-    (None: no limit), and, only when quant is part of the match, with the
-    same quant bits (docs/format.md §4 and §7).
+    made by the same model (its model tag, docs/format.md §17) and model
+    id, with a context no larger than the engine's (None: no limit), and,
+    only when quant is part of the match, with the same quant bits
+    (docs/format.md §4 and §7).
 
     Args:
         entry: a :class:`kvstore.Entry` (or anything with its header fields).
@@ -628,14 +651,20 @@ def misfit(entry, model_id, ctx_size=None, quant_bits=None, reject_different_qua
         abis: the payload ABIs the store loads (a store with a key: the sealed
             ones, and the plain ones only when it accepts unsealed files).
         key_id: the store key's id: a sealed file of another key is foreign.
+        model_tag: the engine's model tag (0: none); a file of another
+            model is foreign.
+        accept_untagged: a file that names no model (tag 0) fits too.
 
     Returns:
-        None, or one of "payload_abi", "key", "model_id", "ctx_size", "quant_bits".
+        None, or one of "payload_abi", "key", "model", "model_id", "ctx_size", "quant_bits".
     """
     if entry.payload_abi not in abis:
         return "payload_abi"
     if getattr(entry, "key_id", b"") and entry.key_id != key_id:
         return "key"
+    tag = getattr(entry, "model_tag", 0)
+    if tag != model_tag and not (tag == 0 and accept_untagged):
+        return "model"
     if entry.model_id != model_id:
         return "model_id"
     if ctx_size is not None and entry.ctx_size > ctx_size:

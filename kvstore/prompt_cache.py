@@ -65,6 +65,15 @@ class Engine(Protocol):
     # token's text starts (len(tokens) + 1 ints) or None; with it a chained
     # store cuts saves into blocks (a hit at every block boundary).
 
+    # Optional: identity, the model's kvstore.identity.ModelIdentity; the
+    # store must hold that model's state (KVStore(model_identity=...)).
+
+    # Optional, the canary (kvstore.mlx.canary, docs/format.md §17):
+    # canary_prepare(tokens) -> (probe, None) after trimming the restored
+    # state by one token, or (None, verdict); canary_finish(probe) -> verdict
+    # once the state holds probe.position again.  A verdict has ok, applies
+    # and words().
+
     def restore(self, tensors: dict, meta: dict) -> None: ...
     """Replaces the live state with a stored one."""
 
@@ -82,6 +91,8 @@ class Request:
     save_ms: float = 0.0
     stored: list = dataclasses.field(default_factory=list)   # (reason, tokens)
     started: float = 0.0
+    canary: str = ""              # "", "tail", "head", "none" (not applicable) or "failed"
+    probe: Any = dataclasses.field(default=None, repr=False)    # (tail probe, Entry) under way
 
 
 class PromptCache:
@@ -99,6 +110,14 @@ class PromptCache:
     def __init__(self, store, engine, prefill_step=DEFAULT_PREFILL_STEP, async_saves=False):
         if prefill_step < 1:
             raise ValueError(f"prefill_step={prefill_step} must be >= 1")
+        identity = getattr(engine, "identity", None)
+        if identity is not None and store.model_identity != identity.fingerprint:
+            # One store, one model: another model's state would restore
+            # without an error and answer wrongly (docs/format.md §17).
+            raise ValueError(
+                f"the store at {store.path} holds the state of model "
+                f"{store.model_identity or '(none named)'}, not of this engine's {identity}: open it with "
+                f"KVStore(path, model_identity=engine.identity)")
         self.store = store
         self.engine = engine
         self.options = store.options
@@ -180,8 +199,52 @@ class PromptCache:
         self._set_live(tokens, ckpt.text_bytes)
         self._last_store = len(tokens)
         req = Request("disk", tokens + list(self.engine.tokenize(text[len(ckpt.text_bytes):])), len(tokens), text)
+        if not self._start_canary(req, ckpt.entry, tokens):
+            return self._cold(text)
         req.load_ms = (time.perf_counter() - t) * 1e3
         return req
+
+    # -- the canary (docs/format.md §17) -------------------------------------
+
+    def _start_canary(self, req, entry, tokens):
+        """Starts the canary of a restored state; False when it already failed.
+
+        A tail canary trims the live state by one token: the prefill then
+        feeds that token again first, and prefill() finishes the check.
+        """
+        prepare = getattr(self.engine, "canary_prepare", None)
+        if prepare is None:
+            return True
+        probe, verdict = prepare(tokens)
+        if probe is not None:
+            self._set_live(tokens[:-1])
+            req.probe = (probe, entry)
+            return True
+        return self._canary_verdict(req, entry, verdict)
+
+    def _canary_verdict(self, req, entry, verdict):
+        """Records a verdict; False (the state is reset) when it failed."""
+        req.canary = verdict.kind if verdict.ok else "failed"
+        if not verdict.applies:
+            log.info("kvstore: canary_not_applicable reason=no_attention_rows tokens=%d", entry.tokens)
+            return True
+        self.store.record_canary(entry, verdict.ok, verdict.words())
+        if verdict.ok:
+            return True
+        self.engine.reset()
+        self._set_live([], b"")
+        return False
+
+    def _finish_canary(self, req):
+        """After a chunk that recomputed the probed token: the verdict; on a
+        failure the request starts again cold (the hit becomes a miss)."""
+        probe, entry = req.probe
+        req.probe = None
+        if self._canary_verdict(req, entry, self.engine.canary_finish(probe)):
+            return req
+        cold = self._cold(req.text)
+        cold.started, cold.canary, cold.load_ms = req.started, req.canary, req.load_ms
+        return cold
 
     def _cold(self, text):
         self.engine.reset()
@@ -227,13 +290,24 @@ class PromptCache:
         logits = None
         step = self.prefill_step
         while pos < len(tokens):
-            end = min(len(tokens), (pos // step + 1) * step)
+            # The canary's token goes with the chunk after it: chunks still
+            # end at absolute multiples of the step.
+            at = pos + 1 if req.probe is not None else pos
+            end = min(len(tokens), (at // step + 1) * step)
             if pos < req.cold_target < end:
                 end = req.cold_target
             logits = self.engine.prefill(tokens[pos:end])
             req.prefilled += end - pos
             pos = end
             self._set_live(tokens[:pos])
+            if req.probe is not None:
+                cold = self._finish_canary(req)
+                if cold is not req:
+                    # The restored state was not this model's: start again
+                    # from nothing, in the same Request the caller holds.
+                    vars(req).update(vars(cold))
+                    tokens, pos = req.tokens, 0
+                    continue
             if progress is not None:
                 progress(pos, len(tokens))
             self._maybe_store(req, pos)
@@ -331,7 +405,12 @@ class PromptCache:
         """Makes a loaded checkpoint (an agent session, say) the live session.
 
         The live session it replaces is stored as `evict` first when it holds
-        at least min_tokens (docs/format.md §7).
+        at least min_tokens (docs/format.md §7).  The canary checks the
+        restored state (one token recomputed).
+
+        Returns:
+            True, or False when the canary found the state was not this
+            model's (the checkpoint is quarantined, the live session empty).
         """
         if len(self.live_tokens) >= self.options.min_tokens:
             self._store_live(Reason.EVICT, None)
@@ -339,6 +418,15 @@ class PromptCache:
         tokens = checkpoint.tokens.tolist()
         self._set_live(tokens, checkpoint.text_bytes)
         self._last_store = len(tokens)
+        req = Request("disk", tokens, len(tokens), checkpoint.text_bytes)
+        if not self._start_canary(req, checkpoint.entry, tokens):
+            return False
+        if req.probe is not None:
+            self.engine.prefill(tokens[-1:])
+            self._set_live(tokens, checkpoint.text_bytes)
+            if self._finish_canary(req) is not req:
+                return False
+        return True
 
     def close(self):
         """Stores the live session as `shutdown` and waits for pending saves."""

@@ -48,7 +48,9 @@ except ImportError as e:          # an optional extra: kvstore[seal]
 else:
     _CRYPTO_MISSING = None
 
-from kvstore import _native, files, index, payload
+from kvstore import _native, files, names, payload
+from kvstore.identity import ModelIdentity
+from kvstore.names import NameKey
 from kvstore.errors import BadKey, CheckpointMissing, CorruptCheckpoint
 from kvstore.format import (CHAIN_HEAD_SIZE, HEADER_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_SEALED_CHAIN,
                             PAYLOAD_ABI_TENSORS, PREFIX_SIZE, SEAL_HEAD,
@@ -214,9 +216,11 @@ class Sealer:
 
     Args:
         key: the 32 raw key bytes (load_key gives them).
+        identity: the store's kvstore.identity.ModelIdentity, or None: its
+            files' names are keyed per model too (docs/format.md §17).
     """
 
-    def __init__(self, key):
+    def __init__(self, key, identity=None):
         if _CRYPTO_MISSING is not None:
             raise ImportError("sealed stores need the cryptography package: pip install 'kvstore[seal]'") \
                 from _CRYPTO_MISSING
@@ -225,8 +229,15 @@ class Sealer:
         # The key of the files' names: HMAC-SHA1(name_key, text), made by
         # kvstore._native (sha1 and its prefix passes with key=) so that a
         # lookup hashes the prompt once, as for SHA1 names.
-        self.name_key = _hkdf(key, _NAME_INFO)
-        self.key_id = hmac.digest(self.name_key, _KEY_ID_MSG, "sha256")[:KEY_ID_BYTES]
+        base = _hkdf(key, _NAME_INFO)
+        self.key_id = hmac.digest(base, _KEY_ID_MSG, "sha256")[:KEY_ID_BYTES]
+        self._key = key
+        # A model's files have names of their own under the same key: two
+        # models never share (or replace) one file.
+        self.name_key = base if identity is None else self._model_name_key(identity)
+        self.names = NameKey(self.name_key)
+        self._tag = 0 if identity is None else identity.tag
+        self._unidentified = NameKey(base)
 
     def __repr__(self):
         return f"Sealer(key_id={self.key_id.hex()})"
@@ -240,6 +251,22 @@ class Sealer:
     def name(self, text):
         """The 20-byte keyed name of text: HMAC-SHA1(name_key, text)."""
         return _native.sha1(text, self.name_key)
+
+    def _model_name_key(self, identity):
+        return _hkdf(self._key, _NAME_INFO + b"\0" + identity.digest)
+
+    def names_for(self, model_tag, model=None):
+        """The NameKey of this key's files of a model tag: the store's own, for
+        0 (a file that names no model) the key's names without a model, for
+        another tag the names of model (its identity string, as a file's
+        manifest records it); None when model does not have that tag."""
+        if model_tag == self._tag:
+            return self.names
+        if not model_tag:
+            return self._unidentified
+        if model is None or ModelIdentity(model).tag != model_tag:
+            return None
+        return NameKey(self._model_name_key(ModelIdentity(model)))
 
     def _file_key(self, file_id):
         return _hkdf(self._content, _FILE_INFO, salt=file_id)
@@ -255,7 +282,7 @@ class Sealer:
 
         header and head are the plain file's (ABI 16 or 17; a block's chain
         header names its parent by its keyed name).  lookup_tag is the
-        name's (kvstore.index.names_of; b"": none, found by its name alone).
+        name's (kvstore.names.names_of; b"": none, found by its name alone).
 
         Returns:
             the new file's Entry (ABI 48 or 49), or None when exclusive and
@@ -398,16 +425,19 @@ class Sealer:
             _wait([payload.io_pool().submit(_authenticate, src, lo, hi) for lo, hi in _runs(src.chunks)])
             if progress is not None:
                 progress(st.st_size)
+            # The manifest parses and its blocks lie in the payload; the
+            # payload's CRC fields are 0 (the tags checked every byte).
+            manifest = payload.read_manifest(src, plain)
+            key = self.names_for(plain.model_tag, manifest.model)
+            if key is None:
+                return "model_mismatch: the manifest names another model than the header"
             if not plain.is_block:
                 text = src.pread(plain.text_bytes, PREFIX_SIZE)
-                (digest,), (tag,) = index.names_of(text, [len(text)], self.name_key)
+                (digest,), (tag,) = names.names_of(text, [len(text)], key)
                 if digest.hex() != plain.sha:
                     return "text_hash: stored text does not match the file name"
                 if plain.lookup_tag not in (tag, bytes(len(tag))):
                     return "lookup_tag: the lookup tag is not the name's (lookups pass the file over)"
-            # The manifest parses and its blocks lie in the payload; the
-            # payload's CRC fields are 0 (the tags checked every byte).
-            payload.read_manifest(src, plain)
             return None
         except CheckpointMissing:
             raise

@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-from kvstore import _native, chain, counters, files, payload, policy, seal
+from kvstore import _native, chain, counters, files, names, payload, policy, registry, seal
+from kvstore import identity as identity_mod
 from kvstore import index as index_mod
 from kvstore import trailers as trailer_mod
 from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
@@ -133,10 +134,20 @@ class KVStore:
             profile, connect_timeout, read_timeout, refresh_interval_s,
             upload_queue, ... (kvstore.remote.resolve_options lists them).
             Credentials come from the standard AWS chain, never from here.
-        model_identity: a string naming the exact model (say its repository
-            and revision); with model_id, the payload ABI and (when quant
-            matters) quant_bits it makes the remote key prefix, so that only
-            interchangeable checkpoints are shared.
+        model_identity: the exact model this store holds state of: a string
+            (kvstore.mlx.model_fingerprint(model), or a name of the exact
+            artifact such as its repository and revision) or a
+            kvstore.identity.ModelIdentity.  Every file the store writes
+            records it (the header's model tag, the name's namespace, the
+            manifest), and lookups and loads offer only its own files:
+            another model's are foreign (listed, counted in the budget,
+            evictable, never loaded), so that many models can share one
+            directory and one budget (docs/format.md §17).  It also makes
+            the remote key prefix.  None (the default): files that name no
+            model, as before identities (the raw tensor store).
+        accept_unidentified: with model_identity, also find and load files
+            that name no model (written before identities, or by a store
+            without one): they may be another model's state.
         layout: "chain" (the default) stores a sequence as a chain of blocks
             of block_tokens tokens, each token's state written once, every
             block boundary a hit (payload ABI 17); "whole" writes one ABI 16
@@ -164,9 +175,11 @@ class KVStore:
                  ctx_size=None, reject_different_quant=False, options=None, durable=True,
                  verify=True, quarantine=False, max_age_s=None, remote=None, remote_options=None,
                  model_identity=None, layout="chain", block_tokens=chain.DEFAULT_BLOCK_TOKENS,
-                 max_write_mb_per_hour=None, key=None, accept_unsealed=False):
+                 max_write_mb_per_hour=None, key=None, accept_unsealed=False, accept_unidentified=False):
         self.path = os.path.abspath(os.fspath(path))
-        self._seal = seal.Sealer(key) if key is not None else None    # BadKey if bad
+        self.identity = identity_mod.as_identity(model_identity)      # ValueError if bad
+        self.accept_unidentified = bool(accept_unidentified) and self.identity is not None
+        self._seal = seal.Sealer(key, self.identity) if key is not None else None    # BadKey if bad
         self.sealed = self._seal is not None
         if self._seal is None:
             self._abis = LOADABLE_ABIS
@@ -202,7 +215,8 @@ class KVStore:
         self._lock = threading.RLock()
         self._stats = dict(hits=0, misses=0, loads=0, bytes_loaded=0, load_s=0.0, saves=0,
                            bytes_saved=0, save_s=0.0, refused=0, save_errors=0, evictions=0,
-                           bytes_evicted=0, corrupt=0, consumed=0, stores_skipped_write_budget=0)
+                           bytes_evicted=0, corrupt=0, consumed=0, stores_skipped_write_budget=0,
+                           canary_checks=0, canary_failures=0)
         self._open_dir()
         # The directory's own counters, shared with every process using it.
         self._counters = counters.DirectoryCounters(self.path)
@@ -210,13 +224,15 @@ class KVStore:
             # Records this process's capacity (and clamps the level to it).
             self._counters.take(0, self.write_budget_bytes, lambda available: True)
         self._index = DirectoryIndex(self.path, lambda e: self.misfit(e) is None, self.options.min_tokens,
-                                     self._name_key, bool(accept_unsealed))
+                                     self._lookup_keys(bool(accept_unsealed)))
         self._orphans_swept = 0.0
         self._lookup = TieredLookup(self._index)
         for name in files.remove_stale_temps(self.path):
             log.info("kvstore: stale_tmp_removed file=%s", short_name(name))
+        if self.identity is not None:
+            with self._dir_lock(fcntl.LOCK_EX):
+                registry.record(self.path, self.identity, self.durable)
         self.evict()            # lists the directory (the first index refresh) and applies the budget
-        self.model_identity = model_identity
         self.remote = None
         if remote is not None:
             self.remote = self._open_remote(remote, remote_options)
@@ -259,7 +275,17 @@ class KVStore:
         """
         ctx = self.ctx_size if ctx_size is None else ctx_size
         return policy.misfit(entry, self.model_id, ctx, self.quant_bits, self.reject_different_quant, self._abis,
-                             self._key_id)
+                             self._key_id, self.model_tag, self.accept_unidentified)
+
+    @property
+    def model_identity(self):
+        """The identity string of the store's model, or None (kvstore.identity)."""
+        return None if self.identity is None else self.identity.fingerprint
+
+    @property
+    def model_tag(self):
+        """The header model tag of the store's files (0: they name no model)."""
+        return 0 if self.identity is None else self.identity.tag
 
     @property
     def sealer(self):
@@ -273,12 +299,29 @@ class KVStore:
 
     @property
     def _name_key(self):
-        """The key of the files' HMAC-SHA1 names (a sealed store's); None: SHA1 names."""
-        return None if self._seal is None else self._seal.name_key
+        """The kvstore.names.NameKey of the files this store writes (None: SHA1 names)."""
+        if self._seal is not None:
+            return self._seal.names
+        return None if self.identity is None else self.identity.names
 
     def _key_of(self, entry):
-        """The name key entry's name was made with: a sealed file's, else None (its SHA1)."""
-        return self._name_key if entry.sealed else None
+        """The NameKey entry's name was made with (an entry this store may load:
+        sealed with its key or plain, naming its model or none)."""
+        if entry.sealed:
+            return self._seal.names_for(entry.model_tag)
+        return self.identity.names if entry.model_tag and self.identity is not None else None
+
+    def _lookup_keys(self, accept_unsealed):
+        """The NameKeys a lookup hashes the prompt under, the store's own first:
+        one pass each (kvstore.index.prefix_matches)."""
+        keys = [self._name_key]
+        if self._seal is not None and accept_unsealed:
+            keys.append(None if self.identity is None else self.identity.names)
+        if self.accept_unidentified:
+            keys.append(self._seal.names_for(0) if self._seal is not None else None)
+            if self._seal is not None and accept_unsealed:
+                keys.append(None)
+        return tuple(dict.fromkeys(keys))
 
     def _open_plain(self, fd, st, entry):
         """(source, Entry) of a file's plain bytes: its descriptor, or a sealed
@@ -374,7 +417,7 @@ class KVStore:
             text = payload.pread(rfd, plain.text_bytes, PREFIX_SIZE)
             if len(text) != plain.text_bytes:
                 raise CorruptCheckpoint("truncated", entry.path, "text cut short")
-            if plain.sha and _native.sha1(text, self._key_of(cur)).hex() != plain.sha:
+            if plain.sha and names.name_of(text, self._key_of(cur)).hex() != plain.sha:
                 raise CorruptCheckpoint("text_hash", entry.path, "stored text does not hash to the file name")
             if entry.query is not None and entry.query[:len(text)] != text:
                 # A SHA1 collision: the digests matched, the bytes do not.
@@ -383,6 +426,7 @@ class KVStore:
             # The GCM tags already vouch for every byte of a sealed file.
             verify = self.verify and not cur.sealed
             manifest = payload.read_manifest(rfd, plain)
+            self._check_model(cur, manifest.model)
             tokens = payload.read_tokens(rfd, plain, manifest, verify)
             if into == "mlx":
                 tensors = payload.read_tensors_mlx(rfd, plain, manifest, verify)
@@ -442,7 +486,7 @@ class KVStore:
             return self._miss(entry)
         opener = self._open_plain if sealed else None
         try:
-            with chain.OpenChain(blocks, opener, self._name_key if sealed else None) as opened:
+            with chain.OpenChain(blocks, opener, self._key_of(blocks[-1])) as opened:
                 target = opened.entries[-1]
                 # A sealed chain's plain copies carry the plain ABI: its
                 # eligibility is the sealed files' (same header fields).
@@ -458,6 +502,7 @@ class KVStore:
                     log.warning("kvstore: miss reason=text_mismatch file=%s", short_name(entry.name))
                     return self._miss(entry)
                 layout = opened.layout()
+                self._check_model(target, layout.model)
                 read = payload.read_chain_mlx if into == "mlx" else payload.read_chain_numpy
                 tokens, tensors = read(layout, self.verify and not sealed)
                 fd, st, _ = opened.blocks[-1]
@@ -535,7 +580,7 @@ class KVStore:
             child, name, seen = cur, cur.parent, seen + 1
         return None, 0, "broken_chain"
 
-    def _discard_block(self, entry, reason):
+    def _discard_block(self, entry, reason, quarantine=None):
         """A bad block goes (removed or quarantined) with the blocks after it in its chains."""
         with self._lock:
             after = self._index.descendants(entry)
@@ -544,7 +589,7 @@ class KVStore:
         except FileNotFoundError:
             st = None
         if st is not None and (not entry.inode or st.st_ino == entry.inode):
-            self._discard_corrupt(entry.path, st, reason)
+            self._discard_corrupt(entry.path, st, reason, quarantine)
         for e in after:
             if self._unlink_entry(e):
                 log.info("kvstore: block_removed reason=parent_corrupt file=%s", short_name(e.name))
@@ -585,6 +630,17 @@ class KVStore:
             self._index.refresh()
             return self._index.get(sha) is not None
 
+    def _check_model(self, entry, model):
+        """A file that names a model (its tag) must carry that model's identity
+        in its manifest: one whose tag and name say this store's model but
+        whose manifest says another is not what it claims (corrupt).
+
+        Raises:
+            CorruptCheckpoint: "model_mismatch".
+        """
+        if entry.model_tag and model != self.model_identity:
+            raise CorruptCheckpoint("model_mismatch", entry.path, "manifest names another model than the header")
+
     def _miss(self, entry):
         with self._lock:
             if not os.path.lexists(entry.path):
@@ -600,13 +656,19 @@ class KVStore:
             self._index.discard(os.path.basename(path))
         return True
 
-    def discard(self, entry, reason):
+    def discard(self, entry, reason, quarantine=None):
         """Removes (or quarantines) a checkpoint found unusable by a caller.
 
         For engines that load a payload and then find it cannot be used (a
         cache that does not rebuild, say).  The file is removed only if it is
         still the one the entry describes (same inode), never a newer save;
         a chain block takes the blocks after it along.
+
+        Args:
+            entry: the Entry (a Checkpoint's).
+            reason: a word for the log line.
+            quarantine: move it to <dir>/.quarantine instead of deleting it
+                (None: the store's own setting).
 
         Returns:
             True when the file was removed or moved aside.
@@ -618,15 +680,34 @@ class KVStore:
         if entry.inode and st.st_ino != entry.inode:
             return False
         if entry.is_block:
-            self._discard_block(entry, reason)
+            self._discard_block(entry, reason, quarantine)
         else:
-            self._discard_corrupt(entry.path, st, reason)
+            self._discard_corrupt(entry.path, st, reason, quarantine)
         return not os.path.lexists(entry.path)
 
-    def _discard_corrupt(self, path, st, reason):
+    def record_canary(self, entry, ok, detail=""):
+        """Counts a canary check of a restored checkpoint (kvstore.mlx.canary).
+
+        A failed one (the live model would not have produced the stored
+        state: another model's weights, RoPE or KV dtype, or damage no CRC
+        caught) is logged and quarantined, so that no later request loads
+        it and a person can look at it.
+
+        Args:
+            entry: the restored Checkpoint's Entry.
+            ok: the canary's verdict.
+            detail: key=value words for the log line (never prompt text).
+        """
+        self._count(canary_checks=1, canary_failures=0 if ok else 1)
+        if ok:
+            return
+        log.warning("kvstore: canary_failed tokens=%d %s file=%s", entry.tokens, detail, short_name(entry.name))
+        self.discard(entry, "canary", quarantine=True)
+
+    def _discard_corrupt(self, path, st, reason, quarantine=None):
         name = os.path.basename(path)
         self._count(corrupt=1)
-        if self.quarantine:
+        if self.quarantine if quarantine is None else quarantine:
             try:
                 files.quarantine(path, self.path)
                 with self._lock:
@@ -720,12 +801,12 @@ class KVStore:
         if self.layout == "chain":
             return self._save_chain(text, tokens, tensors, meta, Reason(reason), ctx, values, trailer_raw, ext,
                                     axes, text_offsets, dtypes)
-        plan = payload.Plan(len(text), tokens, tensors, meta, axes=axes, dtypes=dtypes)
+        plan = payload.Plan(len(text), tokens, tensors, meta, axes=axes, dtypes=dtypes, model=self.model_identity)
         if self.budget_bytes and not policy.file_size_fits(len(text), plan.payload_bytes, len(trailer_raw),
                                                            self.budget_bytes):
             return self._refuse("budget", bytes=PREFIX_SIZE + len(text) + plan.payload_bytes,
                                 budget=self.budget_bytes)
-        (digest,), (tag,) = index_mod.names_of(text, [len(text)], self._name_key)
+        (digest,), (tag,) = names.names_of(text, [len(text)], self._name_key)
         sha = digest.hex()
         name = sha + ".kv"
         path = os.path.join(self.path, name)
@@ -742,7 +823,7 @@ class KVStore:
             header = Header(quant_bits=self.quant_bits, tokens=n, ctx_size=ctx or 0,
                             payload_bytes=plan.payload_bytes, reason=Reason(reason),
                             ext_flags=ext, model_id=self.model_id, payload_abi=PAYLOAD_ABI_TENSORS,
-                            created_at=int(time.time()), last_used=0)
+                            created_at=int(time.time()), last_used=0, model_tag=self.model_tag)
             entry = self._write(path, header, text, plan, trailer_raw, durable=self.durable, lookup_tag=tag)
         except OSError as e:
             self._count(save_errors=1)
@@ -791,7 +872,7 @@ class KVStore:
                     seg = text[b.text_start:b.text_bytes]
                     plan = payload.Plan(len(seg), tokens[b.token_start:b.tokens],
                                         chain.block_tensors(tensors, axes, b, restorable), meta, axes=axes,
-                                        head=CHAIN_HEAD_SIZE, dtypes=dtypes)
+                                        head=CHAIN_HEAD_SIZE, dtypes=dtypes, model=self.model_identity)
                     todo.append((b, restorable, path, seg, plan, trailer_raw if b.last else b""))
                 total = sum(PREFIX_SIZE + len(seg) + plan.payload_bytes + len(tr) for _, _, _, seg, plan, tr in todo)
                 # The whole chain must fit: the blocks it already has stay.
@@ -806,7 +887,8 @@ class KVStore:
                                     payload_bytes=plan.payload_bytes,
                                     reason=reason if b.last else Reason.CONTINUED,
                                     ext_flags=ext if b.last else 0, model_id=self.model_id,
-                                    payload_abi=PAYLOAD_ABI_CHAIN, created_at=now, last_used=0)
+                                    payload_abi=PAYLOAD_ABI_CHAIN, created_at=now, last_used=0,
+                                    model_tag=self.model_tag)
                     head = pack_chain_head(b.parent_digest, b.token_start, b.text_start, self.block_tokens,
                                            b.flags(restorable), b.token_digest, b.parent_token_digest)
                     # A new name is taken only if still free: of two writers
@@ -853,7 +935,7 @@ class KVStore:
     def _write(self, path, header, text, plan, trailer_raw=b"", head=b"", durable=True, exclusive=False,
                lookup_tag=b""):
         """files.write_checkpoint, sealed when the store has a key (with
-        lookup_tag, the name's: kvstore.index.names_of)."""
+        lookup_tag, the name's: kvstore.names.names_of)."""
         if self._seal is not None:
             return self._seal.write_checkpoint(path, header, text, plan, trailer_raw, head, durable, exclusive,
                                                lookup_tag)
@@ -1113,7 +1195,8 @@ class KVStore:
             superseded = self._superseded(fresh, protect, incoming_text)
             protected = frozenset([protect.sha]) if protect is not None else frozenset()
             for victim in policy.select_victims(fresh, self.budget_bytes, now, superseded, protected,
-                                                self.options.hit_half_life_s):
+                                                self.options.hit_half_life_s,
+                                                stale_after_s=self.options.stale_after_s):
                 if self._delete(victim, "budget"):
                     evicted.append(victim)
         return evicted
@@ -1181,14 +1264,14 @@ class KVStore:
         cands = [e for e in entries
                  if e.reason == Reason.CONTINUED and e.sha and e.text_bytes < len(text)
                  and policy.misfit(incoming, e.model_id, e.ctx_size, e.quant_bits,
-                                   self.reject_different_quant, self._abis, self._key_id) is None]
+                                   self.reject_different_quant, self._abis, self._key_id, e.model_tag) is None]
         if not cands:
             return frozenset()
         out = set()
         for key in {self._key_of(e) for e in cands}:
             mine = [e for e in cands if self._key_of(e) == key]
-            names = _native.sha1_prefixes(text, [e.text_bytes for e in mine], key)
-            out.update(e.sha for e, d in zip(mine, names) if d.hex() == e.sha)
+            digests, _ = names.names_of(text, [e.text_bytes for e in mine], key)
+            out.update(e.sha for e, d in zip(mine, digests) if d.hex() == e.sha)
         return frozenset(out)
 
     def _delete(self, e, why):
@@ -1215,7 +1298,9 @@ class KVStore:
     def stats(self):
         """Counters of this process plus the directory's current size.
 
-        "write_budget" is None without max_write_mb_per_hour, else
+        "models" lists the models whose files the directory holds
+        (kvstore.registry.summarize).  "write_budget" is None without
+        max_write_mb_per_hour, else
         {"capacity_bytes", "available_bytes", "rate_bytes_per_s"} (the
         bucket every process on the directory draws from, as this store
         sees it).  The cumulative counters of every process are counters().
@@ -1227,6 +1312,9 @@ class KVStore:
             out["entries"] = len(self._index.entries)
             out["bytes"] = self._index.total_bytes()
             out["budget_bytes"] = self.budget_bytes
+            entries = list(self._index.entries.values())
+        # Every model's share of the directory and its one budget (docs/format.md §17).
+        out["models"] = registry.summarize(entries, registry.read_registry(self.path))
         out["write_budget"] = (None if self.write_budget_bytes is None
                                else self._counters.report(self.write_budget_bytes)["write_budget"])
         # How a durable save reaches the disk here (docs/format.md §11).

@@ -110,9 +110,13 @@ def test_ls_json_has_every_field_ordered_by_eviction_score(cache, cwd):
     assert {r["sha"] for r in rows} == {sha_of(v) for v in roles.values()}
     now = int(time.time())
     entries = [read_entry(os.path.join(d, n)) for n in names(d)]
-    want = sorted(entries, key=lambda e: (-policy.eviction_score(e, now), -(e.last_used or e.created_at)))
+    # Entries unused for 30 days (the ds4 file here) come last, whatever their score.
+    def stale(e):
+        return now - (e.last_used or e.created_at) > policy.DEFAULT_STALE_AFTER_S
+    assert [stale(e) for e in entries].count(True) == 1
+    want = sorted(entries, key=lambda e: (stale(e), -policy.eviction_score(e, now), -(e.last_used or e.created_at)))
     assert [r["sha"] for r in rows] == [e.sha for e in want]
-    scores = [r["score"] for r in rows]
+    scores = [r["score"] for r in rows if not stale(read_entry(os.path.join(d, r["sha"] + ".kv")))]
     assert scores == sorted(scores, reverse=True)
     by = {r["sha"]: r for r in rows}
     ds4 = by[sha_of(roles["ds4"])]
@@ -302,10 +306,13 @@ def test_evict_dry_run_deletes_nothing_then_the_real_run_fits(cache, cwd):
     assert names(d) == before
     would = [ln.split()[2] for ln in p.stdout.splitlines() if ln.startswith("would evict ") and "  " in ln]
     assert would and "would leave" in p.stdout
-    # The lowest scores go first.
+    # Entries unused for 30 days first (the ds4 file), then the lowest scores.
     now = int(time.time())
-    ranked = [e.sha[:12] for e in sorted((read_entry(os.path.join(d, n)) for n in before),
-                                         key=lambda e: policy.eviction_score(e, now))]
+    ranked = [e.sha[:12] for e in sorted(
+        (read_entry(os.path.join(d, n)) for n in before),
+        key=lambda e: (now - (e.last_used or e.created_at) <= policy.DEFAULT_STALE_AFTER_S,
+                       policy.eviction_score(e, now)))]
+    assert ranked[0] == sha_of(roles["ds4"])[:12]
     assert would == ranked[:len(would)]
     p = run(cwd, "evict", d, "--budget-mb", repr(budget_mb))
     assert p.returncode == 0

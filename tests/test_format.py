@@ -1,5 +1,6 @@
 """The .kv envelope (SPEC section 2): Header pack/unpack, reading rules, read_entry."""
 
+import dataclasses
 import errno
 import hashlib
 import os
@@ -17,7 +18,7 @@ from kvstore.format import VALID_QUANT_BITS
 
 U32, U64 = 2**32 - 1, 2**64 - 1
 FIELDS = ("version", "quant_bits", "reason", "ext_flags", "model_id", "tokens", "hits",
-          "ctx_size", "payload_abi", "created_at", "last_used", "payload_bytes")
+          "ctx_size", "payload_abi", "created_at", "last_used", "payload_bytes", "model_tag")
 
 
 def header_fields(reason=st.integers(0, 6)):
@@ -34,6 +35,7 @@ def header_fields(reason=st.integers(0, 6)):
         created_at=st.integers(0, U64),
         last_used=st.integers(0, U64),
         payload_bytes=st.integers(0, U64),
+        model_tag=st.integers(0, 0xFFFFFF),
     ))
 
 
@@ -83,6 +85,7 @@ def test_pack_layout_is_little_endian_at_spec_offsets():
     assert b[12:16] == bytes([8, 7, 6, 5])
     assert b[16:20] == bytes([0x0C, 0x0B, 0x0A, 0x09])
     assert b[20] == 16 and b[21:24] == b"\0\0\0"
+    assert valid_header(model_tag=0x0A0B0C).pack()[21:24] == bytes([0x0C, 0x0B, 0x0A])
     assert b[24:32] == bytes(range(0x18, 0x10, -1))
     assert b[32:40] == bytes(range(0x28, 0x20, -1))
     assert b[40:48] == bytes(range(0x38, 0x30, -1))
@@ -177,10 +180,14 @@ def test_unpack_known_reasons(byte, reason):
     assert kvstore.Header.unpack(patched(valid_header().pack(), 5, bytes([byte]))).reason is reason
 
 
-def test_unpack_ignores_reserved_bytes():
+def test_bytes_21_to_23_are_the_model_tag_and_nothing_else():
+    # ds4 writes them 0 (reserved); kvstore keeps its 24-bit model tag there.
     b = valid_header().pack()
-    for junk in (b"\xff\xff\xff", b"\x01\x00\x00", b"\x00\x00\x80"):
-        assert kvstore.Header.unpack(patched(b, 21, junk)) == kvstore.Header.unpack(b)
+    assert kvstore.Header.unpack(b).model_tag == 0
+    for junk, tag in ((b"\xff\xff\xff", 0xFFFFFF), (b"\x01\x00\x00", 1), (b"\x00\x00\x80", 0x800000)):
+        h = kvstore.Header.unpack(patched(b, 21, junk))
+        assert h.model_tag == tag
+        assert dataclasses.replace(h, model_tag=0) == kvstore.Header.unpack(b)
 
 
 def test_unpack_keeps_unknown_ext_flag_bits():

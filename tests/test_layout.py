@@ -20,8 +20,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvstore"
 # between the libraries and the applications built on them.
 LAYERS = [
     ["kvstore._native", "kvstore._reference", "kvstore.errors"],
-    ["kvstore.format", "kvstore.payload", "kvstore.index", "kvstore.policy", "kvstore.trailers",
-     "kvstore.files", "kvstore.counters", "kvstore.writer", "kvstore.chain", "kvstore.seal"],
+    ["kvstore.format", "kvstore.payload", "kvstore.names", "kvstore.identity", "kvstore.index", "kvstore.policy",
+     "kvstore.trailers", "kvstore.files", "kvstore.registry", "kvstore.counters", "kvstore.writer",
+     "kvstore.chain", "kvstore.seal"],
     ["kvstore.store"],
     ["kvstore.remote", "kvstore.mlx", "kvstore.prompt_cache", "kvstore.sessions", "kvstore.exchange"],
     ["kvstore"],

@@ -25,6 +25,7 @@ chunkings (on some back ends a different matmul shape reorders the sums).
 """
 
 import logging
+import os
 from collections import Counter
 
 import pytest
@@ -34,6 +35,7 @@ pytest.importorskip("mlx_lm")
 
 import kvstore  # noqa: E402
 from kvstore import policy  # noqa: E402
+import kvstore.mlx  # noqa: E402
 from kvstore.mlx import MLXEngine, save_prompt_cache  # noqa: E402
 from kvstore.prompt_cache import PromptCache  # noqa: E402
 
@@ -98,6 +100,11 @@ def prefill_at(engine, tokens, ends):
     return logits
 
 
+def model_store(path, model, **kw):
+    """make_store for the state of model (its fingerprint names every file)."""
+    return make_store(path, model_identity=kvstore.mlx.model_fingerprint(model), **kw)
+
+
 def same(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item()
 
@@ -151,7 +158,7 @@ def test_disk_hit_at_an_aligned_boundary_equals_a_cold_prefill(tok, model, prose
 
     # Cold: prefill everything, store the cold checkpoint at store_len.
     cold = RecordingEngine(model, tok)
-    with make_store(tmp_path / "kv", options=opts) as store:
+    with model_store(tmp_path / "kv", model, options=opts) as store:
         pc = PromptCache(store, cold, prefill_step=BIG_STEP)
         cold_out, rep = cold.generate(pc, prompt, max_tokens=32)
         assert rep["source"] == "none" and rep["reused_tokens"] == 0 and rep["prefilled_tokens"] == n
@@ -161,11 +168,11 @@ def test_disk_hit_at_an_aligned_boundary_equals_a_cold_prefill(tok, model, prose
 
     # A new process: new KVStore on the same directory, fresh engine.
     hit = RecordingEngine(model, tok)
-    with make_store(tmp_path / "kv", options=opts) as store:
+    with model_store(tmp_path / "kv", model, options=opts) as store:
         pc = PromptCache(store, hit, prefill_step=BIG_STEP)
         hit_out, rep = hit.generate(pc, prompt, max_tokens=32)
         assert rep["source"] == "disk" and rep["reused_tokens"] == cut
-        assert rep["prefilled_tokens"] == n - cut and rep["ttft_ms"] > 0
+        assert rep["prefilled_tokens"] == n - cut + 1 and rep["ttft_ms"] > 0   # the canary token again
         assert rep["stored"] == []
 
     # A third, fresh engine: a plain cold prefill with the same step.
@@ -203,7 +210,7 @@ def test_stored_boundary_inside_a_merged_token(tok, model, prose, tmp_path, save
     c = drift_cut(tok, p, 300)
     prefix, suffix = p[:c], p[c:]
     prefix_tokens = tok.encode(prefix)
-    with make_store(tmp_path / "kv", options=SMALL) as store:
+    with model_store(tmp_path / "kv", model, options=SMALL) as store:
         if saved_by == "prompt_cache":
             # A session that prefilled exactly the prefix and stopped (the store
             # on close: its text is the prefix, its tokens prefix_tokens).
@@ -219,10 +226,10 @@ def test_stored_boundary_inside_a_merged_token(tok, model, prose, tmp_path, save
             cache = mlx_model.make_cache(model)
             mlx_model.prefill(model, cache, prefix_tokens, step=STEP)
             cuts = []
-            assert save_prompt_cache(store, prefix, prefix_tokens, cache) is not None
+            assert save_prompt_cache(store, prefix, prefix_tokens, cache, model) is not None
 
     engine = MLXEngine(model, tok)
-    with make_store(tmp_path / "kv", options=SMALL) as store:
+    with model_store(tmp_path / "kv", model, options=SMALL) as store:
         pc = PromptCache(store, engine, prefill_step=STEP)
         req = pc.begin(p)
         assert req.source == "disk" and req.reused == len(prefix_tokens)
@@ -264,7 +271,7 @@ def test_multi_byte_characters_are_never_cut(tok, model, prose, tmp_path, caplog
     assert whole and cut, "the prompt must put some boundaries inside characters"
 
     caplog.set_level(logging.INFO, logger="kvstore")
-    with make_store(tmp_path / "kv", options=opts) as store:
+    with model_store(tmp_path / "kv", model, options=opts) as store:
         pc = PromptCache(store, MLXEngine(model, tok), prefill_step=STEP)
         pc.prefill(pc.begin(q))
         assert sorted(e.tokens for e in store.entries()) == whole
@@ -281,7 +288,7 @@ def test_multi_byte_characters_are_never_cut(tok, model, prose, tmp_path, caplog
     # text: a disk hit at the longest checkpoint, suffix tokenized on its own.
     q2 = q + "€😀 " + multi_byte_text(prose, 20000, 2)[:300]
     engine = MLXEngine(model, tok)
-    with make_store(tmp_path / "kv", options=opts) as store:
+    with model_store(tmp_path / "kv", model, options=opts) as store:
         pc = PromptCache(store, engine, prefill_step=STEP)
         req = pc.begin(q2)
         k = max(whole)
@@ -339,7 +346,7 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
 
     engine = RecordingEngine(model, tok, user_marker="<|user|>", assistant_marker="<|assistant|>")
     assert (engine.user_id, engine.assistant_id) == (tok.user_id, tok.assistant_id)
-    store = make_store(tmp_path / "kv", options=SMALL)
+    store = model_store(tmp_path / "kv", model, options=SMALL)
     pc = PromptCache(store, engine, prefill_step=STEP)
 
     def expected_stores(start, end, last, cold_target):
@@ -397,7 +404,9 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
             effective = effective_prompt(live, prompt)
             exp, last = expected_stores(len(live), len(effective), last, 0)
         assert effective == ids                # every boundary here is at a marker or a turn end
-        assert rep["prefilled_tokens"] == len(effective) - rep["reused_tokens"]
+        # A disk hit recomputes its last token (the canary) with the rest.
+        assert rep["prefilled_tokens"] == len(effective) - rep["reused_tokens"] + (rep["canary"] == "tail")
+        assert rep["canary"] == ("tail" if rep["source"] == "disk" else "")
         assert rep["stored"] == exp, name
         assert Counter(stored(store)) - before == Counter(exp + evict), name     # new files
         assert pc.live_tokens == effective
@@ -416,7 +425,7 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
     # chunks are the same: the cold request, and the disk hit at the anchor
     # (the anchor is a chunk end of the cold request that stored it).
     for name, prompt in script[:1] + script[2:3]:
-        with kvstore.KVStore(tmp_path / f"none-{name}", options=SMALL, budget_mb=1e-6) as nothing:
+        with model_store(tmp_path / f"none-{name}", model, options=SMALL, budget_mb=1e-6) as nothing:
             ref = RecordingEngine(model, tok)
             ref_out, ref_rep = ref.generate(PromptCache(nothing, ref, prefill_step=STEP), prompt,
                                             max_tokens=GEN_TOKENS)
@@ -446,21 +455,22 @@ def test_model_directory_end_to_end(tok, tmp_path):
     anchor = policy.chat_anchor_pos(ids, built_tok.user_id, built_tok.assistant_id, SMALL)
     assert anchor > 0
 
-    with make_store(tmp_path / "kv", options=SMALL) as store:
+    with model_store(tmp_path / "kv", loaded, options=SMALL) as store:
         pc = PromptCache(store, engine, prefill_step=STEP)
         out1, rep1 = engine.generate(pc, first, max_tokens=GEN_TOKENS)
         assert rep1["source"] == "none" and ("cold", anchor) in rep1["stored"]
 
     engine2 = RecordingEngine(loaded, wrapper, **engine_kw)
-    with make_store(tmp_path / "kv", options=SMALL) as store:
+    with model_store(tmp_path / "kv", loaded, options=SMALL) as store:
         pc = PromptCache(store, engine2, prefill_step=STEP)
         out2, rep2 = engine2.generate(pc, second, max_tokens=GEN_TOKENS)
         assert rep2["source"] == "disk" and rep2["reused_tokens"] == anchor
-        assert rep2["prefilled_tokens"] == len(built_tok.encode(second)) - anchor
+        assert rep2["prefilled_tokens"] == len(built_tok.encode(second)) - anchor + 1     # the canary token
+        assert rep2["canary"] == "tail"
 
     # The loaded model is the one built in code: a no-store run of the built
     # model with the test tokenizer gives the same logits at every step.
-    with kvstore.KVStore(tmp_path / "none", options=SMALL, budget_mb=1e-6) as nothing:
+    with model_store(tmp_path / "none", built, options=SMALL, budget_mb=1e-6) as nothing:
         ref = RecordingEngine(built, built_tok)
         ref_out, _ = ref.generate(PromptCache(nothing, ref, prefill_step=STEP), second, max_tokens=GEN_TOKENS)
     assert ref_out == out2
@@ -477,12 +487,12 @@ def test_a_sealed_store_restores_bit_exact(tok, tmp_path):
     assert prompt is not None
 
     cold = RecordingEngine(model, tok)
-    with make_store(tmp_path / "kv", options=opts, key=bytes(range(32)), block_tokens=64) as store:
+    with model_store(tmp_path / "kv", model, options=opts, key=bytes(range(32)), block_tokens=64) as store:
         cold_out, rep = cold.generate(PromptCache(store, cold, prefill_step=64), prompt, max_tokens=6)
         assert rep["stored"]
     assert all(read_entry(tmp_path / "kv" / n).sealed for n in checkpoint_files(tmp_path / "kv"))
     hit = RecordingEngine(model, tok)
-    with make_store(tmp_path / "kv", options=opts, key=bytes(range(32)), block_tokens=64) as store:
+    with model_store(tmp_path / "kv", model, options=opts, key=bytes(range(32)), block_tokens=64) as store:
         hit_out, rep = hit.generate(PromptCache(store, hit, prefill_step=64), prompt, max_tokens=6)
         assert rep["source"] == "disk" and rep["reused_tokens"] > 0
     assert hit_out == cold_out
@@ -492,6 +502,89 @@ def test_a_sealed_store_restores_bit_exact(tok, tmp_path):
         assert same(a, b)
     # Without the key the same directory is a cold start.
     plain = RecordingEngine(model, tok)
-    with make_store(tmp_path / "kv", options=opts, block_tokens=64) as store:
+    with model_store(tmp_path / "kv", model, options=opts, block_tokens=64) as store:
         _, rep = plain.generate(PromptCache(store, plain, prefill_step=64), prompt, max_tokens=2)
         assert rep["source"] == "none"
+
+
+# ---------------------------------------------------------------- 5. model identity and the canary
+
+OTHER = dict(MODEL, seed=1)        # the same architecture and config, other weights
+
+
+def cold_output(model, tok, prompt, tmp_path, name):
+    """(greedy tokens, logits of every decode step) of a run that restores
+    nothing (a store of its own, empty)."""
+    engine = RecordingEngine(model, tok)
+    with model_store(tmp_path / f"cold-{name}", model, options=SMALL) as store:
+        out, rep = engine.generate(PromptCache(store, engine, prefill_step=STEP), prompt, max_tokens=GEN_TOKENS)
+    assert rep["source"] == "none"
+    return out, engine.logits[-len(out):]
+
+
+def test_two_models_that_differ_only_in_weights_share_a_directory(tok, model, prose, tmp_path):
+    other = mlx_model.make_model(**OTHER)
+    assert MLXEngine(model, tok).fingerprint != MLXEngine(other, tok).fingerprint
+    prompt = text_of_tokens(tok, prose[2000:], 300)
+    want = {"a": cold_output(model, tok, prompt, tmp_path, "a"), "b": cold_output(other, tok, prompt, tmp_path, "b")}
+    assert not same(want["a"][1][0], want["b"][1][0])      # the two models answer differently
+    d = tmp_path / "shared"
+    sources = []
+    # A stores; B comes next on the same directory and gets nothing of A's;
+    # then each comes back and gets its own.
+    for name, m in (("a", model), ("b", other), ("a", model), ("b", other)):
+        engine = RecordingEngine(m, tok)
+        with model_store(d, m, options=SMALL) as store:
+            out, rep = engine.generate(PromptCache(store, engine, prefill_step=STEP), prompt, max_tokens=GEN_TOKENS)
+        assert out == want[name][0], name
+        assert same_steps(engine.logits[-len(out):], want[name][1]), name
+        sources.append(rep["source"])
+    assert sources == ["none", "none", "disk", "disk"]
+    with kvstore.KVStore(d, options=SMALL) as s:
+        tags = {e.model_tag for e in s.entries()}
+    assert tags == {MLXEngine(model, tok).identity.tag, MLXEngine(other, tok).identity.tag}
+
+
+def test_prompt_cache_and_load_prompt_cache_refuse_another_models_store(tok, model, tmp_path):
+    other = mlx_model.make_model(**OTHER)
+    with model_store(tmp_path / "kv", other, options=SMALL) as store:
+        with pytest.raises(ValueError, match="holds the state of model"):
+            PromptCache(store, MLXEngine(model, tok))
+        with pytest.raises(ValueError, match="holds the state of model"):
+            kvstore.mlx.load_prompt_cache(store, "anything", model)
+        with pytest.raises(ValueError, match="holds the state of model"):
+            kvstore.mlx.save_prompt_cache(store, "abc", [1, 2, 3], mlx_model.make_cache(model), model)
+    with kvstore.KVStore(tmp_path / "anonymous", options=SMALL) as store:      # the quick start, no identity
+        with pytest.raises(ValueError, match="model_identity=engine.identity"):
+            PromptCache(store, MLXEngine(model, tok))
+        with pytest.raises(ValueError, match="holds the state of model"):
+            kvstore.mlx.load_prompt_cache(store, "anything", model)
+
+
+def test_a_forged_state_becomes_a_cold_start_for_prompt_cache(tok, model, prose, tmp_path):
+    # Another model's state saved under this model's name, tag and manifest
+    # (valid CRCs): the canary fails, the request runs cold, and its output
+    # is the model's own cold output.
+    other = mlx_model.make_model(**OTHER)
+    prompt = text_of_tokens(tok, prose[7000:], 300)
+    ids = tok.encode(prompt)
+    want, want_logits = cold_output(model, tok, prompt, tmp_path, "a")
+    forged = mlx_model.make_cache(other)
+    mlx_model.prefill(other, forged, ids[:256], step=STEP)
+    d = tmp_path / "kv"
+    with model_store(d, model, options=SMALL) as store:
+        assert save_prompt_cache(store, tok.token_bytes(ids[:256]), ids[:256], forged, model) is not None
+    engine = RecordingEngine(model, tok)
+    with model_store(d, model, options=SMALL) as store:
+        out, rep = engine.generate(PromptCache(store, engine, prefill_step=STEP), prompt, max_tokens=GEN_TOKENS)
+        assert rep["source"] == "none" and rep["canary"] == "failed" and rep["reused_tokens"] == 0
+        assert out == want and same_steps(engine.logits[-len(out):], want_logits)
+        c = store.counters()
+        assert c["canary_checks"] == 1 and c["canary_failures"] == 1
+        assert os.listdir(d / ".quarantine")
+    # The honest state the cold run stored passes and is used.
+    engine = RecordingEngine(model, tok)
+    with model_store(d, model, options=SMALL) as store:
+        out, rep = engine.generate(PromptCache(store, engine, prefill_step=STEP), prompt, max_tokens=GEN_TOKENS)
+        assert rep["source"] == "disk" and rep["canary"] == "tail" and out == want
+        assert same_steps(engine.logits[-len(out):], want_logits)

@@ -43,8 +43,9 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 from mlx_lm.models import cache as mlc  # noqa: E402
 
 import kvstore  # noqa: E402
-from kvstore import chain  # noqa: E402
+from kvstore import chain, files  # noqa: E402
 from kvstore import mlx as kvmlx  # noqa: E402
+from kvstore.mlx import canary  # noqa: E402
 
 V = 256             # vocab of every tiny config (ids are drawn below 100)
 N_IDS = 40          # prompt length
@@ -646,14 +647,14 @@ def _random_weights(model):
     model.update(tree_unflatten(new))
 
 
-def build(arch):
+def build(arch, seed=0):
     """(model, config) for a model_type in ARCHITECTURES.
 
     Instantiated as mlx_lm.utils does (ModelArgs.from_dict, Model), after
-    mx.random.seed(0), with random float32 weights (see _random_weights).
+    mx.random.seed(seed), with random float32 weights (see _random_weights).
     """
     _, config = ARCHITECTURES[arch]
-    mx.random.seed(0)
+    mx.random.seed(seed)
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     args = module.ModelArgs.from_dict(config)
     model = module.Model(args)
@@ -771,11 +772,18 @@ def assert_same_state(original, restored):
         assert _same_array(ta[k], tb[k]), f"cache_to_tensors {k}: {_diff(ta[k], tb[k])}"
 
 
-def round_trip(store, arch, ids, cache):
+def model_store(path, model, **kw):
+    """A store of model's state (its fingerprint), min_tokens=1, no fsync."""
+    kw.setdefault("options", kvstore.Options(min_tokens=1))
+    return kvstore.KVStore(path, durable=False, model_identity=kvmlx.model_fingerprint(model), **kw)
+
+
+def round_trip(store, arch, ids, cache, model):
+    """save_prompt_cache then load_prompt_cache without the canary: the state exactly as stored."""
     text = b"arch " + arch.encode() + b" " + bytes(ids)
-    entry = kvmlx.save_prompt_cache(store, text, ids, cache)
+    entry = kvmlx.save_prompt_cache(store, text, ids, cache, model)
     assert entry is not None and entry.tokens == len(ids)
-    got = kvmlx.load_prompt_cache(store, text)
+    got = kvmlx.load_prompt_cache(store, text, model, check=False)
     assert got is not None
     restored, tokens, text_bytes = got
     assert text_bytes == text
@@ -806,9 +814,9 @@ def test_state_round_trips_bit_exact(arch, tmp_path):
     ids = token_ids(arch)
     cache = mlc.make_prompt_cache(model)
     logits = prefill(model, cache, ids)
-    store = kvstore.KVStore(tmp_path / "kv", options=kvstore.Options(min_tokens=1), durable=False)
+    store = model_store(tmp_path / "kv", model)
     try:
-        restored = round_trip(store, arch, ids, cache)
+        restored = round_trip(store, arch, ids, cache, model)
     finally:
         store.close()
     assert_same_state(cache, restored)
@@ -825,14 +833,75 @@ def test_state_round_trips_bit_exact(arch, tmp_path):
         x = mx.argmax(logits[:, -1:, :], axis=-1)
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_canary_passes_the_models_own_state_and_fails_another_models(arch, tmp_path):
+    """The canary (kvstore.mlx.canary) on every architecture: a state restored
+    into the model that made it passes; the same file restored into a model of
+    the same architecture and config with other weights fails.  It applies
+    wherever the cache has floating positional rows (attention K/V, MLA
+    latents), by the tail where the cache can be trimmed, else by the head."""
+    model, _ = build(arch)
+    other, _ = build(arch, seed=1)
+    ids = token_ids(arch)
+    cache = mlc.make_prompt_cache(model)
+    prefill(model, cache, ids)
+    tensors, _, positional = kvmlx.cache_state(cache)
+    has_rows = any(mx.issubdtype(tensors[k].dtype, mx.floating) for k in positional)
+    with model_store(tmp_path / "kv", model) as store:
+        round_trip(store, arch, ids, cache, model)
+        text = b"arch " + arch.encode() + b" " + bytes(ids)
+        own = canary.check(model, kvmlx.load_prompt_cache(store, text, model, check=False)[0], ids)
+        theirs = canary.check(other, kvmlx.load_prompt_cache(store, text, model, check=False)[0], ids)
+    assert own.applies == theirs.applies == has_rows, (own, theirs)
+    if not has_rows:
+        return
+    expect = "tail" if mlc.can_trim_prompt_cache(cache) else "head"
+    assert own.kind == theirs.kind == expect, (own, theirs)
+    assert own.ok and own.distance <= canary.TOLERANCE / 10, own
+    assert not theirs.ok and theirs.distance > 2 * canary.TOLERANCE, theirs
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "deepseek_v3", "jamba", "qwen3_next"])
+def test_a_checkpoint_rewritten_with_another_models_state_is_caught_by_the_canary(arch, tmp_path):
+    """A file rewritten by someone with write access: the right name, model tag
+    and manifest, valid CRCs, the tensors another model's (same architecture,
+    other weights).  Every check of the bytes passes; the canary does not: the
+    load is a miss, the file is quarantined and the directory counts it.  A
+    dense, an MoE, an MLA, a hybrid (SSM beside attention: the head canary)
+    and a linear-attention hybrid model."""
+    model, _ = build(arch)
+    other, _ = build(arch, seed=1)
+    ids = token_ids(arch)
+    text = b"arch " + arch.encode() + b" " + bytes(ids)
+    theirs = mlc.make_prompt_cache(other)
+    prefill(other, theirs, ids)
+    ours = mlc.make_prompt_cache(model)
+    prefill(model, ours, ids)
+    d = tmp_path / "kv"
+    with model_store(d, model) as store:
+        # The forger opens the directory as this model's store and saves the other model's state.
+        assert kvmlx.save_prompt_cache(store, text, ids, theirs, model) is not None
+    with model_store(d, model) as store:
+        assert all(files.verify_file(str(d / n)) is None for n in os.listdir(d) if n.endswith(".kv"))
+        assert kvmlx.load_prompt_cache(store, text + b"|", model) is None
+        assert store.counters()["canary_failures"] == 1 and store.counters()["canary_checks"] == 1
+        assert store.entries() == []
+        assert len(os.listdir(d / ".quarantine")) >= 1
+        # The honest state passes, and loads.
+        assert kvmlx.save_prompt_cache(store, text, ids, ours, model) is not None
+        got = kvmlx.load_prompt_cache(store, text + b"|", model)
+        assert got is not None and store.counters()["canary_checks"] == 2
+        assert store.counters()["canary_failures"] == 1
+
+
 def test_comparison_notices_one_changed_value(tmp_path):
     """assert_same_state is not blind: one value changed in a KV buffer or a recurrent state fails it."""
     model, _ = build("qwen3_next")
     ids = token_ids("qwen3_next")
     cache = mlc.make_prompt_cache(model)
     prefill(model, cache, ids)
-    with kvstore.KVStore(tmp_path / "kv", options=kvstore.Options(min_tokens=1), durable=False) as store:
-        restored = round_trip(store, "qwen3_next", ids, cache)
+    with model_store(tmp_path / "kv", model) as store:
+        restored = round_trip(store, "qwen3_next", ids, cache, model)
     assert_same_state(cache, restored)
     kv = next(i for i, c in enumerate(restored) if type(c) is mlc.KVCache)
     arrays = next(i for i, c in enumerate(restored) if type(c) is mlc.ArraysCache)
@@ -877,9 +946,8 @@ def chain_text(ids):
     return text, offsets
 
 
-def chain_store(path):
-    return kvstore.KVStore(path, layout="chain", block_tokens=B, options=kvstore.Options(min_tokens=1),
-                           durable=False)
+def chain_store(path, model):
+    return model_store(path, model, layout="chain", block_tokens=B)
 
 
 def boundaries(n):
@@ -962,9 +1030,9 @@ def kv_files(path):
     return out
 
 
-def load_at(store, text, offsets, ids, k):
+def load_at(store, text, offsets, ids, k, model):
     """load_prompt_cache for a prompt that continues after boundary k; asserts a k-token hit."""
-    got = kvmlx.load_prompt_cache(store, text[:offsets[k]] + b"|")
+    got = kvmlx.load_prompt_cache(store, text[:offsets[k]] + b"|", model, check=False)
     assert got is not None, f"boundary {k}: no hit"
     restored, tokens, text_bytes = got
     assert len(tokens) == k, f"boundary {k}: hit of {len(tokens)} tokens"
@@ -985,12 +1053,12 @@ def test_chain_restores_bit_exact_at_every_loadable_block(arch, tmp_path):
     cache = mlc.make_prompt_cache(model)
     path = tmp_path / "kv"
     refs, logits, files_before, at = {}, None, {}, 0
-    with chain_store(path) as store:
+    with chain_store(path, model) as store:
         for k in boundaries(n):
             logits = model(mx.array([ids[at:k]]), cache=cache)
             mx.eval(logits, cache_arrays(cache))
             at = k
-            entry = kvmlx.save_prompt_cache(store, text[:offsets[k]], ids[:k], cache,
+            entry = kvmlx.save_prompt_cache(store, text[:offsets[k]], ids[:k], cache, model,
                                             text_offsets=offsets[:k + 1])
             assert entry is not None and entry.tokens == k and entry.restorable
             refs[k] = frozen_tensors(cache)
@@ -1010,7 +1078,7 @@ def test_chain_restores_bit_exact_at_every_loadable_block(arch, tmp_path):
 
         restored = None
         for k in boundaries(n):
-            restored = load_at(store, text, offsets, ids, k)
+            restored = load_at(store, text, offsets, ids, k, model)
             want, want_meta = refs[k]
             got, got_meta = kvmlx.cache_to_tensors(restored)
             assert_same_tensors(want, got, want_meta, f"{arch} boundary {k}")
@@ -1046,8 +1114,8 @@ def test_chain_from_one_save_restores_every_block_of_positional_models(arch, tmp
     tensors, meta, positional = kvmlx.cache_state(cache)
     snapshots = sorted(set(tensors) - set(positional))
     path = tmp_path / "kv"
-    with chain_store(path) as store:
-        entry = kvmlx.save_prompt_cache(store, text, ids, cache, text_offsets=offsets)
+    with chain_store(path, model) as store:
+        entry = kvmlx.save_prompt_cache(store, text, ids, cache, model, text_offsets=offsets)
         assert entry is not None and entry.tokens == n and entry.restorable
         entries = store.entries()
         assert len(kv_files(path)) == len(entries) == len(boundaries(n)) == 6
@@ -1056,9 +1124,9 @@ def test_chain_from_one_save_restores_every_block_of_positional_models(arch, tmp
         if snapshots:
             assert restorable == [n], f"{arch}: snapshot slots {snapshots[:4]}"
             for k in boundaries(n)[:-1]:
-                assert kvmlx.load_prompt_cache(store, text[:offsets[k]] + b"|") is None, \
+                assert kvmlx.load_prompt_cache(store, text[:offsets[k]] + b"|", model, check=False) is None, \
                     f"{arch} boundary {k}: a block without the snapshots loaded"
-            restored = load_at(store, text, offsets, ids, n)
+            restored = load_at(store, text, offsets, ids, n, model)
             got, got_meta = kvmlx.cache_to_tensors(restored)
             assert_same_tensors(tensors, got, meta, f"{arch} boundary {n}")
             assert got_meta == meta
@@ -1066,7 +1134,7 @@ def test_chain_from_one_save_restores_every_block_of_positional_models(arch, tmp
             return
         assert restorable == boundaries(n)
         for k in boundaries(n):
-            restored = load_at(store, text, offsets, ids, k)
+            restored = load_at(store, text, offsets, ids, k, model)
             want = {name: chain.slice_along(a, positional[name], 0, k) for name, a in tensors.items()}
             got, got_meta = kvmlx.cache_to_tensors(restored)
             assert_same_tensors(want, got, meta, f"{arch} boundary {k}")

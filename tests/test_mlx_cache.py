@@ -47,9 +47,9 @@ def assert_same_cache(a, b):
 def round_trip(store, tok, tokens, cache):
     """save_prompt_cache + load_prompt_cache with a longer prompt; checks what comes back."""
     text = tok.token_bytes(tokens)
-    entry = save_prompt_cache(store, text, tokens, cache)
+    entry = save_prompt_cache(store, text, tokens, cache, None)
     assert entry is not None and entry.tokens == len(tokens)
-    got = load_prompt_cache(store, text + b" and more")
+    got = load_prompt_cache(store, text + b" and more", None)
     assert got is not None
     restored, stored_tokens, text_bytes = got
     assert text_bytes == text
@@ -301,7 +301,7 @@ def test_file_smaller_than_mlx_lm_save(store, tok, ids, tmp_path):
     cache = mlx_model.make_cache(model)
     mlx_model.prefill(model, cache, ids[:300])
     assert cache[0].keys.shape[2] == 512                 # mlx-lm's 256-step buffer
-    entry = save_prompt_cache(store, tok.token_bytes(ids[:300]), ids[:300], cache)
+    entry = save_prompt_cache(store, tok.token_bytes(ids[:300]), ids[:300], cache, None)
     theirs = str(tmp_path / "mlx_lm.safetensors")
     mlc.save_prompt_cache(theirs, cache)
     ours = os.path.getsize(entry.path)
@@ -315,14 +315,14 @@ def test_file_smaller_than_mlx_lm_save(store, tok, ids, tmp_path):
 # ---- refusals and corruption -------------------------------------------------
 
 def test_miss_returns_none(store):
-    assert load_prompt_cache(store, "nothing stored") is None
+    assert load_prompt_cache(store, "nothing stored", None) is None
 
 
 def test_token_count_must_match_offsets(store):
     c = mlc.KVCache()
     c.update_and_fetch(mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)))
     with pytest.raises(ValueError, match="4 tokens"):
-        save_prompt_cache(store, b"abc", [1, 2, 3], [c])
+        save_prompt_cache(store, b"abc", [1, 2, 3], [c], None)
     assert store.entries() == []
 
 
@@ -331,7 +331,7 @@ def test_unsupported_class_is_a_type_error(store):
     assert not kvmlx.supported([c])
     assert kvmlx.supported([mlc.KVCache()])
     with pytest.raises(TypeError, match="BatchKVCache"):
-        save_prompt_cache(store, b"abc", [1], [c])
+        save_prompt_cache(store, b"abc", [1], [c], None)
 
 
 def _kv_meta(n=6):
@@ -422,7 +422,7 @@ def test_unknown_class_in_file_is_a_miss_and_removed(tmp_path, quarantine):
     meta["layers"][0]["class"] = "Exploit"
     entry = store.save(b"prompt text", list(range(6)), tensors, meta=meta)
     assert entry is not None
-    assert load_prompt_cache(store, b"prompt text, longer") is None
+    assert load_prompt_cache(store, b"prompt text, longer", None) is None
     assert not os.path.exists(entry.path)
     assert store.entries() == []
     assert store.stats()["corrupt"] == 1
@@ -433,7 +433,7 @@ def test_unknown_class_in_file_is_a_miss_and_removed(tmp_path, quarantine):
 def test_offset_not_token_count_in_file_is_a_miss(store):
     tensors, meta = _kv_meta(6)
     entry = store.save(b"prompt", list(range(5)), tensors, meta=meta)   # 5 ids, 6 cached
-    assert load_prompt_cache(store, b"prompt") is None
+    assert load_prompt_cache(store, b"prompt", None) is None
     assert not os.path.exists(entry.path)
 
 

@@ -27,6 +27,7 @@ import kvstore
 from kvstore import files
 from kvstore import remote as remote_mod
 from kvstore.format import Reason
+from kvstore.identity import ModelIdentity
 
 from kvhelpers import S3_BUCKET, WeedServer, conversation, kvstore_server, make_store, make_tensors, system_prompt
 
@@ -670,3 +671,33 @@ def test_janitor_removes_chain_leaves_first(s3, tmp_path):
     for sha in gone:
         assert sha not in remaining.values(), "a block went while another still named it as parent"
         del remaining[sha]
+
+
+def test_two_models_share_a_bucket_and_each_gets_only_its_own(s3, tmp_path):
+    # Two models that differ only in their weights, each on hosts of its own,
+    # one bucket: a model's upload is found by its own model's hosts only,
+    # and a foreign object can never be fetched into a directory as a hit.
+    text = "<|system|>You are a careful assistant. " * 40
+    extra = " <|user|>what is the capital of France?"
+    ts_a, ts_b = tensors(nbytes=1 << 20, seed=1), tensors(nbytes=1 << 20, seed=2)
+    n = np.arange(700, dtype=np.uint32)
+    with open_store(s3, tmp_path / "a1", "models", store_kw={"model_identity": "model-a"}) as a1, \
+            open_store(s3, tmp_path / "b1", "models", store_kw={"model_identity": "model-b"}) as b1:
+        a1.save(text, n, ts_a, reason=Reason.COLD)
+        b1.save(text, n, ts_b, reason=Reason.COLD)
+        assert a1.remote.flush(30) and b1.remote.flush(30)
+        assert a1.remote.fingerprint != b1.remote.fingerprint
+    keys = bucket_objects(s3, "models")
+    assert len(keys) == 2
+    for ident, want in (("model-a", ts_a), ("model-b", ts_b)):
+        # A fresh host of each model, on one shared directory: the bucket hit is its own model's.
+        with open_store(s3, tmp_path / "shared", "models", store_kw={"model_identity": ident}) as s:
+            assert s.remote.refresh()
+            e = s.find(text + extra)
+            assert e is not None and e.remote is not None
+            ck = s.load(e)
+            assert ck is not None and ck.entry.model_tag == s.model_tag
+            assert all(np.array_equal(ck.tensors[k], want[k]) for k in want), ident
+    with make_store(str(tmp_path / "shared"), model_identity="model-a") as s:
+        assert len(s.entries()) == 2 and {e.model_tag for e in s.entries()} == {
+            s.model_tag, ModelIdentity("model-b").tag}

@@ -544,17 +544,17 @@ def test_a_forged_tensor_chunk_of_a_block_falls_back_to_its_ancestor(tmp_path, w
 def test_a_wrong_lookup_tag_hides_the_file_and_verify_says_so(tmp_path, monkeypatch):
     # A writer that sealed a wrong tag (never this one's): lookups pass the
     # file over (a miss, not a wrong state) and kvstore verify reports it.
-    from kvstore import index
+    from kvstore import names as names_mod
     d = tmp_path / "kv"
-    names_of = index.names_of
+    names_of = names_mod.names_of
 
     def wrong_tags(text, lengths, name_key=None):
         names, tags = names_of(text, lengths, name_key)
         return names, [bytes(b ^ 0xFF for b in t) for t in tags]
     with sealed_store(d, layout="whole") as s:
-        monkeypatch.setattr(index, "names_of", wrong_tags)
+        monkeypatch.setattr(names_mod, "names_of", wrong_tags)
         text, *_, e = save(s, 40)
-        monkeypatch.setattr(index, "names_of", names_of)
+        monkeypatch.setattr(names_mod, "names_of", names_of)
     with sealed_store(d, layout="whole") as s:
         assert s.find(text) is None
         assert s.verify_file(e.path).startswith("lookup_tag")

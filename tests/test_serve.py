@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from kvstore import KVStore, Reason, read_entry
+from kvstore import KVStore, Reason, read_entry, registry
 from kvstore.demo.model import prose, write_model_dir
 from kvstore.serve import split_at_waypoints
 from kvstore.files import verify_file
@@ -280,3 +280,61 @@ def test_a_prompt_that_leaves_the_conversation_reuses_it_up_to_its_last_block(mo
     assert common > 3 * 256 and anchor < 0.8 * common              # the system anchor alone would miss
     assert common - 256 <= cached <= common and cached >= 0.9 * common, (cached, common)
     assert second.request_lines()[0].startswith("request source=disk ")
+
+
+def test_two_models_one_cache_root_each_gets_only_its_own_state(model_dir, workdir, tmp_path, stock):
+    """Two model directories that differ only in their weights (same config,
+    tokenizer and file sizes), served one after the other on one cache root:
+    each server reuses only its own model's state and answers as it does
+    cold; then a file rewritten to pass for A's with B's tensors (A's name,
+    tag and manifest, valid CRCs) is caught by the canary."""
+    other = str(tmp_path / "model-b")
+    write_model_dir(other, seed=4)
+    assert os.path.getsize(os.path.join(other, "model.safetensors")) == \
+        os.path.getsize(os.path.join(model_dir, "model.safetensors"))
+    cache = os.path.join(workdir, "cache-two-models")
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+
+    def turn(model, name, cache_dir=cache):
+        server = kvstore_server(model, cache_dir, workdir, name)
+        try:
+            _, answers, _ = conversation(server, USER_TURNS[:1], messages)
+        finally:
+            assert server.stop() == 0
+        return answers[0], server.request_lines()[0].split()[1], server.text()
+
+    b_cold, source, _ = turn(other, "b-alone", os.path.join(workdir, "cache-b-alone"))
+    assert source == "source=none"
+    a1, source, _ = turn(model_dir, "a-first")
+    assert source == "source=none" and a1 == stock[1][0]
+    assert a1 != b_cold
+    b1, source, _ = turn(other, "b-second")          # A's anchor is there: not B's
+    assert source == "source=none" and b1 == b_cold
+    a2, source, log_a = turn(model_dir, "a-again")
+    assert source == "source=disk" and a2 == a1 and "canary_failed" not in log_a
+    b2, source, _ = turn(other, "b-again")
+    assert source == "source=disk" and b2 == b_cold
+
+    # Both models are named, and share one budget, in kvstore ls and stats.
+    ls = subprocess.run([sys.executable, "-m", "kvstore", "ls", cache], capture_output=True, text=True,
+                        cwd=str(workdir))
+    assert ls.returncode == 0 and "serve-model" in ls.stdout and "model-b" in ls.stdout, ls.stdout
+
+    # The forgery: B's chain, saved again through a store opened with A's identity.
+    rows = registry.read_registry(cache)
+    ident = {r["label"]: r["identity"] for r in rows.values()}
+    a_id, b_id = ident[os.path.basename(model_dir)], ident["model-b"]
+    with KVStore(cache, model_identity=b_id, budget_mb=0) as b_store:
+        b_entries = [e for e in b_store.entries() if e.model_tag == b_store.model_tag and e.ends_save]
+        forged = [b_store.load(e, min_tokens=0, consume=False) for e in b_entries]
+    with KVStore(cache, model_identity=a_id, budget_mb=0) as a_store:
+        for e in a_store.entries():
+            if e.model_tag == a_store.model_tag:
+                os.unlink(e.path)                       # A's own state gone: only the forgery is left
+        for ck in forged:
+            assert a_store.save(ck.text_bytes, ck.tokens, ck.tensors, meta=ck.meta, reason=ck.entry.reason,
+                                positional=ck.positional, text_offsets=ck.cuts, dtypes=ck.dtypes) is not None
+    a3, source, log_a = turn(model_dir, "a-forged")
+    assert a3 == a1, "the forged state must never answer"
+    assert "kvstore: canary_failed" in log_a and source == "source=none", log_a
+    assert os.listdir(os.path.join(cache, ".quarantine"))

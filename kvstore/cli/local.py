@@ -27,7 +27,7 @@ import os
 import sys
 import time
 
-from kvstore import _native, counters, files, policy, seal, sessions, trailers
+from kvstore import _native, counters, files, identity, policy, registry, seal, sessions, trailers
 from kvstore import remote
 from kvstore.cli import text
 from kvstore.cli.remote import cmd_remote_ls
@@ -90,7 +90,8 @@ def _match(names, prefix, where):
 
 def _rank(entries, now):
     """(score, entry), the best kept first: eviction's own order, reversed (the next victim last)."""
-    return [(policy.eviction_score(e, now), e) for e in reversed(policy.eviction_order(entries, now))]
+    order = policy.eviction_order(entries, now, stale_after_s=policy.DEFAULT_STALE_AFTER_S)
+    return [(policy.eviction_score(e, now), e) for e in reversed(order)]
 
 
 # ---- commands -----------------------------------------------------------------
@@ -136,13 +137,19 @@ def cmd_ls(args):
         shown = {e.name for e in seqs}
         ranked = [(score, e) for score, e in ranked if e.name in shown]
     titles = {e.name: sessions.read_title(e, sealer) for _, e in ranked}
+    models = registry.read_registry(d)
+
+    def model(e):
+        # A file that names its model shows the model; one that names none, its header model id.
+        return registry.describe_tag(e.model_tag, models) if e.model_tag else e.model_id
     if args.json:
         out = []
         for score, e in ranked:
             row = {
                 "sha": e.sha, "prefix": e.sha[:12], "reason": text.reason_name(e.reason),
                 "tokens": e.tokens, "hits": e.hits, "ctx_size": e.ctx_size, "quant_bits": e.quant_bits,
-                "model_id": e.model_id, "payload_abi": e.payload_abi,
+                "model_id": e.model_id, "model": registry.describe_tag(e.model_tag, models),
+                "model_tag": identity.tag_hex(e.model_tag), "payload_abi": e.payload_abi,
                 "loadable": e.loadable or (sealer is not None and sealer.owns(e)),
                 "sealed": e.sealed,
                 "file_size": e.file_size, "created_at": e.created_at, "last_used": e.last_used,
@@ -172,14 +179,14 @@ def cmd_ls(args):
         # the table it always had).
         rows = [(e.sha[:12], text.reason_name(e.reason), e.tokens)
                 + ((len(chains[e.name]) if e.is_block else "whole",) if blocks else ())
-                + (e.hits, e.ctx_size, e.quant_bits, e.model_id, text.abi(e),
+                + (e.hits, e.ctx_size, e.quant_bits, model(e), text.abi(e),
                    text.size(sum(b.file_size for b in chains[e.name])), text.age(e.created_at, now),
                    text.used(e, now), text.printable(titles[e.name], text.TITLE_COLUMN))
                 for _, e in ranked]
         head = ("SHA", "REASON", "TOKENS") + (("BLOCKS",) if blocks else ()) + (
             "HITS", "CTX", "QUANT", "MODEL", "ABI", "SIZE", "AGE", "USED", "TITLE")
         print(text.table(rows, head, right={i for i, h in enumerate(head)
-                                            if h in ("TOKENS", "BLOCKS", "HITS", "CTX", "QUANT", "MODEL", "SIZE")}))
+                                            if h in ("TOKENS", "BLOCKS", "HITS", "CTX", "QUANT", "SIZE")}))
     else:
         print(f"no checkpoints in {d}")
     total = sum(e.file_size for e in entries)
@@ -479,7 +486,7 @@ def cmd_evict(args):
     now = int(time.time())
     if args.dry_run:
         # KVStore.evict's choice, deleting nothing: the same victims in the same order.
-        victims = policy.select_victims(entries, budget, now)
+        victims = policy.select_victims(entries, budget, now, stale_after_s=policy.DEFAULT_STALE_AFTER_S)
         total = before - sum(v.file_size for v in victims)
         verb = "would evict"
     else:
@@ -525,6 +532,8 @@ def cmd_stats(args):
         "oldest": min(times) if times else None,
         "newest": max(times) if times else None,
         "sync": files.SYNC_PRIMITIVE,
+        # Every model's share of the directory (docs/format.md §17).
+        "models": registry.summarize(entries, registry.read_registry(d)),
         # Every process's cumulative counters (KVStore.counters()), read
         # without creating or changing the file.
         "directory": counters.read_directory(d),
@@ -539,6 +548,8 @@ def cmd_stats(args):
         ("by reason", ", ".join(f"{r} {n}" for r, n in out["by_reason"].items()) or "-"),
         ("hits", out["hits"]),
         ("tokens", out["tokens"]),
+        ("models", "; ".join(f"{m['name']} ({m['tag']}): {text.plural(m['entries'], 'file')}, "
+                             f"{text.size(m['bytes'])}" for m in out["models"]) or "-"),
         ("oldest", text.stamp(out["oldest"], now)),
         ("newest", text.stamp(out["newest"], now)),
         ("sync", f"{out['sync']} (what a durable save calls on this platform)"),
@@ -557,6 +568,7 @@ def cmd_stats(args):
         ("bytes read", text.size(c["bytes_read"])),
         ("evictions", f"{c['evictions']} ({text.size(c['bytes_evicted'])})"),
         ("corrupt", c["corrupt"]),
+        ("canary", f"{c['canary_checks']} restores checked, {c['canary_failures']} failed (quarantined)"),
         ("skipped (write budget)", c["stores_skipped_write_budget"]),
         ("write budget", "none" if budget is None else
          f"{text.size(budget['available_bytes'])} of {text.size(budget['capacity_bytes'])} available, "

@@ -164,8 +164,9 @@ def run_phase(phase, directory, model_path, workdir, progress=None):
     from kvstore.mlx import MLXEngine
 
     chat = Chat(model_path, workdir)
-    store = kvstore.KVStore(directory, options=kvstore.Options(**DEMO_OPTIONS))
     engine = MLXEngine(chat.model, chat.tokenizer, **chat.markers)
+    # The store holds this model's states (its fingerprint names every file).
+    store = kvstore.KVStore(directory, options=kvstore.Options(**DEMO_OPTIONS), model_identity=engine.identity)
     server = kvstore.PromptCache(store, engine, prefill_step=PREFILL_STEP)
     rows = []
     if phase == 1:

@@ -43,7 +43,6 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlc
 
 from kvstore.errors import CorruptCheckpoint
-from kvstore.format import Reason
 
 log = logging.getLogger("kvstore")
 
@@ -485,33 +484,7 @@ def supported(cache):
     return all(ok(c) for c in cache)
 
 
-# ---- with a store ----------------------------------------------------------
-
-def save_prompt_cache(store, text, tokens, cache, reason=Reason.COLD, **kw):
-    """Stores an mlx-lm prompt cache as the checkpoint of text.
-
-    Args:
-        store: a kvstore.KVStore.
-        text: the rendered prompt prefix (str or bytes) the cache was made from.
-        tokens: the exact token ids prefilled into the cache; every cache
-            offset must equal their count.
-        cache: list of mlx-lm cache objects (see cache_to_tensors).
-        reason: kvstore.Reason recorded in the header.
-        **kw: passed to KVStore.save (ctx_size, trailers, text_offsets: with
-            them a chained store cuts the cache into blocks, each token's KV
-            written once; see KVStore.save).
-
-    Returns:
-        the Entry written (or kept), or None when the store refused (too few
-        tokens, over budget, disk error; logged).
-
-    Raises:
-        TypeError: an unsupported cache class.
-        ValueError: a cache offset differs from the token count.
-    """
-    tensors, meta, positional = checked_state(cache, len(tokens))
-    return store.save(text, tokens, tensors, meta=meta, reason=reason, positional=positional, **kw)
-
+# ---- checked states, and a checkpoint back into a cache -----------------------
 
 def checked_tensors(cache, n):
     """cache_to_tensors(cache), checking that every layer holds exactly n tokens.
@@ -538,31 +511,6 @@ def checked_state(cache, n):
                 raise ValueError(f"layer {li} ({lm['class']}) holds {off} tokens, "
                                  f"but {n} token ids were given")
     return tensors, meta, positional
-
-
-def load_prompt_cache(store, prompt):
-    """Finds and loads the longest stored checkpoint that prefixes prompt.
-
-    Args:
-        store: a kvstore.KVStore.
-        prompt: the full rendered prompt, str or bytes.
-
-    Returns:
-        (cache, tokens, text_bytes): the rebuilt mlx-lm cache, the exact
-        stored token ids (numpy uint32) and the stored text bytes (a byte
-        prefix of prompt; prefill only the tokens of prompt after it).
-        None on a miss, or when the file was corrupt (it is then removed).
-    """
-    entry = store.find(prompt)
-    if entry is None:
-        return None
-    ckpt = store.load(entry, into="mlx")
-    if ckpt is None:
-        return None
-    cache = cache_from_checkpoint(store, ckpt)
-    if cache is None:
-        return None
-    return cache, ckpt.tokens, ckpt.text_bytes
 
 
 def cache_from_checkpoint(store, ckpt):

@@ -14,7 +14,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from kvstore.identity import ModelIdentity
+from kvstore.mlx import canary
 from kvstore.mlx.codecs import cache_state, tensors_to_cache
+from kvstore.mlx.fingerprint import model_fingerprint, model_label
 
 __all__ = ["MLXEngine", "token_bytes_function", "text_offsets_function", "bytes_to_unicode", "DEFAULT_CTX_SIZE"]
 
@@ -112,6 +115,8 @@ class MLXEngine:
         tokenizer: its tokenizer (an mlx-lm TokenizerWrapper, a transformers
             tokenizer, or anything with encode/decode).
         model_id: header model id (0..255) for this model's checkpoints.
+            The model itself is named by its fingerprint (``identity``):
+            open the store with ``KVStore(path, model_identity=engine.identity)``.
         quant_bits: quant bits of the weights (default: read from the model).
         ctx_size: context size (default: the model's max positions or 32768).
         user_marker, assistant_marker: token strings that open a user and an
@@ -136,6 +141,9 @@ class MLXEngine:
         self.token_bytes = token_bytes_function(tokenizer)
         self.text_offsets = text_offsets_function(self.token_bytes)
         self.cache = make_prompt_cache(model, max_kv_size)
+        # The exact model (weights, config, cache): its checkpoints name it,
+        # and only its own are restored (docs/format.md §17).
+        self.identity = ModelIdentity(model_fingerprint(model, max_kv_size), model_label(model))
         self.eos_ids = self._eos_ids()
         self._no_specials = _accepts_special_flag(tokenizer)
 
@@ -186,6 +194,19 @@ class MLXEngine:
             return False
         return trim_prompt_cache(self.cache, n) == n
 
+    @property
+    def fingerprint(self):
+        """The model's identity string (kvstore.mlx.model_fingerprint)."""
+        return self.identity.fingerprint
+
+    def canary_prepare(self, tokens):
+        """Starts the canary of the state just restored (kvstore.mlx.canary.prepare)."""
+        return canary.prepare(self.model, self.cache, tokens)
+
+    def canary_finish(self, probe):
+        """The tail canary's Verdict once the state holds probe.position again."""
+        return canary.finish(probe, self.cache)
+
     # -- the whole request ---------------------------------------------------
 
     def generate(self, prompt_cache, prompt, max_tokens=32, temperature=0.0, progress=None, seed=None,
@@ -203,8 +224,12 @@ class MLXEngine:
                 reply its own way).
 
         Returns:
-            (generated token ids, report dict: source, reused_tokens,
-            prefilled_tokens, ttft_ms, load_ms, save_ms, stored, generated).
+            (generated token ids, report dict: source, reused_tokens (the
+            stored tokens restored), prefilled_tokens (the tokens the model
+            computed: after a tail canary the last restored one again),
+            ttft_ms, load_ms, save_ms, stored, generated, canary: "" (no
+            restore), "tail", "head", "none" (nothing to compare) or
+            "failed" (the restore became a cold start)).
         """
         if seed is not None:
             mx.random.seed(seed)
@@ -224,7 +249,7 @@ class MLXEngine:
             prompt_cache.rewind(len(prompt_cache.live_tokens) - len(req.tokens))
         report = {"source": req.source, "reused_tokens": req.reused, "prefilled_tokens": req.prefilled,
                   "ttft_ms": ttft, "load_ms": req.load_ms, "save_ms": req.save_ms,
-                  "stored": list(req.stored), "generated": len(out)}
+                  "stored": list(req.stored), "generated": len(out), "canary": req.canary}
         return out, report
 
     @staticmethod

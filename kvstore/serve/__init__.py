@@ -32,6 +32,11 @@ A hit is used only when its stored token ids equal the request's first
 tokens, so a different tokenization of the same bytes can never feed the
 model a state it did not compute.
 
+Models.  Every model shares one cache root and its budget; each file names the
+model that made it (kvstore.mlx.model_fingerprint of the loaded weights, with
+the server's KV options) and a model is offered only its own files; a disk
+hit is checked against the live model by the canary (docs/format.md §17).
+
 Modules: tier (the RAM + disk cache, admission), generator (prefetch on the
 HTTP thread, waypoints), http (cache_salt, GET /metrics), metrics
 (Prometheus), tenants (salts), server (options, start and stop).
@@ -45,8 +50,8 @@ this process.  Tested with mlx-lm 0.32 (SUPPORTED_MLX_LM).
 """
 
 from kvstore.serve.generator import TieredResponseGenerator, split_at_waypoints
-from kvstore.serve.server import SUPPORTED_MLX_LM, build_parser, main, model_fingerprint
+from kvstore.serve.server import SUPPORTED_MLX_LM, build_parser, main
 from kvstore.serve.tier import TieredPromptCache
 
 __all__ = ["TieredPromptCache", "TieredResponseGenerator", "split_at_waypoints", "build_parser", "main",
-           "model_fingerprint", "SUPPORTED_MLX_LM"]
+           "SUPPORTED_MLX_LM"]

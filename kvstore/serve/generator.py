@@ -53,11 +53,11 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
     # -- the HTTP thread ------------------------------------------------------
 
     def _serves(self, args):
-        """True when the request is for the tier's model and that model is loaded.
+        """True when the request is for the tier's model, that model is loaded and its store open.
 
-        While the server starts (the generation thread loads the model
-        first), waits for it: a request that arrives then still gets its
-        disk hit.
+        While the server starts (the generation thread loads the model and
+        opens its store first), waits for it: a request that arrives then
+        still gets its disk hit.
         """
         provider = self.model_provider
         m = args.model
@@ -67,9 +67,9 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
         if key != self.tier.model_key:
             return False
         deadline = time.monotonic() + MODEL_WAIT_S
-        while provider.model_key is None and self.generation_available() and time.monotonic() < deadline:
+        while not self.tier.ready.is_set() and self.generation_available() and time.monotonic() < deadline:
             time.sleep(0.05)
-        return provider.model_key == key and provider.tokenizer is not None
+        return self.tier.ready.is_set() and provider.model_key == key and provider.tokenizer is not None
 
     def generate(self, request, generation_args, progress_callback=None):
         """Tokenizes and prefetches on this (HTTP) thread, then queues the request as mlx-lm does.
@@ -123,6 +123,13 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
 
     def _generate(self):
         try:
+            # mlx-lm's loop loads the default model first; here that load
+            # comes before it, so that the model's store opens (its identity
+            # needs the weights) before any request is served.  The loop's
+            # own load_default then finds the model loaded.
+            self.model_provider.load_default()
+            if self.model_provider.model_key == self.tier.model_key:
+                self.tier.open()
             super()._generate()
         finally:
             self.tier.persist_all()

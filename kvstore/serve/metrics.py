@@ -38,12 +38,12 @@ class Metrics:
     """The metrics of one server and its store.
 
     Args:
-        store: the server's KVStore.
+        store: a callable that gives the server's KVStore, or None while the
+            store is not open yet (it opens once the model has loaded).
     """
 
     def __init__(self, store):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-        self.store = store
         self.registry = CollectorRegistry(auto_describe=True)
         self._requests = Counter("kvstore_requests", "Requests by where their prompt cache came from",
                                  ["source"], registry=self.registry)
@@ -101,9 +101,12 @@ class _StoreCollector:
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        store = self.store()
+        if store is None:
+            return
         try:
-            stats = self.store.stats()
-            counters = self.store.counters()
+            stats = store.stats()
+            counters = store.counters()
         except Exception as e:              # noqa: BLE001 - a scrape never fails for the store
             log.warning("kvstore: metrics_unavailable error=%s", type(e).__name__)
             return
@@ -122,7 +125,10 @@ class _StoreCollector:
                 ("evicted_bytes", "bytes_evicted", "Bytes evicted to keep the budget"),
                 ("corrupt_files", "corrupt", "Files found corrupt and removed"),
                 ("stores_skipped_write_budget", "stores_skipped_write_budget",
-                 "Stores skipped because the write budget ran low")):
+                 "Stores skipped because the write budget ran low"),
+                ("canary_checks", "canary_checks", "Restored states the canary checked against the live model"),
+                ("canary_failures", "canary_failures",
+                 "Restored states the live model would not have produced (quarantined)")):
             if key in counters:
                 yield CounterMetricFamily(f"kvstore_directory_{name}", f"{doc} (every process, cumulative)",
                                           value=counters[key])

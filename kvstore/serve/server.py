@@ -2,7 +2,6 @@
 
 import argparse
 import faulthandler
-import hashlib
 import json
 import logging
 import os
@@ -19,7 +18,8 @@ from mlx_lm import server as mlx_server
 from kvstore import payload, remote, seal
 from kvstore.chain import DEFAULT_BLOCK_TOKENS
 from kvstore.mlx import DEFAULT_CTX_SIZE
-from kvstore.policy import Options
+from kvstore.identity import tag_hex
+from kvstore.policy import DEFAULT_STALE_AFTER_S, Options
 from kvstore.serve import metrics as metrics_mod
 from kvstore.serve.generator import LOAD_NICE, TieredResponseGenerator
 from kvstore.serve.http import handler_class
@@ -31,44 +31,14 @@ log = logging.getLogger("kvstore")
 # The mlx-lm releases this module was tested with (pyproject pins the same).
 SUPPORTED_MLX_LM = ((0, 32), (0, 33))
 
-# Bytes read from each end of each weight file for the model fingerprint:
-# enough to tell two checkpoints of one architecture apart (their weights
-# differ everywhere), cheap even for a 100 GB model.
-FINGERPRINT_SAMPLE = 1 << 16
-
-# Where checkpoints go when --cache-dir is not given: one directory per
-# model fingerprint, so that two models never share a directory by accident.
+# Where checkpoints go when --cache-dir is not given: one directory, and one
+# budget, for every model served from this machine; each file names its
+# model (docs/format.md §17), so models never load each other's state.
 DEFAULT_CACHE_ROOT = os.path.join("~", ".cache", "kvstore", "serve")
 
-
-def model_fingerprint(path):
-    """A hex SHA1 naming a model directory's contents.
-
-    Covers config.json, the tokenizer files and, for every *.safetensors
-    file, its name, size and its first and last FINGERPRINT_SAMPLE bytes.
-    A path that is not a directory (a hub repo id) is named by itself.
-    """
-    h = hashlib.sha1()
-    if not os.path.isdir(path):
-        h.update(os.fspath(path).encode("utf-8"))
-        return h.hexdigest()
-    names = sorted(os.listdir(path))
-    for name in names:
-        full = os.path.join(path, name)
-        if name in ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                    "chat_template.jinja"):
-            with open(full, "rb") as f:
-                h.update(name.encode() + b"\0" + f.read())
-        elif name.endswith(".safetensors"):
-            size = os.path.getsize(full)
-            h.update(f"{name}\0{size}\0".encode())
-            with open(full, "rb") as f:
-                h.update(f.read(FINGERPRINT_SAMPLE))
-                f.seek(max(0, size - FINGERPRINT_SAMPLE))
-                h.update(f.read(FINGERPRINT_SAMPLE))
-    return h.hexdigest()
-
-
+# The mlx_lm.server options that change the KV state (kv quantisation): part
+# of the model's identity, as its weights are.
+CACHE_OPTIONS = ("kv_bits", "kv_group_size", "quantized_kv_start")
 
 
 def _check_mlx_lm():
@@ -102,39 +72,46 @@ class _Server:
     def __init__(self, host, port, model_provider, opts):
         cli = model_provider.cli_args
         path = cli.model
-        self.fingerprint = model_fingerprint(path)
         config = _config(path) if os.path.isdir(path) else {}
-        cache_dir = opts.cache_dir or os.path.join(os.path.expanduser(DEFAULT_CACHE_ROOT),
-                                                   self.fingerprint[:16])
+        self.cache_dir = cache_dir = opts.cache_dir or os.path.expanduser(DEFAULT_CACHE_ROOT)
         options = Options(**{k: v for k, v in (("min_tokens", opts.min_tokens),
-                                                ("continued_interval_tokens", opts.waypoint_tokens))
+                                                ("continued_interval_tokens", opts.waypoint_tokens),
+                                                ("stale_after_s", opts.stale_after_days * 86400 or None))
                              if v is not None})
-        extra = dict(model_identity=self.fingerprint, **remote.store_kwargs(opts))
         # Loads and saves run beside the generation thread: at a lower CPU
         # priority they take the time decoding leaves (docs/format.md §7).
         payload.set_io_priority(LOAD_NICE)
         # The HTTP threads load into MLX while the generation thread runs it:
         # no MLX task may call back into Python (kvstore.payload.set_mlx_threaded).
         payload.set_mlx_threaded(True)
-        self.store = KVStore(cache_dir, budget_mb=opts.budget_mb,
-                             model_id=int(self.fingerprint[:2], 16),
-                             quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
-                             options=options, layout=opts.layout, block_tokens=opts.block_tokens,
-                             max_write_mb_per_hour=opts.max_write_mb_per_hour,
-                             key=opts.cache_key_file, **extra)
-        if self.store.remote is not None:
-            # The bucket's index before the first request (later refreshes
-            # run in the background); a remote that is down costs one
-            # connect timeout here and nothing afterwards.
-            self.store.remote.refresh()
+
+        def open_store(identity):
+            # On the generation thread, once the model has loaded: its
+            # identity names the store's files (docs/format.md §17).
+            store = KVStore(cache_dir, budget_mb=opts.budget_mb, model_identity=identity,
+                            quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
+                            options=options, layout=opts.layout, block_tokens=opts.block_tokens,
+                            max_write_mb_per_hour=opts.max_write_mb_per_hour,
+                            key=opts.cache_key_file, **remote.store_kwargs(opts))
+            if store.remote is not None:
+                # The bucket's index before the first request (later refreshes
+                # run in the background); a remote that is down costs one
+                # connect timeout here and nothing afterwards.
+                store.remote.refresh()
+            log.info("kvstore: store_open cache_dir=%s model=%s tag=%s entries=%d", cache_dir,
+                     identity.label, tag_hex(identity.tag), len(store.entries()))
+            return store
+
         model_key = (path, cli.adapter_path, cli.draft_model)
         if metrics_mod.available():
-            self.metrics = metrics_mod.Metrics(self.store)
+            self.metrics = metrics_mod.Metrics(lambda: self.tier.store)
         else:
             self.metrics = None
             log.warning("kvstore: metrics_disabled reason=no_prometheus_client "
                         "(pip install 'kvstore[serve]' for GET /metrics)")
-        self.tier = TieredPromptCache(self.store, model_provider, model_key, self.fingerprint,
+        cache_options = {k: getattr(cli, k, None) for k in CACHE_OPTIONS}
+        self.tier = TieredPromptCache(open_store, model_provider, model_key, options, cache_options,
+                                      label=os.path.basename(os.path.normpath(path)),
                                       max_size=cli.prompt_cache_size, metrics=self.metrics,
                                       admit_after=opts.admit_after)
         self.generator = TieredResponseGenerator(model_provider, self.tier)
@@ -149,7 +126,6 @@ class _Server:
         handler = handler_class(opts.require_cache_salt, self.metrics)
         self.httpd = Server(address, lambda *a, **kw: handler(self.generator, *a, system_fingerprint=fingerprint,
                                                               **kw))
-        self.cache_dir = cache_dir
 
     def run(self):
         stop = threading.Event()
@@ -161,8 +137,7 @@ class _Server:
         thread = threading.Thread(target=self.httpd.serve_forever, name="kvstore-http", daemon=True)
         thread.start()
         host, port = self.httpd.server_address[:2]
-        log.info("kvstore: serving host=%s port=%d cache_dir=%s entries=%d", host, port,
-                 self.cache_dir, len(self.store.entries()))
+        log.info("kvstore: serving host=%s port=%d cache_dir=%s", host, port, self.cache_dir)
         status = 0
         try:
             while not stop.wait(0.5):
@@ -189,10 +164,13 @@ def build_parser():
                     "(see `mlx_lm.server --help`).")
     p.add_argument("-h", "--help", action="store_true", help="show this help and mlx_lm.server's")
     p.add_argument("--model", help="the mlx-lm model directory (required)")
-    p.add_argument("--cache-dir", help="checkpoint directory (default: "
-                   f"{DEFAULT_CACHE_ROOT}/<model fingerprint>)")
+    p.add_argument("--cache-dir", help="checkpoint directory, shared by every model (each file names its "
+                   f"model; default: {DEFAULT_CACHE_ROOT})")
     p.add_argument("--budget-mb", type=float, default=DEFAULT_BUDGET_MB,
-                   help=f"disk budget of the directory in MiB (default {DEFAULT_BUDGET_MB})")
+                   help=f"disk budget of the directory, all models together, in MiB (default {DEFAULT_BUDGET_MB})")
+    p.add_argument("--stale-after-days", type=float, default=DEFAULT_STALE_AFTER_S / 86400,
+                   help="checkpoints nobody has used for this many days go first when the directory is over "
+                        f"its budget, whatever their model (default {DEFAULT_STALE_AFTER_S // 86400}; 0: never)")
     p.add_argument("--min-tokens", type=int, default=None,
                    help="shortest prefix worth a checkpoint (default 512)")
     p.add_argument("--waypoint-tokens", type=int, default=None,
@@ -246,7 +224,7 @@ def main(argv=None):
         print(f"kvstore serve: error: --max-write-mb-per-hour {opts.max_write_mb_per_hour} must be > 0",
               file=sys.stderr)
         return 2
-    for name in ("budget_mb", "min_tokens", "waypoint_tokens"):
+    for name in ("budget_mb", "min_tokens", "waypoint_tokens", "stale_after_days"):
         value = getattr(opts, name)
         if value is not None and value < 0:
             print(f"kvstore serve: error: --{name.replace('_', '-')} {value} must be >= 0", file=sys.stderr)

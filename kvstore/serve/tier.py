@@ -13,6 +13,16 @@ for the GIL while the generation thread holds it and waits for MLX (the
 deadlock mx.load's read callback risks).  mlx-lm's trie is shared by both
 kinds of thread, so every access to it here holds one lock.
 
+Models.  Every model's checkpoints share one cache root and its budget; each
+file names the model that made it (docs/format.md §17), and the store the
+tier opens offers only its model's.  The model's identity is known once it
+has loaded, so the generation thread opens the store then (open()), before
+it serves anything; a request that arrives earlier waits for it.  Every disk
+or bucket hit is checked on the HTTP thread that loaded it by the canary
+(kvstore.mlx.canary): the model recomputes the last stored token and its
+K/V rows must match the stored ones, or the hit is a miss and the file is
+quarantined.
+
 Tenants.  A request's tenant (kvstore.serve.tenants) is part of every key it
 uses: the model key of mlx-lm's trie, and the first bytes of the disk key.
 The generation thread tells the tier which request comes next (begin());
@@ -27,6 +37,7 @@ bounded table), and a store keeps only the boundaries counted N times.
 
 import collections
 import dataclasses
+import hashlib
 import itertools
 import logging
 import threading
@@ -38,7 +49,10 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prom
 from kvstore import _native
 from kvstore.chain import DEFAULT_BLOCK_TOKENS, slice_along
 from kvstore.format import Reason
-from kvstore.mlx import cache_from_checkpoint, checked_state, text_offsets_function, token_bytes_function
+from kvstore.identity import ModelIdentity
+from kvstore.mlx import (cache_from_checkpoint, checked_state, model_fingerprint, model_label, text_offsets_function,
+                         token_bytes_function)
+from kvstore.mlx import canary
 from kvstore.policy import continued_step
 from kvstore.serve import tenants
 
@@ -62,7 +76,7 @@ MAX_ACTIVE = 1024
 class Prefetched:
     """A request's checkpoint read on its HTTP thread, waiting for the generation thread."""
     tokens: list
-    checkpoint: object        # a kvstore Checkpoint, its tensors evaluated MLX arrays
+    cache: list               # the mlx-lm cache, built, checked by the canary and evaluated
     n: int                    # tokens it holds
     source: str               # "disk" or "remote"
     load_s: float
@@ -129,26 +143,32 @@ class TieredPromptCache(LRUPromptCache):
     """mlx-lm's RAM prompt cache with a kvstore directory behind it.
 
     Args:
-        store: a KVStore for this model's checkpoints.
+        open_store: a callable ModelIdentity -> the KVStore of that model's
+            checkpoints (called once, by open()).
         provider: mlx-lm's ModelProvider (the tokenizer and model come from it).
         model_key: the provider's key of the model the store belongs to;
             requests for other models use RAM only.
-        fingerprint: model_fingerprint() of that model (kept in each
-            checkpoint's meta and checked on load).
+        options: the store's kvstore.Options (what to store, when).
+        cache_options: the server's options that change the KV cache (kv
+            bits, max KV size...): part of the model's identity.
+        label: a name for the model in kvstore ls and stats.
         max_size, max_bytes: mlx-lm's LRU limits.
         metrics: a kvstore.serve.metrics.Metrics, or None.
         admit_after: store a prefix once this many requests have used it.
     """
 
-    def __init__(self, store, provider, model_key, fingerprint, max_size=10, max_bytes=1 << 63,
-                 metrics=None, admit_after=1):
+    def __init__(self, open_store, provider, model_key, options, cache_options=None, label="", max_size=10,
+                 max_bytes=1 << 63, metrics=None, admit_after=1):
         super().__init__(max_size, max_bytes)
         self._lru = _ReportingOrder(self, self._lru._ordering)
-        self.store = store
+        self._open_store = open_store
+        self.store = None                        # open() opens it once the model has loaded
+        self.ready = threading.Event()
         self.provider = provider
         self.model_key = model_key
-        self.fingerprint = fingerprint
-        self.options = store.options
+        self.cache_options = dict(cache_options or {})
+        self.label = label
+        self.options = options
         self.waypoint_step = continued_step(self.options)
         self.metrics = metrics
         self.admit_after = admit_after
@@ -162,6 +182,23 @@ class TieredPromptCache(LRUPromptCache):
         self._active = collections.OrderedDict()   # id -> (tenant, prompt) between begin() and finish
         self._uses = collections.OrderedDict()     # prefix digest -> requests that used it
         self._serial = itertools.count()
+
+    # -- the model and its store ----------------------------------------------
+
+    def open(self):
+        """Opens the store of the loaded model; on the generation thread, before it serves.
+
+        The identity covers the model (and a draft model, whose cache rides
+        along) with the server's KV cache options.
+        """
+        model, draft = self.provider.model, self.provider.draft_model
+        fingerprint = model_fingerprint(model, options=self.cache_options)
+        if draft is not None:
+            fingerprint = hashlib.sha256(
+                f"{fingerprint}+draft:{model_fingerprint(draft, options=self.cache_options)}".encode()).hexdigest()
+        self.store = self._open_store(ModelIdentity(fingerprint, self.label or model_label(model)))
+        self.ready.set()
+        return self.store
 
     # -- the tokens -> bytes key --------------------------------------------
 
@@ -214,8 +251,8 @@ class TieredPromptCache(LRUPromptCache):
                     self.metrics.loading(-1)
             if hit is None:
                 return None
-            ckpt, n, source = hit
-            return Prefetched(list(tokens[:n]), ckpt, n, source, time.perf_counter() - t0)
+            cache, n, source = hit
+            return Prefetched(list(tokens[:n]), cache, n, source, time.perf_counter() - t0)
         except Exception as e:            # noqa: BLE001 - the disk tier must never fail a request
             log.warning("kvstore: disk_lookup_failed error=%s", type(e).__name__)
             return None
@@ -233,9 +270,10 @@ class TieredPromptCache(LRUPromptCache):
         return short
 
     def _load_longest(self, tokens, reused, key, tenant):
-        """(checkpoint, n, source) of the longest stored prefix of key beyond reused tokens; else None.
+        """(cache, n, source) of the longest stored prefix of key beyond reused tokens; else None.
 
-        The checkpoint's tensors are MLX arrays; _build() makes the cache.
+        The cache is built, checked by the canary and evaluated on this (HTTP)
+        thread, on its own MLX stream.
         """
         entry = self.store.find(key)
         if entry is None:
@@ -254,26 +292,35 @@ class TieredPromptCache(LRUPromptCache):
         if ckpt.tokens.tolist() != list(tokens[:n]):
             log.info("kvstore: disk_miss reason=token_mismatch tokens=%d file=%s", n, entry.name[:12])
             return None
-        if ckpt.meta.get("model") != self.fingerprint:
-            log.info("kvstore: disk_miss reason=other_model tokens=%d file=%s", n, entry.name[:12])
+        cache = self._build(ckpt)
+        if cache is None:
             return None
-        return ckpt, n, "remote" if remote else "disk"
+        return cache, n, "remote" if remote else "disk"
 
     def _build(self, ckpt):
-        """The mlx-lm cache of a prefetched checkpoint, evaluated; None when it does not fit.
-
-        On the generation thread, which owns the model and its caches.
-        """
+        """The mlx-lm cache of a loaded checkpoint, checked by the canary and
+        evaluated; None when it does not fit this model or fails the canary."""
         cache = cache_from_checkpoint(self.store, ckpt)
         if cache is None:
             return None
-        expect = make_prompt_cache(self.provider.model)
-        if self.provider.draft_model is not None:
-            expect += make_prompt_cache(self.provider.draft_model)
-        if [type(c) for c in cache] != [type(c) for c in expect]:
+        models = [self.provider.model] + ([self.provider.draft_model] if self.provider.draft_model else [])
+        parts, at = [], 0
+        for m in models:
+            expect = make_prompt_cache(m)
+            parts.append((m, cache[at:at + len(expect)], expect))
+            at += len(expect)
+        if at != len(cache) or any([type(c) for c in got] != [type(c) for c in expect] for _, got, expect in parts):
             log.info("kvstore: disk_miss reason=cache_layout tokens=%d file=%s", len(ckpt.tokens),
                      ckpt.entry.name[:12])
             return None
+        for m, got, _ in parts:
+            verdict = canary.check(m, got, ckpt.tokens)
+            if not verdict.applies:
+                log.info("kvstore: canary_not_applicable reason=no_attention_rows tokens=%d", len(ckpt.tokens))
+                continue
+            self.store.record_canary(ckpt.entry, verdict.ok, verdict.words())
+            if not verdict.ok:
+                return None
         mx.eval(_arrays(cache))
         return cache
 
@@ -346,12 +393,9 @@ class TieredPromptCache(LRUPromptCache):
             pre = self.prefetch(tokens, ticket.tenant)
         if pre is not None and model == self.model_key and pre.n > reused and pre.n < len(tokens) \
                 and list(tokens[:pre.n]) == pre.tokens:
-            t0 = time.perf_counter()
-            built = self._build(pre.checkpoint)
-            if built is not None:
-                cache, rest = built, tokens[pre.n:]
-                reused, source = pre.n, pre.source
-                load_ms = (pre.load_s + time.perf_counter() - t0) * 1e3
+            cache, rest = pre.cache, tokens[pre.n:]
+            reused, source = pre.n, pre.source
+            load_ms = pre.load_s * 1e3
         del pre
         if self.metrics is not None:
             self.metrics.request(source, reused, len(rest), load_ms / 1e3 if source in ("disk", "remote") else None)
@@ -462,7 +506,6 @@ class TieredPromptCache(LRUPromptCache):
             have = self.store.find(text)
             if have is not None and have.text_bytes == len(text):
                 return None
-            meta["model"] = self.fingerprint
             return self.store.save_async(text, tokens, tensors, meta=meta, reason=reason,
                                          ctx_size=self.store.ctx_size, positional=positional,
                                          text_offsets=self._offsets(tokens, tenant, len(text)))
@@ -479,6 +522,8 @@ class TieredPromptCache(LRUPromptCache):
         thread whose stream made it.
         """
         saved = 0
+        if self.store is None:
+            return
         with self._lock:
             held = list(self._held.items())
         for (ns, tokens), cache in held:
@@ -487,7 +532,9 @@ class TieredPromptCache(LRUPromptCache):
         log.info("kvstore: shutdown queued=%d", saved)
 
     def close(self):
-        """Waits for the background writer and closes the store."""
+        """Waits for the background writer and closes the store (if it was opened)."""
+        if self.store is None:
+            return
         try:
             self.store.flush()
         finally:

@@ -97,7 +97,7 @@ static void check_hmac(const uint8_t *buf)
             next_sibling[i] = -1;
         }
         size_t got = kvs_sha1_forest_keyed(buf + 100, len, lengths, out, m, 0, first_child, next_sibling,
-                                           heap, matched, &k, NULL);
+                                           heap, matched, &k, NULL, 1);
         ok = got == m;
         for (size_t i = 0; ok && i < m; i++) ok = matched[i] == i;
         check(ok, "sha1_forest_keyed", len);
@@ -113,17 +113,24 @@ static void check_hmac(const uint8_t *buf)
         }
         check(ok, "hmac_sha1_inner_prefixes", len);
         got = kvs_sha1_forest_keyed(buf + 100, len, lengths, out, m, 0, first_child, next_sibling, heap, matched,
-                                    &k, tags);
+                                    &k, tags, 1);
         check(got == m, "sha1_forest_keyed tags", len);
         size_t j = m / 2;
         tags[KVS_LOOKUP_TAG * j] ^= 1;
         got = kvs_sha1_forest_keyed(buf + 100, len, lengths, out, m, 0, first_child, next_sibling, heap, matched,
-                                    &k, tags);
+                                    &k, tags, 1);
         check(got == j, "sha1_forest_keyed wrong tag", len);
         memset(tags + KVS_LOOKUP_TAG * j, 0, KVS_LOOKUP_TAG);          /* no tag: confirmed by the outer block */
         got = kvs_sha1_forest_keyed(buf + 100, len, lengths, out, m, 0, first_child, next_sibling, heap, matched,
-                                    &k, tags);
+                                    &k, tags, 1);
         check(got == m, "sha1_forest_keyed no tag", len);
+        /* outer 0: the inner hashes are the names (a namespace), tags unused. */
+        got = kvs_sha1_forest_keyed(buf + 100, len, lengths, inner, m, 0, first_child, next_sibling, heap, matched,
+                                    &k, tags, 0);
+        check(got == m, "sha1_forest_keyed inner names", len);
+        got = kvs_sha1_forest_keyed(buf + 100, len, lengths, out, m, 0, first_child, next_sibling, heap, matched,
+                                    &k, NULL, 0);
+        check(got == 0, "sha1_forest_keyed inner names are not HMACs", len);
     }
 }
 
@@ -178,7 +185,7 @@ static int header_equal(const kvs_header *a, const kvs_header *b)
            a->ext_flags == b->ext_flags && a->model_id == b->model_id && a->tokens == b->tokens &&
            a->hits == b->hits && a->ctx_size == b->ctx_size && a->payload_abi == b->payload_abi &&
            a->created_at == b->created_at && a->last_used == b->last_used &&
-           a->payload_bytes == b->payload_bytes;
+           a->payload_bytes == b->payload_bytes && a->model_tag == b->model_tag;
 }
 
 static uint64_t next_u64(void)
@@ -201,13 +208,17 @@ static void check_header(void)
         h.tokens = (uint32_t)next_u64() | 1;
         h.hits = (uint32_t)next_u64(); h.ctx_size = (uint32_t)next_u64();
         h.created_at = next_u64(); h.last_used = next_u64(); h.payload_bytes = next_u64();
+        h.model_tag = (uint32_t)next_u64() & KVS_MODEL_TAG_MAX;
         if (i == 0) { h.tokens = UINT32_MAX; h.hits = UINT32_MAX; h.payload_bytes = UINT64_MAX; }
         kvs_header_pack(&h, b);
         memset(&back, 0xAB, sizeof back);
         check(kvs_header_parse(b, &back) == KVS_OK && header_equal(&h, &back), "header round trip", i);
-        check(b[21] == 0 && b[22] == 0 && b[23] == 0, "header reserved zero", i);
-        b[21] = b[22] = b[23] = 0xFF;                       /* reserved: ignored */
-        check(kvs_header_parse(b, &back) == KVS_OK && header_equal(&h, &back), "header reserved", i);
+        /* bytes 21..23: the model tag, little-endian (ds4 writes them 0) */
+        check(b[21] == (h.model_tag & 0xFF) && b[22] == ((h.model_tag >> 8) & 0xFF) &&
+              b[23] == (h.model_tag >> 16), "header model tag", i);
+        b[21] = b[22] = b[23] = 0xFF;
+        h.model_tag = KVS_MODEL_TAG_MAX;
+        check(kvs_header_parse(b, &back) == KVS_OK && header_equal(&h, &back), "header model tag all ones", i);
     }
     h.tokens = 0x01020304;
     kvs_header_pack(&h, b);
