@@ -54,9 +54,11 @@ B. Decoding while another session's checkpoint loads (kvstore serve only;
    first len(P) - 1 tokens hold over 1 GiB of KV.  P's checkpoint is
    written straight into the cache directory as kvstore serve would store
    it (a cold prefill of P takes minutes on 2 cores): random KV arrays of
-   the model's cache shapes, the key the exact bytes of P's token ids
-   (kvstore.mlx.token_bytes_function of mlx-lm's own tokenizer), chained
-   blocks of 256 tokens, meta["model"] = kvstore.serve.model_fingerprint.
+   the model's cache shapes but for the last token's, which the model
+   computes over them (so the state passes the canary), the key the exact
+   bytes of P's token ids (kvstore.mlx.token_bytes_function of mlx-lm's own
+   tokenizer), chained blocks of 256 tokens, named by the model's identity
+   (kvstore.mlx.model_fingerprint, as kvstore serve names it).
    Each round runs two fresh servers (with --admit-after 2, so that the
    decoding sessions' own states, each used once, are never stored and no
    background write runs while the rates are taken; P's checkpoint is on
@@ -581,25 +583,34 @@ def long_prompt(tok, hf, tokens):
 
 
 def write_checkpoint(model, cache_dir, hf, ids, seed):
-    """Stores the KV of ids[:-1] (random arrays of the model's cache shapes) as kvstore serve would.
+    """Stores a state of ids[:-1] as kvstore serve would, without the minutes of a cold prefill.
+
+    Random KV arrays of the model's cache shapes for every token but the
+    last stored one; that one the model computes over them, so the state is
+    one the model would have written after that random history and passes
+    the canary (kvstore.mlx.canary recomputes exactly that token).  Named
+    by the model's identity as kvstore serve names it (model_fingerprint of
+    the loaded weights, no KV options).
 
     Returns:
         (bytes of the files written, tensor bytes, blocks).
     """
     import mlx.core as mx
+    import mlx_lm
     import numpy as np
     from mlx_lm.models.cache import KVCache
 
     import kvstore
     from kvstore.format import Reason
-    from kvstore.mlx import checked_state, text_offsets_function, token_bytes_function
-    from kvstore.serve import model_fingerprint
+    from kvstore.identity import ModelIdentity
+    from kvstore.mlx import checked_state, model_fingerprint, text_offsets_function, token_bytes_function
 
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
-    fingerprint = model_fingerprint(model)
+    loaded, _ = mlx_lm.load(model)
+    identity = ModelIdentity(model_fingerprint(loaded), os.path.basename(os.path.normpath(model)))
     n = len(ids) - 1
-    shape = (1, cfg["num_key_value_heads"], n, cfg["head_dim"])
+    shape = (1, cfg["num_key_value_heads"], n - 1, cfg["head_dim"])
     rng = np.random.default_rng(seed)
     cache = []
     for _ in range(cfg["num_hidden_layers"]):
@@ -607,17 +618,17 @@ def write_checkpoint(model, cache_dir, hf, ids, seed):
         c.update_and_fetch(mx.array(rng.random(shape, dtype=np.float32) - 0.5),
                            mx.array(rng.random(shape, dtype=np.float32) - 0.5))
         cache.append(c)
+    loaded(mx.array([[ids[n - 1]]]), cache=cache)
     mx.eval([c.state for c in cache])
     # The store as kvstore serve opens it (kvstore/serve/server.py: _Server),
     # with its defaults: chain layout, 256-token blocks.
-    store = kvstore.KVStore(cache_dir, model_id=int(fingerprint[:2], 16), quant_bits=16,
+    store = kvstore.KVStore(cache_dir, quant_bits=16,
                             ctx_size=int(cfg.get("max_position_embeddings") or kvstore.mlx.DEFAULT_CTX_SIZE),
-                            layout="chain", model_identity=fingerprint)
+                            layout="chain", model_identity=identity)
     try:
         token_bytes = token_bytes_function(hf)
         key = token_bytes(ids[:n])
         tensors, meta, positional = checked_state(cache, n)
-        meta["model"] = fingerprint
         entry = store.save(key, ids[:n], tensors, meta=meta, reason=Reason.SHUTDOWN, ctx_size=store.ctx_size,
                            positional=positional, text_offsets=text_offsets_function(token_bytes)(ids[:n], len(key)))
         if entry is None:

@@ -74,6 +74,7 @@ LOAD_SAMPLES = 21
 
 # Targets.
 MIN_SPEEDUP = 10.0               # cold TTFT / kvstore-hit TTFT
+MAX_CANARY_TIME_RATIO = 1.02     # kvstore hit with the canary / without (docs/format.md §17)
 MAX_HIT_TIME_RATIO = 1.0         # kvstore hit / mlx-lm hit (medians)
 MAX_SIZE_RATIO = 1.0             # kvstore file / mlx-lm file holding the same prompt
 
@@ -188,19 +189,59 @@ def request_cold(model, tok, prompt, step=PREFILL_STEP):
     return time.perf_counter_ns() - t0, y
 
 
-def request_kvstore(model, tok, prompt, store_dir, n_ckpt):
-    """(b) fresh KVStore + fresh engine + PromptCache on the directory; a disk hit."""
-    from kvstore.mlx import MLXEngine
+def request_kvstore(model, tok, prompt, store_dir, n_ckpt, canary=True, timed=None):
+    """(b) fresh KVStore + fresh engine + PromptCache on the directory; a disk
+    hit (the default path: the canary recomputes the last restored token;
+    canary=False: an engine without it, for the canary's cost).
+
+    timed: a dict that receives the canary's own nanoseconds ("canary_ns":
+    its prepare and finish) and the suffix prefill's ("prefill_ns",
+    "prefilled").
+    """
     from kvstore.prompt_cache import PromptCache
-    with kvstore.KVStore(store_dir) as store:
-        engine = MLXEngine(model, tok)
+    engine = _engine_class(canary)(model, tok)
+    with kvstore.KVStore(store_dir, model_identity=engine.identity) as store:
         pc = PromptCache(store, engine, prefill_step=PREFILL_STEP)
         t0 = time.perf_counter_ns()
         out, rep = engine.generate(pc, prompt, max_tokens=1)
         dt = time.perf_counter_ns() - t0
-    if rep["source"] != "disk" or rep["reused_tokens"] != n_ckpt or rep["stored"]:
+    if rep["source"] != "disk" or rep["reused_tokens"] != n_ckpt or rep["stored"] \
+            or rep["canary"] != ("tail" if canary else ""):
         raise SystemExit(f"kvstore request was not the expected hit: {rep}")
+    if timed is not None:
+        timed.update(engine.timed, prefilled=rep["prefilled_tokens"])
     return dt, out[0]
+
+
+def _engine_class(canary):
+    """MLXEngine that times its canary and its prefill; without the canary
+    (PromptCache skips it for an engine that lacks it) when canary is False."""
+    from kvstore.mlx import MLXEngine
+
+    class Timed(MLXEngine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.timed = {"canary_ns": 0, "prefill_ns": 0}
+
+        def _time(self, key, fn, *a):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a)
+            finally:
+                self.timed[key] += time.perf_counter_ns() - t0
+
+        def canary_prepare(self, tokens):
+            return self._time("canary_ns", super().canary_prepare, tokens)
+
+        def canary_finish(self, probe):
+            return self._time("canary_ns", super().canary_finish, probe)
+
+        def prefill(self, tokens):
+            return self._time("prefill_ns", super().prefill, tokens)
+
+    if not canary:
+        Timed.canary_prepare = None
+    return Timed
 
 
 def request_mlx_lm(model, tok, prompt, path, n_ckpt):
@@ -222,10 +263,10 @@ def request_mlx_lm(model, tok, prompt, path, n_ckpt):
     return dt, y
 
 
-def load_kvstore(store_dir, prompt):
+def load_kvstore(store_dir, prompt, identity):
     import mlx.core as mx
     from kvstore.mlx import tensors_to_cache
-    with kvstore.KVStore(store_dir) as store:
+    with kvstore.KVStore(store_dir, model_identity=identity) as store:
         t0 = time.perf_counter_ns()
         ck = store.load(store.find(prompt), into="mlx")
         cache = tensors_to_cache(ck.tensors, ck.meta)
@@ -258,8 +299,9 @@ def bench_size(report, model, tok, text, n_ckpt, rounds, tmp):
     # policy (it stores the cold checkpoint at store_len = n_ckpt).  It is
     # also the cold path's warm-up.
     t0 = time.perf_counter()
-    with kvstore.KVStore(store_dir) as store:
-        engine = MLXEngine(model, tok)
+    engine = MLXEngine(model, tok)
+    identity = engine.identity
+    with kvstore.KVStore(store_dir, model_identity=identity) as store:
         out, rep = engine.generate(PromptCache(store, engine, prefill_step=PREFILL_STEP), prompt, max_tokens=1)
         entries = store.entries()
     setup_cold_s = time.perf_counter() - t0
@@ -270,7 +312,7 @@ def bench_size(report, model, tok, text, n_ckpt, rounds, tmp):
     kv_bytes = sum(e.file_size for e in entries)
     kv_text = max(e.text_bytes for e in entries)
     # The same checkpoint as one whole-prefix file (layout="whole", payload ABI 16), for the size rows.
-    with kvstore.KVStore(store_dir) as store:
+    with kvstore.KVStore(store_dir, model_identity=identity) as store:
         ck = store.load(store.find(prompt), into="numpy")
     with kvstore.KVStore(os.path.join(tmp, f"kv-whole-{n_ckpt}"), layout="whole") as whole:
         whole_bytes = whole.save(ck.text_bytes, ck.tokens, ck.tensors, meta=ck.meta, dtypes=ck.dtypes).file_size
@@ -316,7 +358,23 @@ def bench_size(report, model, tok, text, n_ckpt, rounds, tmp):
     loads = {"kvstore": [], "mlx-lm": []}
     for i in range(LOAD_SAMPLES):
         for name in (["kvstore", "mlx-lm"] if i % 2 == 0 else ["mlx-lm", "kvstore"]):
-            loads[name].append(load_kvstore(store_dir, prompt) if name == "kvstore" else load_mlx_lm(peer_path))
+            loads[name].append(load_kvstore(store_dir, prompt, identity) if name == "kvstore"
+                               else load_mlx_lm(peer_path))
+
+    # The canary's cost: the same hit with and without it, paired, the
+    # order alternating.
+    canary, shares = {True: [], False: []}, []
+    for i in range(rounds * HIT_SAMPLES_PER_ROUND):
+        for on in ((True, False) if i % 2 == 0 else (False, True)):
+            timed = {}
+            dt, y = request_kvstore(model, tok, prompt, store_dir, n_ckpt, canary=on, timed=timed)
+            canary[on].append(dt)
+            firsts.add(y)
+            if on:
+                # Its own work, and the one token it adds to the suffix prefill.
+                shares.append((timed["canary_ns"] + timed["prefill_ns"] / timed["prefilled"], dt))
+    if len(firsts) != 1:
+        raise SystemExit(f"the hits with and without the canary sampled different first tokens: {sorted(firsts)}")
 
     cold, kv, peer = (stats(samples[k]) for k in ("cold", "kvstore", "mlx-lm"))
     speedup = cold["median_ns"] / kv["median_ns"]
@@ -329,6 +387,13 @@ def bench_size(report, model, tok, text, n_ckpt, rounds, tmp):
                target=MAX_HIT_TIME_RATIO,
                note=f"paired ratio {fmt_ratio(paired)}; both prefill the same {SUFFIX_TOKENS}-token suffix; "
                     f"kvstore includes find + load + restore, a fresh KVStore and engine per sample")
+    paired = statistics.median(a / b for a, b in zip(canary[True], canary[False]))
+    share = statistics.median(c / t for c, t in shares)
+    report.add(f"TTFT {label} tokens: the canary's cost vs the disk hit's TTFT",
+               stats([c for c, _ in shares]), stats([t for _, t in shares]), target=MAX_CANARY_TIME_RATIO - 1,
+               note=f"median share {share:.2%}: its own work (the stored row copied out, the cache trimmed, the "
+                    "recomputed row compared) + one token's share of the suffix prefill it joins; the same "
+                    f"hit with vs without the canary, paired: {fmt_ratio(paired)} (noise of a few %)")
     report.add(f"load {label}: kvstore find + load + restore + eval vs load_prompt_cache + eval",
                stats(loads["kvstore"]), stats(loads["mlx-lm"]),
                note=f"{tensor_bytes / MiB:.2f} MiB of KV tensors; warm page cache, in process")

@@ -18,7 +18,8 @@ block (or one whole file in a store with layout="whole").
 import os
 import time
 
-from kvstore import _native, files, payload
+from kvstore import files, names, payload
+from kvstore.identity import ModelIdentity
 from kvstore import trailers as trailer_mod
 from kvstore.errors import CorruptCheckpoint
 from kvstore.format import PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Header, entry_from_fd, open_checkpoint
@@ -52,12 +53,14 @@ def export_checkpoint(store, entry, path, plain=False):
         raise CorruptCheckpoint("not_loadable", entry.path, "vanished, corrupt or not for this store (see the log)")
     e = ckpt.entry
     n = int(ckpt.tokens.size)
+    # The file names its model as the store's own files do (docs/format.md §17).
+    model = store.model_identity if e.model_tag else None
     plan = payload.Plan(len(ckpt.text_bytes), ckpt.tokens, ckpt.tensors, ckpt.meta, axes=ckpt.positional,
-                        cuts={t: c for t, c in ckpt.cuts.items() if t < n}, dtypes=ckpt.dtypes)
+                        cuts={t: c for t, c in ckpt.cuts.items() if t < n}, dtypes=ckpt.dtypes, model=model)
     trailer_raw, ext = trailer_mod.encode_trailer(dict(ckpt.trailers)) if ckpt.trailers else (b"", 0)
     header = Header(quant_bits=e.quant_bits, tokens=n, ctx_size=e.ctx_size, payload_bytes=plan.payload_bytes,
                     reason=e.reason, ext_flags=ext, model_id=e.model_id, payload_abi=PAYLOAD_ABI_TENSORS,
-                    created_at=e.created_at or int(time.time()), last_used=0)
+                    created_at=e.created_at or int(time.time()), last_used=0, model_tag=e.model_tag)
     return files.write_checkpoint(os.path.abspath(os.fspath(path)), header, ckpt.text_bytes, plan, trailer_raw,
                                   durable=store.durable)
 
@@ -71,7 +74,8 @@ def import_checkpoint(store, path):
     cuts it at the file's "cuts" and writes only the blocks it lacks.
 
     Args:
-        store: the KVStore to import into (its model id must match the file's).
+        store: the KVStore to import into (its model id and its model
+            identity must be the file's, docs/format.md §17).
         path: the file.
 
     Returns:
@@ -80,7 +84,7 @@ def import_checkpoint(store, path):
     Raises:
         CheckpointMissing: no such file.
         CorruptCheckpoint: the file fails a check, is not ABI 16, or was made
-            by another model id than the store's.
+            by another model (id or identity) than the store's.
     """
     fd, st = open_checkpoint(path)
     try:
@@ -90,13 +94,17 @@ def import_checkpoint(store, path):
         os.close(fd)
     if e.payload_abi != PAYLOAD_ABI_TENSORS:
         raise CorruptCheckpoint("not_importable", path, f"payload ABI {e.payload_abi}: only whole (ABI 16) files")
-    sha = _native.sha1(text).hex()
-    why = files.verify_file(path, name=sha + ".kv")
+    model = file_model(path)
+    key = ModelIdentity(model).names if e.model_tag and model is not None else None
+    why = files.verify_file(path, name=names.name_of(text, key).hex() + ".kv")
     if why is not None:
         raise CorruptCheckpoint("import_check", path, why)
     if e.model_id != store.model_id:
         raise CorruptCheckpoint("not_importable", path,
                                 f"made by model id {e.model_id}; the store serves model id {store.model_id}")
+    if (model if e.model_tag else None) != store.model_identity:
+        raise CorruptCheckpoint("not_importable", path, f"made by model {model or '(none named)'}; the store "
+                                f"holds model {store.model_identity or '(none named)'}")
     fd, st = open_checkpoint(path)
     try:
         e = entry_from_fd(fd, st, path)
@@ -112,4 +120,16 @@ def import_checkpoint(store, path):
                       text_offsets=manifest.cuts or None, dtypes={t[0]: t[1] for t in manifest.tensors})
 
 
-__all__ = ["export_checkpoint", "import_checkpoint"]
+def file_model(path):
+    """The model identity an ABI 16 or 17 file's manifest records, or None (none recorded, or not readable)."""
+    fd, st = open_checkpoint(path)
+    try:
+        e = entry_from_fd(fd, st, path)
+        return payload.read_manifest(fd, e).model if e.loadable else None
+    except CorruptCheckpoint:
+        return None
+    finally:
+        os.close(fd)
+
+
+__all__ = ["export_checkpoint", "import_checkpoint", "file_model"]

@@ -29,7 +29,7 @@ import logging
 import os
 import re
 
-from kvstore import _native, payload
+from kvstore import _native, identity, payload
 from kvstore import trailers as trailer_mod
 from kvstore.errors import AmbiguousSession, KVStoreError, SessionNotFound
 from kvstore.format import ExtFlag, Reason, entry_from_fd, open_checkpoint, read_entry
@@ -257,6 +257,9 @@ def _why_not(store, e):
     why = store.misfit(e)
     if why == "payload_abi":
         return f"its payload ABI {e.payload_abi} is not one this build loads"
+    if why == "model":
+        return (f"it was saved by another model (tag {identity.tag_hex(e.model_tag)}), this store holds model "
+                f"{store.model_identity or '(none named)'}")
     if why == "model_id":
         return f"it was saved by model id {e.model_id}, this store serves model id {store.model_id}"
     if why == "ctx_size":

@@ -181,10 +181,8 @@ class KVStore:
         self.accept_unidentified = bool(accept_unidentified) and self.identity is not None
         self._seal = seal.Sealer(key, self.identity) if key is not None else None    # BadKey if bad
         self.sealed = self._seal is not None
-        if self._seal is None:
-            self._abis = LOADABLE_ABIS
-        else:
-            self._abis = SEALED_ABIS | (LOADABLE_ABIS if accept_unsealed else frozenset())
+        self._abis = LOADABLE_ABIS if not self.sealed else SEALED_ABIS | (LOADABLE_ABIS if accept_unsealed
+                                                                          else frozenset())
         self.write_budget_bytes = counters.budget_capacity(max_write_mb_per_hour)   # ValueError if bad
         if budget_mb is None or budget_mb < 0:
             raise ValueError(f"budget_mb={budget_mb!r} must be a number >= 0")
@@ -229,13 +227,8 @@ class KVStore:
         self._lookup = TieredLookup(self._index)
         for name in files.remove_stale_temps(self.path):
             log.info("kvstore: stale_tmp_removed file=%s", short_name(name))
-        if self.identity is not None:
-            with self._dir_lock(fcntl.LOCK_EX):
-                registry.record(self.path, self.identity, self.durable)
         self.evict()            # lists the directory (the first index refresh) and applies the budget
-        self.remote = None
-        if remote is not None:
-            self.remote = self._open_remote(remote, remote_options)
+        self.remote = None if remote is None else self._open_remote(remote, remote_options)
 
     # -- set-up ------------------------------------------------------------
 
@@ -251,6 +244,10 @@ class KVStore:
             raise CheckpointOSError(e.errno, f"cannot create store directory: {e.strerror}", self.path) from None
         if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
             raise CheckpointOSError(errno.EACCES, "store directory is not readable and writable", self.path)
+        if self.identity is not None:
+            # Names the model in kvstore ls and stats (docs/format.md §17).
+            with self._dir_lock(fcntl.LOCK_EX):
+                registry.record(self.path, self.identity, self.durable)
 
     def _open_remote(self, url, options):
         scheme = url.partition("://")[0] if isinstance(url, str) else None

@@ -34,6 +34,10 @@ def test_demo_runs_the_agent_workload_across_a_restart(tmp_path):
     m = re.search(r"median TTFT: cold (\d+) ms, hit (\d+) ms, speed-up ([\d.]+)x", out)
     assert m and float(m.group(3)) > 2
     assert re.search(r"cache hits: 8 \(89%", out)
+    # Every disk hit was checked against the model, and none failed.
+    m = re.search(r"canary: (\d+) restored states checked against the model, (\d+) failed", out)
+    disk = sum(src == "disk" for _, _, src, _, _, _ in rows)
+    assert m and int(m.group(1)) >= disk >= 1 and m.group(2) == "0"
     # The checkpoints are on disk, valid, private, and hold the reasons the policy stores.
     entries = [kvstore.read_entry(cache / n) for n in os.listdir(cache) if n.endswith(".kv")]
     reasons = {e.reason.name.lower() for e in entries}

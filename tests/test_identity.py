@@ -131,13 +131,19 @@ def test_files_that_name_no_model_are_loaded_only_by_a_store_that_says_so(tmp_pa
         assert sum(e.model_tag != 0 for e in anonymous.entries()) == 1
 
 
-def test_a_header_tag_changed_to_another_model_makes_the_file_foreign(tmp_path):
-    d = tmp_path / "kv"
-    with make_store(d, model_identity=A, layout="whole") as s:
+def whole_file_retagged(d, writer, tag_of):
+    """A whole file saved by a store of model writer, its header's model tag then set to tag_of's."""
+    with make_store(d, model_identity=writer, layout="whole") as s:
         e, _ = save(s, positional=None, text_offsets=None)
     with open(e.path, "r+b") as f:
         f.seek(21)
-        f.write(ModelIdentity(B).tag.to_bytes(3, "little"))
+        f.write(ModelIdentity(tag_of).tag.to_bytes(3, "little"))
+    return e
+
+
+def test_a_header_tag_changed_to_another_model_makes_the_file_foreign(tmp_path):
+    d = tmp_path / "kv"
+    e = whole_file_retagged(d, A, B)
     with make_store(d, model_identity=A, layout="whole") as s:
         assert s.find(TEXT + " and more") is None
         assert s.misfit(s.entries()[0]) == "model"
@@ -147,11 +153,7 @@ def test_a_header_tag_changed_to_another_model_makes_the_file_foreign(tmp_path):
 def test_a_file_whose_manifest_names_another_model_is_not_loaded(tmp_path):
     # B's file, relabelled as A's (tag and name): its manifest still says B.
     d = tmp_path / "kv"
-    with make_store(d, model_identity=B, layout="whole") as b:
-        eb, _ = save(b, positional=None, text_offsets=None)
-    with open(eb.path, "r+b") as f:
-        f.seek(21)
-        f.write(ModelIdentity(A).tag.to_bytes(3, "little"))
+    eb = whole_file_retagged(d, B, A)
     forged = d / (names.name_of(TEXT.encode(), ModelIdentity(A).names).hex() + ".kv")
     os.rename(eb.path, forged)
     assert files.verify_file(str(forged)).startswith("model_mismatch")
@@ -236,3 +238,39 @@ def test_the_registry_names_the_models_that_use_a_directory(tmp_path):
     with make_store(d, model_identity=A) as s:
         assert s.entries() == []
     assert json.loads((d / registry.REGISTRY).read_text())
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+def test_ls_stats_export_and_import_keep_the_model(tmp_path, capsys):
+    from kvstore import cli
+    d, other = tmp_path / "kv", tmp_path / "other"
+    with make_store(d, model_identity=ModelIdentity(A, "model A"), block_tokens=16) as s:
+        ea, ta = save(s)
+    with make_store(d, model_identity=B, block_tokens=16) as s:
+        save(s)
+    assert cli.main(["ls", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "model A" in out and B in out
+    assert cli.main(["ls", str(d), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["model"] for r in rows} == {"model A", B}
+    assert {r["model_tag"] for r in rows} == {f"{ModelIdentity(A).tag:06x}", f"{ModelIdentity(B).tag:06x}"}
+    assert cli.main(["stats", str(d), "--json"]) == 0
+    models = json.loads(capsys.readouterr().out)["models"]
+    assert sorted(m["name"] for m in models) == ["model A", B] and all(m["entries"] == 4 for m in models)
+    assert cli.main(["stats", str(d)]) == 0
+    assert "model A (" in capsys.readouterr().out
+    assert cli.main(["inspect", ea.path]) == 0
+    out = capsys.readouterr().out
+    assert "model A (tag" in out and f"model: {A}" in out
+    # Export A's sequence: one file that still names A; import it elsewhere as A's.
+    exported = tmp_path / "a.kv"
+    assert cli.main(["export", ea.sha[:10], str(exported), "--dir", str(d)]) == 0
+    assert read_entry(exported).model_tag == ModelIdentity(A).tag
+    assert cli.main(["import", str(exported), "--dir", str(other), "--block-tokens", "16"]) == 0
+    capsys.readouterr()
+    with make_store(other, model_identity=A, block_tokens=16) as s:
+        assert same_tensors(loaded(s), ta)
+    with make_store(other, model_identity=B, block_tokens=16) as s:
+        assert s.find(TEXT + " and more") is None

@@ -857,8 +857,10 @@ def test_canary_passes_the_models_own_state_and_fails_another_models(arch, tmp_p
         return
     expect = "tail" if mlc.can_trim_prompt_cache(cache) else "head"
     assert own.kind == theirs.kind == expect, (own, theirs)
-    assert own.ok and own.distance <= canary.TOLERANCE / 10, own
-    assert not theirs.ok and theirs.distance > 2 * canary.TOLERANCE, theirs
+    # float32 weights: rounding stays far below the tolerance, other weights far above.
+    tol = canary.TOLERANCE["float32"]
+    assert own.ok and own.distance <= tol / 10, own
+    assert not theirs.ok and theirs.distance > 100 * tol, theirs
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "deepseek_v3", "jamba", "qwen3_next"])

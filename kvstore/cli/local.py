@@ -37,7 +37,7 @@ from kvstore.files import QUARANTINE_DIR, checkpoint_names, describe_error, scan
 from kvstore.format import SEALED_ABI_OFFSET, ExtFlag, entry_from_fd, open_checkpoint, read_entry
 from kvstore.payload import pread, read_manifest
 from kvstore.chain import DEFAULT_BLOCK_TOKENS
-from kvstore.exchange import export_checkpoint, import_checkpoint
+from kvstore.exchange import export_checkpoint, file_model, import_checkpoint
 from kvstore.store import DEFAULT_BUDGET_MB, LAYOUTS, KVStore
 
 
@@ -246,6 +246,9 @@ def cmd_inspect(args):
             ("reason", f"{text.reason_name(e.reason)} ({int(e.reason)})"),
             ("ext flags", f"0x{int(e.ext_flags):02x}" + (f" ({', '.join(flags)})" if flags else "")),
             ("model id", e.model_id),
+            ("model", "- (names no model)" if not e.model_tag else
+             f"{registry.describe_tag(e.model_tag, registry.read_registry(os.path.dirname(path)))} "
+             f"(tag {identity.tag_hex(e.model_tag)})"),
             ("tokens", e.tokens),
             ("hits", e.hits),
             ("ctx size", e.ctx_size),
@@ -304,6 +307,8 @@ def cmd_inspect(args):
                                     text.table(trows, ("NAME", "DTYPE", "SHAPE", "BYTES", "KIND"),
                                                right={3}).split("\n")))
                 print(f"  meta keys: {', '.join(text.printable(k) for k in sorted(m.meta)) or '-'}")
+                if m.model is not None:
+                    print(f"  model: {text.printable(m.model)}")
         sections = list(trailers.trailer_sections(src, plain))
         print(f"trailer sections ({len(sections)}):")
         for bit, off, length, crc in sections:
@@ -466,6 +471,29 @@ def _quarantine(d, path, before):
     except OSError as e:
         return False, f"kept: {os.strerror(e.errno) if e.errno else e}"
     return True, f"moved to {QUARANTINE_DIR}/"
+
+
+def _model_of_file(d, e, sealer):
+    """The model identity of a file that names one (docs/format.md §17): the
+    directory's registry's, else its manifest's (through the key when sealed);
+    None for a file that names none."""
+    if not e.model_tag:
+        return None
+    row = registry.read_registry(d).get(e.model_tag)
+    if row is not None:
+        return row["identity"]
+    if not e.sealed:
+        return file_model(e.path)
+    if sealer is None or not sealer.owns(e):
+        return None
+    fd, st = open_checkpoint(e.path)
+    try:
+        src, plain = sealer.source(fd, st, e)
+        return read_manifest(src, plain).model
+    except CorruptCheckpoint:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _open_store(d, key=None, **kw):
@@ -643,7 +671,8 @@ def cmd_export(args):
     if e.sealed and not args.plain:
         raise UsageError("an export is one plain .kv file: the prompt text and its KV state in the clear; "
                          "pass --plain to write it anyway")
-    store = _open_store(d, key=key, model_id=e.model_id, quant_bits=e.quant_bits)
+    store = _open_store(d, key=key, model_id=e.model_id, quant_bits=e.quant_bits,
+                        model_identity=_model_of_file(d, e, _sealer(args)))
     try:
         out = export_checkpoint(store, e, args.file, plain=args.plain)
     except CorruptCheckpoint as err:
@@ -670,7 +699,8 @@ def cmd_import(args):
         if key is not None:
             _sealer(args)
         store = KVStore(args.dir, budget_mb=args.budget_mb, model_id=e.model_id, quant_bits=e.quant_bits,
-                        layout=args.layout, block_tokens=args.block_tokens, key=key)
+                        layout=args.layout, block_tokens=args.block_tokens, key=key,
+                        model_identity=file_model(args.file) if e.model_tag else None)
     except UnsafePath:
         raise UsageError(f"{args.dir}: not a directory (kvstore never follows symlinks)") from None
     try:

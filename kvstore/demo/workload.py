@@ -214,6 +214,7 @@ def summary(rows, directory):
     warm = [r["ttft_ms"] for r in hits]
     with kvstore.KVStore(directory, options=kvstore.Options(**DEMO_OPTIONS)) as store:
         entries = store.entries()
+        counted = store.counters()
     by_reason = {}
     for e in entries:
         by_reason[e.reason.name.lower()] = by_reason.get(e.reason.name.lower(), 0) + 1
@@ -227,6 +228,8 @@ def summary(rows, directory):
         print(f"median TTFT: cold {c:.0f} ms, hit {w:.0f} ms, speed-up {c / w:.1f}x")
     print(f"on disk: {len(entries)} checkpoints, {sum(e.file_size for e in entries) / 1e6:.1f} MB "
           f"({', '.join(f'{k} {v}' for k, v in sorted(by_reason.items()))})")
+    print(f"canary: {counted['canary_checks']} restored states checked against the model, "
+          f"{counted['canary_failures']} failed")
 
 
 # ---- the whole demo ------------------------------------------------------------

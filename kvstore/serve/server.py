@@ -109,7 +109,10 @@ class _Server:
             self.metrics = None
             log.warning("kvstore: metrics_disabled reason=no_prometheus_client "
                         "(pip install 'kvstore[serve]' for GET /metrics)")
-        cache_options = {k: getattr(cli, k, None) for k in CACHE_OPTIONS}
+        # Without kv_bits the group size and start change nothing: the
+        # identity is then the model's own, as an MLXEngine's is.
+        cache_options = {} if getattr(cli, "kv_bits", None) is None else {k: getattr(cli, k, None)
+                                                                         for k in CACHE_OPTIONS}
         self.tier = TieredPromptCache(open_store, model_provider, model_key, options, cache_options,
                                       label=os.path.basename(os.path.normpath(path)),
                                       max_size=cli.prompt_cache_size, metrics=self.metrics,
