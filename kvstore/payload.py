@@ -110,6 +110,18 @@ def is_mlx_array(a):
     return type(a).__module__.startswith("mlx")
 
 
+def host_view(a):
+    """(a NumPy view of an evaluated, C-contiguous MLX array's memory, the
+    dtype to record for it or None).  NumPy has no bfloat16: such an array
+    comes back as its uint16 bit patterns, and "bfloat16" is the dtype to
+    record (Plan's dtypes).  No copy and no MLX op: the view keeps the
+    array's buffer alive."""
+    dtype = str(a.dtype).rsplit(".", 1)[-1]
+    if dtype == "bfloat16":
+        return np.frombuffer(memoryview(a).cast("B"), dtype="<u2").reshape(a.shape), dtype
+    return np.asarray(a), None
+
+
 def tensor_source(name, a):
     """Describes an array for the writer without copying it.
 

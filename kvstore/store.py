@@ -1114,24 +1114,39 @@ class KVStore:
         """save() on the background writer; returns a concurrent.futures.Future.
 
         The arrays are captured now: NumPy arrays are copied (the caller may
-        reuse its buffers at once), MLX arrays are evaluated (they are
-        immutable).  Blocks only while the writer's bounded queue is full.
+        reuse its buffers at once), MLX arrays are evaluated (strided ones
+        copied contiguous) on the calling thread and handed to the writer as
+        NumPy views (bfloat16 as its bits, recorded as bfloat16): the writer
+        runs no MLX op.  Blocks only while the writer's bounded queue is full.
         """
         self._check_open()
         # Shape checked before the copy: a broadcast view of 2**32 ids costs
         # nothing, its copy 16 GiB.
         tokens = np.array(_token_array(tokens), copy=True)
         captured = {}
+        dtypes = dict(kwargs.get("dtypes") or {})
         for k, a in tensors.items():
             if payload.is_mlx_array(a):
-                # A new array object over the same buffer: the caller's object
-                # may be rebound by an in-place update (cache[..., i:j] = x)
-                # before the writer gets to it; the view keeps today's data.
+                # A new array, contiguous: the caller's object may be rebound
+                # by an in-place update (cache[..., i:j] = x) before the
+                # writer gets to it, and the copy keeps today's data.  A
+                # strided view (a KV buffer cut to its filled length) is
+                # copied here, on the caller's thread and MLX stream, and the
+                # writer gets a NumPy view of it, so that it runs no MLX op:
+                # one would queue behind a running prefill (seen: a save of
+                # 5.8 MB taking 17-24 s in kvstore serve, in the contiguous
+                # copy of a chain block's slice), and MLX on the CPU is not
+                # safe for ops on two threads at once.
                 import mlx.core as mx
-                captured[k] = a[...]
-                mx.eval(captured[k])
+                c = mx.contiguous(a[...])
+                mx.eval(c)
+                captured[k], recorded = payload.host_view(c)
+                if recorded is not None:
+                    dtypes[k] = recorded
             else:
                 captured[k] = np.array(a, copy=True)
+        if dtypes:
+            kwargs["dtypes"] = dtypes
         with self._lock:
             if self._writer is None or self._writer_pid != os.getpid():
                 # (A forked child inherits the writer object but not its thread.)

@@ -7,18 +7,24 @@ tokenizer and a chat template).
 """
 
 import glob
+import http.client
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
 pytest.importorskip("mlx_lm")
 
 from kvstore import KVStore, Reason, read_entry, registry
-from kvstore.demo.model import prose, write_model_dir
+from kvstore.demo.model import prose, text_of_tokens, write_model_dir
 from kvstore.serve import split_at_waypoints
 from kvstore.files import verify_file
 from kvhelpers import USER_TURNS, conversation, free_port, kvstore_server, stock_server, system_prompt
@@ -338,3 +344,126 @@ def test_two_models_one_cache_root_each_gets_only_its_own_state(model_dir, workd
     assert a3 == a1, "the forged state must never answer"
     assert "kvstore: canary_failed" in log_a and source == "source=none", log_a
     assert os.listdir(os.path.join(cache, ".quarantine"))
+
+
+# ---- SIGTERM drains ----------------------------------------------------------------------------
+
+def stream(server, max_tokens, events, ban=(1,)):
+    """A streaming chat completion read event by event into events (the parsed
+    data lines; "[DONE]" as it is); the EOS token banned so that the answer runs
+    to max_tokens."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell me everything about shelves."}],
+                       "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                       "logit_bias": {str(t): -100.0 for t in ban}}).encode()
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        events.append(("status", resp.status))
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            if line.startswith(b"data:"):
+                payload = line[5:].strip()
+                events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    finally:
+        conn.close()
+
+
+def chunks(events):
+    return [e for e in events if isinstance(e, dict) and e.get("choices")]
+
+
+def wait_for(cond, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_sigterm_lets_a_streaming_answer_finish_and_refuses_new_requests(model_dir, workdir):
+    server = kvstore_server(model_dir, os.path.join(workdir, "cache-drain"), workdir, "drain")
+    events = []
+    t = threading.Thread(target=stream, args=(server, 300, events))
+    t.start()
+    try:
+        wait_for(lambda: len(chunks(events)) >= 5)
+        server.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "kvstore: draining" in server.text())
+        # A request sent now is refused, politely, while the stream goes on.
+        status, r = server.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert status == 503 and "retry" in r["error"]
+        req = urllib.request.Request(server.url("/health"))
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 503 and e.value.headers["Retry-After"]
+    finally:
+        t.join(120)
+        rc = server.proc.wait(120)
+        server.log.close()
+    got = chunks(events)
+    assert events[0] == ("status", 200) and events[-1] == "[DONE]"
+    assert got[-1]["choices"][0]["finish_reason"] == "length", got[-1]
+    assert len(got) >= 250                                   # the whole answer, not a cut one
+    assert rc == 0, server.text()
+    log = server.text()
+    assert "kvstore: drained ok=1 left=0" in log and "kvstore: shutdown queued=" in log
+
+
+def test_a_stream_the_drain_timeout_cuts_ends_with_an_error_not_a_silent_end(model_dir, workdir):
+    server = kvstore_server(model_dir, os.path.join(workdir, "cache-cut"), workdir, "cut",
+                            "--drain-timeout", "0.5")
+    events = []
+    t = threading.Thread(target=stream, args=(server, 100_000, events))
+    t.start()
+    try:
+        wait_for(lambda: len(chunks(events)) >= 5)
+        server.proc.send_signal(signal.SIGTERM)
+    finally:
+        t.join(120)
+        rc = server.proc.wait(120)
+        server.log.close()
+    assert "[DONE]" not in events and all(c["choices"][0]["finish_reason"] is None for c in chunks(events))
+    assert "error" in events[-1] and events[-1]["error"]["code"] == "server_shutting_down", events[-1]
+    assert rc == 0
+    assert "kvstore: request_cut reason=shutdown stream=1" in server.text()
+
+
+# ---- requests that arrive together are admitted together ---------------------------------------
+
+def test_requests_that_arrive_together_prefill_as_one_batch(tmp_path, workdir):
+    """Four clients send distinct ~700-token prompts at once.  Stock mlx-lm
+    takes every queued request before it prefills; kvstore serve prepares each
+    on its HTTP thread first, so without the admission wait the first request
+    starts prefilling alone and the others, starved, join seconds later.
+    The model is big enough (8 layers, hidden 256) that a prefill takes
+    seconds here."""
+    model = str(tmp_path / "model-8")
+    _, tok = write_model_dir(model, seed=0, layers=8, hidden=256, heads=4, kv_heads=2, head_dim=64)
+    text = prose(("argparse", "json", "logging", "pathlib", "threading"))
+    systems, at = [], 0
+    for i in range(4):
+        t = text_of_tokens(tok, text[at:], 700)
+        systems.append(f"Session {i}. {t}")
+        at += len(t) + 1
+    server = kvstore_server(model, tmp_path / "cache", workdir, "admit")
+    try:
+        server.chat([{"role": "user", "content": "hi"}], max_tokens=2)           # warm
+        threads = [threading.Thread(target=server.chat, args=([{"role": "system", "content": s},
+                                                               {"role": "user", "content": "Go on."}],))
+                   for s in systems]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        server.stop()
+    lines = [ln for ln in server.text().splitlines()
+             if "kvstore: request source=" in ln or "Prompt processing progress" in ln]
+    big = [i for i, ln in enumerate(lines) if "kvstore: request" in ln and int(ln.split("prefilled=")[1].split()[0]) > 500]
+    progress = [i for i, ln in enumerate(lines) if "Prompt processing progress" in ln
+                and int(ln.rsplit("/", 1)[1]) > 500]
+    assert len(big) == 4 and progress
+    # Every one of the four joined before any of them was prefilled.
+    assert max(big) < min(progress), "\n".join(lines)

@@ -244,6 +244,38 @@ def test_save_async_mlx(store):
     assert e is not None and mx.array_equal(ck.tensors["a"], a).item()
 
 
+def test_save_async_of_strided_mlx_views_runs_no_mlx_op_on_the_writer(tmp_path, monkeypatch):
+    # KV buffers cut to their filled length are strided views; a chained
+    # save slices them again per block.  The copy happens on the caller's
+    # thread: an MLX op on the writer's thread would queue behind whatever
+    # the caller's stream runs (a prefill) and MLX on the CPU is not safe
+    # for ops on two threads at once.
+    mx = pytest.importorskip("mlx.core")
+    import threading
+    buf = {"k": mx.random.normal((1, 2, 512, 8)).astype(mx.bfloat16), "v": mx.random.normal((1, 2, 512, 8))}
+    views = {n: a[..., :300, :] for n, a in buf.items()}
+    mx.eval(views)
+    assert not memoryview(views["v"]).c_contiguous
+    caller, on_writer = threading.get_ident(), []
+    real = mx.contiguous
+
+    def spy(*a, **kw):
+        if threading.get_ident() != caller:
+            on_writer.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(mx, "contiguous", spy)
+    with make_store(tmp_path / "kv", layout="chain", block_tokens=128) as s:
+        text = "x" * 300
+        e = s.save_async(text, np.arange(300), views, positional={"k": 2, "v": 2},
+                         text_offsets=list(range(301))).result(timeout=30)
+        assert e is not None and e.tokens == 300 and e.token_start == 256      # three blocks
+        ck = s.load(s.find(text + " and more"), into="mlx")
+    assert on_writer == []
+    assert ck.dtypes["k"] == "bfloat16" and ck.tensors["k"].dtype == mx.bfloat16
+    for n in views:
+        assert mx.array_equal(ck.tensors[n], views[n]).item(), n
+
+
 def test_save_async_refusal_and_error_come_through_the_future(tmp_path):
     with make_store(tmp_path / "kv", options=Options(min_tokens=5)) as s:
         assert s.save_async("few", [1, 2], small_tensors()).result(timeout=30) is None

@@ -24,6 +24,15 @@ log = logging.getLogger("kvstore")
 # How long a request that arrives while the server loads its model waits for it.
 MODEL_WAIT_S = 600
 
+# Requests that arrive together are admitted together, as stock mlx-lm
+# admits the requests its queue holds: once the generation thread takes a
+# request, it waits for the others still being prepared on their HTTP threads
+# (tokenized, looked up, loaded) for at most this long before it starts the
+# prefill, so that they join one batch instead of each prefilling behind the
+# other.  Tokenizing and looking up a prompt takes milliseconds; a request
+# whose preparation takes longer (a large load) joins the next step.
+ADMIT_WAIT_S = 0.25
+
 # CPU niceness of the threads that prepare a request (tokenize, load its
 # cache) and of the payload I/O threads: the generation thread keeps the CPU
 # it needs to decode, and a load takes what is left (Linux; see
@@ -48,6 +57,11 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
         # One tokenization at a time: a tokenizer object is not meant to be
         # shared by threads (the HTTP threads and the generation thread).
         self._tokenizer_lock = threading.Lock()
+        # Requests being prepared on HTTP threads, and until when the
+        # generation thread waits for them (see ADMIT_WAIT_S).
+        self._preparing = 0
+        self._admission = threading.Condition()
+        self._gather_until = 0.0
         super().__init__(model_provider, prompt_cache)
 
     # -- the HTTP thread ------------------------------------------------------
@@ -81,6 +95,18 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
         ticket = getattr(request, "kvstore_ticket", None)
         if ticket is None:
             ticket = request.kvstore_ticket = Ticket()
+        with self._admission:
+            self._preparing += 1
+        try:
+            self._prepare(request, generation_args, ticket)
+        finally:
+            with self._admission:
+                self._preparing -= 1
+                self._admission.notify_all()
+        return super().generate(request, generation_args, progress_callback)
+
+    def _prepare(self, request, generation_args, ticket):
+        """Tokenizes the request and loads its cache on this HTTP thread (see generate())."""
         if self._serves(generation_args):
             # This HTTP thread serves only this connection: it may yield.
             lower_thread_priority(LOAD_NICE)
@@ -99,9 +125,25 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
                 ticket.prefetched = None
                 log.info("kvstore: request_dropped reason=client_gone loaded=%d", dropped)
                 raise ClientGone("the client disconnected")
-        return super().generate(request, generation_args, progress_callback)
 
     # -- the generation thread ------------------------------------------------
+
+    def _next_request(self, timeout=None):
+        """mlx-lm's next queued request; after one, also the requests that
+        arrived with it and are still being prepared (ADMIT_WAIT_S)."""
+        request = super()._next_request(timeout)
+        now = time.monotonic()
+        if request is not None:
+            if now >= self._gather_until:
+                self._gather_until = now + ADMIT_WAIT_S
+            return request
+        if now >= self._gather_until:
+            return None
+        with self._admission:
+            while self._preparing and time.monotonic() < self._gather_until and self.requests.empty():
+                self._admission.wait(self._gather_until - time.monotonic())
+        # A request whose preparation has just ended is put on the queue next.
+        return super()._next_request(0.005)
 
     def _tokenize(self, tokenizer, request, args):
         ticket = getattr(request, "kvstore_ticket", None)

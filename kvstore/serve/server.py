@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from http.server import ThreadingHTTPServer
 
 import mlx.core as mx
@@ -21,6 +22,7 @@ from kvstore.mlx import DEFAULT_CTX_SIZE
 from kvstore.identity import tag_hex
 from kvstore.policy import DEFAULT_STALE_AFTER_S, Options
 from kvstore.serve import metrics as metrics_mod
+from kvstore.serve.drain import ABORT_GRACE_S, DEFAULT_DRAIN_TIMEOUT_S, Drain
 from kvstore.serve.generator import LOAD_NICE, TieredResponseGenerator
 from kvstore.serve.http import handler_class
 from kvstore.serve.tier import TieredPromptCache
@@ -126,14 +128,18 @@ class _Server:
             daemon_threads = True
 
         fingerprint = mlx_server.get_system_fingerprint()
-        handler = handler_class(opts.require_cache_salt, self.metrics)
+        self.drain = Drain()
+        self.drain_timeout = opts.drain_timeout
+        handler = handler_class(opts.require_cache_salt, self.metrics, self.drain)
         self.httpd = Server(address, lambda *a, **kw: handler(self.generator, *a, system_fingerprint=fingerprint,
                                                               **kw))
 
     def run(self):
+        signals = []
         stop = threading.Event()
 
         def on_signal(signum, frame):
+            signals.append(signum)
             stop.set()
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -148,14 +154,28 @@ class _Server:
                     log.error("kvstore: generation thread stopped; shutting down")
                     status = 1
                     break
+            if status == 0:
+                self._drain(lambda: len(signals) > 1)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
             self.httpd.shutdown()
+            self.drain.stopping = True
+            self.generator.stop_and_join()           # stores every RAM entry as `shutdown`
+            # Answers still open learn that their generation stopped (within
+            # a second) and tell their clients before the process goes.
+            self.drain.wait_idle(ABORT_GRACE_S)
             self.httpd.server_close()
-            self.generator.stop_and_join()
             self.tier.close()
         return status
+
+    def _drain(self, cancel):
+        """Refuses new requests and lets those in flight finish (docs: kvstore.serve.drain)."""
+        self.drain.start()
+        log.info("kvstore: draining in_flight=%d timeout_s=%g", self.drain.in_flight, self.drain_timeout)
+        t0 = time.monotonic()
+        done = self.drain.wait_idle(self.drain_timeout, cancel)
+        log.info("kvstore: drained ok=%d left=%d wait_s=%.2f", done, self.drain.in_flight, time.monotonic() - t0)
 
 
 def build_parser():
@@ -189,6 +209,10 @@ def build_parser():
                         "of value (waypoints and evict states first, anchors last); default: none")
     p.add_argument("--admit-after", type=int, default=1,
                    help="store a prefix only once this many requests have used it (default 1: at first use)")
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="on SIGTERM or SIGINT, refuse new requests (503, Retry-After) and let those in flight "
+                        f"finish for at most this many seconds, then store and exit (default "
+                        f"{DEFAULT_DRAIN_TIMEOUT_S:g}; a second signal stops at once)")
     p.add_argument("--require-cache-salt", action="store_true",
                    help="refuse completions without a cache_salt (400); requests with different salts "
                         "never share a cached prefix, in RAM, on disk or in the bucket")
@@ -227,7 +251,7 @@ def main(argv=None):
         print(f"kvstore serve: error: --max-write-mb-per-hour {opts.max_write_mb_per_hour} must be > 0",
               file=sys.stderr)
         return 2
-    for name in ("budget_mb", "min_tokens", "waypoint_tokens", "stale_after_days"):
+    for name in ("budget_mb", "min_tokens", "waypoint_tokens", "stale_after_days", "drain_timeout"):
         value = getattr(opts, name)
         if value is not None and value < 0:
             print(f"kvstore serve: error: --{name.replace('_', '-')} {value} must be >= 0", file=sys.stderr)

@@ -18,10 +18,12 @@ file names the model that made it (docs/format.md §17), and the store the
 tier opens offers only its model's.  The model's identity is known once it
 has loaded, so the generation thread opens the store then (open()), before
 it serves anything; a request that arrives earlier waits for it.  Every disk
-or bucket hit is checked on the HTTP thread that loaded it by the canary
-(kvstore.mlx.canary): the model recomputes the last stored token and its
-K/V rows must match the stored ones, or the hit is a miss and the file is
-quarantined.
+or bucket hit is checked by the canary (kvstore.mlx.canary) when the
+generation thread builds its cache: the model recomputes the last stored
+token and its K/V rows must match the stored ones, or the hit is a miss and
+the file is quarantined.  That forward runs on the generation thread (about
+one decode step per hit), never beside it: MLX on the CPU is not safe for two
+threads running a model at once.
 
 Tenants.  A request's tenant (kvstore.serve.tenants) is part of every key it
 uses: the model key of mlx-lm's trie, and the first bytes of the disk key.
@@ -76,7 +78,7 @@ MAX_ACTIVE = 1024
 class Prefetched:
     """A request's checkpoint read on its HTTP thread, waiting for the generation thread."""
     tokens: list
-    cache: list               # the mlx-lm cache, built, checked by the canary and evaluated
+    checkpoint: object        # a kvstore Checkpoint, its tensors evaluated MLX arrays
     n: int                    # tokens it holds
     source: str               # "disk" or "remote"
     load_s: float
@@ -251,8 +253,8 @@ class TieredPromptCache(LRUPromptCache):
                     self.metrics.loading(-1)
             if hit is None:
                 return None
-            cache, n, source = hit
-            return Prefetched(list(tokens[:n]), cache, n, source, time.perf_counter() - t0)
+            ckpt, n, source = hit
+            return Prefetched(list(tokens[:n]), ckpt, n, source, time.perf_counter() - t0)
         except Exception as e:            # noqa: BLE001 - the disk tier must never fail a request
             log.warning("kvstore: disk_lookup_failed error=%s", type(e).__name__)
             return None
@@ -270,10 +272,9 @@ class TieredPromptCache(LRUPromptCache):
         return short
 
     def _load_longest(self, tokens, reused, key, tenant):
-        """(cache, n, source) of the longest stored prefix of key beyond reused tokens; else None.
+        """(checkpoint, n, source) of the longest stored prefix of key beyond reused tokens; else None.
 
-        The cache is built, checked by the canary and evaluated on this (HTTP)
-        thread, on its own MLX stream.
+        The checkpoint's tensors are MLX arrays; _build() makes the cache.
         """
         entry = self.store.find(key)
         if entry is None:
@@ -292,14 +293,17 @@ class TieredPromptCache(LRUPromptCache):
         if ckpt.tokens.tolist() != list(tokens[:n]):
             log.info("kvstore: disk_miss reason=token_mismatch tokens=%d file=%s", n, entry.name[:12])
             return None
-        cache = self._build(ckpt)
-        if cache is None:
-            return None
-        return cache, n, "remote" if remote else "disk"
+        return ckpt, n, "remote" if remote else "disk"
 
     def _build(self, ckpt):
         """The mlx-lm cache of a loaded checkpoint, checked by the canary and
-        evaluated; None when it does not fit this model or fails the canary."""
+        evaluated; None when it does not fit this model or fails the canary.
+
+        On the generation thread, which owns the model and its caches: MLX on
+        the CPU is not safe for two threads running a model at once (seen:
+        an occasional segfault), and the canary runs the model (one token's
+        forward for a tail canary, costing the batch about one decode step).
+        """
         cache = cache_from_checkpoint(self.store, ckpt)
         if cache is None:
             return None
@@ -393,9 +397,12 @@ class TieredPromptCache(LRUPromptCache):
             pre = self.prefetch(tokens, ticket.tenant)
         if pre is not None and model == self.model_key and pre.n > reused and pre.n < len(tokens) \
                 and list(tokens[:pre.n]) == pre.tokens:
-            cache, rest = pre.cache, tokens[pre.n:]
-            reused, source = pre.n, pre.source
-            load_ms = pre.load_s * 1e3
+            t0 = time.perf_counter()
+            built = self._build(pre.checkpoint)
+            if built is not None:
+                cache, rest = built, tokens[pre.n:]
+                reused, source = pre.n, pre.source
+                load_ms = (pre.load_s + time.perf_counter() - t0) * 1e3
         del pre
         if self.metrics is not None:
             self.metrics.request(source, reused, len(rest), load_ms / 1e3 if source in ("disk", "remote") else None)
