@@ -385,6 +385,20 @@ class DirectoryIndex:
                 kids.setdefault(e.parent, []).append(e)
         return kids
 
+    def kids_in_forest(self, sha):
+        """The blocks in the lookup forest whose parent is the block sha (its
+        forest links: the cost of its children, not of the directory)."""
+        node = self._node.get(sha)
+        out = []
+        if node is None:
+            return out
+        c = int(self._forest.first_child[node])
+        while c >= 0:
+            if self._forest.entry[c] is not None:
+                out.append(self._forest.entry[c])
+            c = int(self._forest.next_sibling[c])
+        return out
+
     def descendants(self, entry):
         """Every block below entry in its chains (not entry itself)."""
         kids, out, todo = self.children(), [], [entry.sha]

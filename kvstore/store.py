@@ -922,12 +922,43 @@ class KVStore:
             for e in written:
                 self.remote.enqueue(e)       # never blocks: a background thread uploads
         entry = kept if kept is not None else written[-1]
+        self._drop_replaced_tails(blocks, text)
         self._evict_if_over(entry, text)
         if not os.path.lexists(entry.path):
             # Removed at once (by another process's wipe, say): not stored.
             log.info("kvstore: save_lost reason=removed file=%s", short_name(entry.name))
             return None
         return entry
+
+    def _drop_replaced_tails(self, blocks, text):
+        """Removes the tails this chained save grew past (docs/format.md §14).
+
+        A tail is the last block of a save that does not end on the grid (a
+        server stores one at a prompt's end, so that a restart reuses all of
+        it).  Once a save of the same sequence writes the whole block it lay
+        in, the sequence has moved on past it: a leaf beside that whole
+        block, whose text is a strict prefix of this save's, with reason
+        continued, evict or shutdown (anchors and sessions stay), goes.
+        Another tail beside it (an answer's end beside its prompt's end)
+        replaces nothing.
+        """
+        shas = {b.sha for b in blocks}
+        grid = self.block_tokens
+        with self._lock:
+            cands = [e for b in blocks if b.parent and b.tokens % grid == 0
+                     for e in self._index.kids_in_forest(b.parent)
+                     if e.sha not in shas and e.ends_save and e.block_grid and e.tokens % e.block_grid
+                     and e.reason in _REPLACEABLE and e.tokens < b.tokens and e.text_bytes < len(text)]
+            cands = [e for e in cands if not self._index.kids_in_forest(e.sha)]
+        if not cands:
+            return
+        for key in {self._key_of(e) for e in cands}:
+            mine = [e for e in cands if self._key_of(e) == key]
+            digests, _ = names.names_of(text, [e.text_bytes for e in mine], key)
+            for e, d in zip(mine, digests):
+                if d.hex() == e.sha:
+                    with self._dir_lock(fcntl.LOCK_EX):
+                        self._delete(e, "replaced_tail")
 
     def _write(self, path, header, text, plan, trailer_raw=b"", head=b"", durable=True, exclusive=False,
                lookup_tag=b""):
@@ -1420,6 +1451,12 @@ class _DirLock:
 
     def __exit__(self, *exc):
         os.close(self.fd)          # releases the lock
+
+
+# The reasons of tails a longer save of the same sequence replaces (see
+# KVStore._drop_replaced_tails): the states a server keeps for itself, not
+# anchors or sessions someone asked for.
+_REPLACEABLE = frozenset({Reason.CONTINUED, Reason.EVICT, Reason.SHUTDOWN})
 
 
 def _as_sealed(plain, st):

@@ -1183,3 +1183,26 @@ def test_saves_publish_under_a_shared_lock(tmp_path, held):
     assert p.exitcode == 0
     with make_store(path, block_tokens=64) as s:
         check_loaded(s.load(s.find(BASE.prompt(300))), snapshot=False)
+
+
+# ---- tails a longer save replaces ------------------------------------------------------------
+
+@pytest.mark.store_args(block_tokens=64)
+def test_a_tail_goes_once_a_save_of_its_sequence_writes_the_whole_block_it_lay_in(store):
+    seq = Seq(range(1, 400))
+    prompt_end = save(store, seq[:150], snapshot=False, reason=Reason.SHUTDOWN)     # [128, 150): a tail
+    answer_end = save(store, seq[:170], snapshot=False, reason=Reason.SHUTDOWN)     # its sibling [128, 170)
+    anchor = save(store, Seq(list(range(1, 140)) + [999] * 20), snapshot=False, reason=Reason.COLD)
+    names = {e.name for e in store.entries()}
+    # A sibling tail replaces nothing: both ends of a sequence stay addressable.
+    assert {prompt_end.name, answer_end.name, anchor.name} <= names
+    assert store.find(seq.prompt(150)).tokens == 150
+    # The sequence grows past the next boundary: the whole block [128, 192) is
+    # written, and the tails of [128, ...) go (the cold anchor, another
+    # sequence's and asked for, stays).
+    save(store, seq[:200], snapshot=False, reason=Reason.CONTINUED)
+    names = {e.name for e in store.entries()}
+    assert prompt_end.name not in names and answer_end.name not in names and anchor.name in names
+    assert store.find(seq.prompt(150)).tokens == 128
+    check_loaded(store.load(store.find(seq.prompt(200)), min_tokens=1), snapshot=False)
+    assert store.stats()["evictions"] == 2

@@ -27,7 +27,7 @@ from kvstore import KVStore, Reason, read_entry, registry
 from kvstore.demo.model import prose, text_of_tokens, write_model_dir
 from kvstore.serve import split_at_waypoints
 from kvstore.files import verify_file
-from kvhelpers import USER_TURNS, conversation, free_port, kvstore_server, stock_server, system_prompt
+from kvhelpers import USER_TURNS, answer, conversation, free_port, kvstore_server, stock_server, system_prompt
 
 SYSTEM_PROMPT = system_prompt()      # about 1600 tokens
 
@@ -467,3 +467,26 @@ def test_requests_that_arrive_together_prefill_as_one_batch(tmp_path, workdir):
     assert len(big) == 4 and progress
     # Every one of the four joined before any of them was prefilled.
     assert max(big) < min(progress), "\n".join(lines)
+
+
+def test_a_prompt_repeated_after_a_restart_is_reused_to_its_last_token(model_dir, workdir):
+    # Whole blocks alone would stop at the last 256-token boundary: the
+    # shutdown also stores the state at the prompt's last token but one (a
+    # tail), and the server prefills only the last token.
+    cache = os.path.join(workdir, "cache-tail")
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": USER_TURNS[0]}]
+    first = kvstore_server(model_dir, cache, workdir, "tail-1")
+    try:
+        r1 = first.chat(messages)
+    finally:
+        assert first.stop() == 0
+    n = r1["usage"]["prompt_tokens"]
+    assert n % 256 > 1                                    # the prompt does not end on a block boundary
+    second = kvstore_server(model_dir, cache, workdir, "tail-2")
+    try:
+        r2 = second.chat(messages)
+    finally:
+        second.stop()
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    assert second.request_lines()[0].startswith(f"request source=disk reused={n - 1} prefilled=1 ")
+    assert answer(r2) == answer(r1)

@@ -179,7 +179,8 @@ class TieredPromptCache(LRUPromptCache):
         self._token_bytes = None
         self._text_offsets = None
         self._incoming = None
-        self._held = {}            # (trie model key, tuple(tokens)) -> the cache mlx-lm keeps for it
+        self._held = {}            # (trie model key, tuple(tokens)) -> (the cache mlx-lm keeps for it,
+        #                            the prompt length of the request it finished, or 0)
         self._next = None          # the Ticket of the request the generation thread serves next
         self._active = collections.OrderedDict()   # id -> (tenant, prompt) between begin() and finish
         self._uses = collections.OrderedDict()     # prefix digest -> requests that used it
@@ -412,7 +413,8 @@ class TieredPromptCache(LRUPromptCache):
         return cache, rest
 
     def _tenants_of(self, tokens, finished):
-        """The tenants of the active requests whose prompt tokens start or continue."""
+        """(the tenants of the active requests whose prompt tokens start or
+        continue, the prompt length of the request they finish or 0)."""
         n = len(tokens)
         out, done = set(), None
         for key, (tenant, prompt) in self._active.items():
@@ -421,22 +423,22 @@ class TieredPromptCache(LRUPromptCache):
                 out.add(tenant)
                 if finished and n >= m and done is None:
                     done = key
-        if done is not None:
-            del self._active[done]
-        return out
+        if done is None:
+            return out, 0
+        return out, len(self._active.pop(done)[1])
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
         """mlx-lm's insert, under the tenant of the request it belongs to; then the disk."""
         tokens = list(tokens)
         with self._lock:
-            owners = self._tenants_of(tokens, finished=cache_type == "assistant")
+            owners, prompt_len = self._tenants_of(tokens, finished=cache_type == "assistant")
             if not owners:
                 # No request started these tokens: keep nothing rather than
                 # guess a tenant.
                 log.info("kvstore: ram_insert_skipped reason=unknown_request tokens=%d", len(tokens))
                 return
             for tenant in owners:
-                self._incoming = prompt_cache
+                self._incoming = (prompt_cache, prompt_len)
                 try:
                     super().insert_cache(_ns(model, tenant), tokens, prompt_cache, cache_type=cache_type)
                 finally:
@@ -464,12 +466,28 @@ class TieredPromptCache(LRUPromptCache):
         self._held.pop((ns, tuple(tokens)), None)
 
     def _dropped(self, ns, tokens):
-        cache = self._held.pop((ns, tuple(tokens)), None)
-        if cache is not None:
-            model, tenant = _split(ns)
-            self._persist(model, tenant, tokens, cache, Reason.EVICT)
+        held = self._held.pop((ns, tuple(tokens)), None)
+        if held is not None:
+            self._persist_held(ns, tokens, held, Reason.EVICT)
 
-    def _persist(self, model, tenant, tokens, cache, reason, whole_blocks=False):
+    def _persist_held(self, ns, tokens, held, reason):
+        """Stores a RAM entry mlx-lm lets go (evicted, or at shutdown).
+
+        For the entry of a finished request, the state at its prompt's last
+        token but one comes first: a request that repeats the prompt (or any
+        whose text the answer was rendered differently in) reuses everything
+        up to there after a restart, not only the whole blocks (the server
+        prefills at least the last token).  It is a tail of the chain, one
+        block at most, and goes when a later save of the sequence grows past
+        it (KVStore's replaced tails, docs/format.md §14).
+        """
+        model, tenant = _split(ns)
+        cache, prompt_len = held
+        if 0 < prompt_len - 1 < len(tokens):
+            self._persist(model, tenant, tokens, cache, reason, upto=prompt_len - 1)
+        return self._persist(model, tenant, tokens, cache, reason)
+
+    def _persist(self, model, tenant, tokens, cache, reason, whole_blocks=False, upto=None):
         """Stores cache under its tokens' key on the background writer.
 
         Nothing is stored for another model than the store's, for fewer than
@@ -477,7 +495,7 @@ class TieredPromptCache(LRUPromptCache):
         what admission allows.  With whole_blocks, only the tokens up to the
         last block boundary are stored, and only when the state is all
         positional (a recurrent or windowed state would be a link without
-        its snapshot).
+        its snapshot); with upto, only its first upto tokens, the same way.
         """
         if model != self.model_key:
             return None
@@ -488,11 +506,11 @@ class TieredPromptCache(LRUPromptCache):
                 return None
             tensors, meta, positional = checked_state(cache, n)
             all_positional = len(positional) == len(tensors)
-            cut = n
+            cut = n if upto is None else min(n, upto)
             if whole_blocks:
                 cut = n // self.store.block_tokens * self.store.block_tokens
-                if not all_positional:
-                    return None
+            if cut < n and not all_positional:
+                return None
             admitted = self._admitted(list(tokens[:cut]), tenant, self.key_bytes(tokens[:cut], tenant))
             if admitted < cut:
                 # Only a prefix has been used by enough requests: a positional
@@ -533,9 +551,8 @@ class TieredPromptCache(LRUPromptCache):
             return
         with self._lock:
             held = list(self._held.items())
-        for (ns, tokens), cache in held:
-            model, tenant = _split(ns)
-            saved += self._persist(model, tenant, tokens, cache, Reason.SHUTDOWN) is not None
+        for (ns, tokens), entry in held:
+            saved += self._persist_held(ns, tokens, entry, Reason.SHUTDOWN) is not None
         log.info("kvstore: shutdown queued=%d", saved)
 
     def close(self):
