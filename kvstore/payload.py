@@ -110,16 +110,19 @@ def is_mlx_array(a):
     return type(a).__module__.startswith("mlx")
 
 
-def host_view(a):
-    """(a NumPy view of an evaluated, C-contiguous MLX array's memory, the
-    dtype to record for it or None).  NumPy has no bfloat16: such an array
-    comes back as its uint16 bit patterns, and "bfloat16" is the dtype to
-    record (Plan's dtypes).  No copy and no MLX op: the view keeps the
-    array's buffer alive."""
-    dtype = str(a.dtype).rsplit(".", 1)[-1]
-    if dtype == "bfloat16":
-        return np.frombuffer(memoryview(a).cast("B"), dtype="<u2").reshape(a.shape), dtype
-    return np.asarray(a), None
+def host_views(arrays):
+    """{name: (a NumPy view of an MLX array's memory, strides and all, the
+    dtype to record for it or None)} of a dict of MLX arrays, evaluated on
+    the calling thread in one mx.eval.  NumPy has no bfloat16: such an array
+    comes back as its uint16 bit patterns (an MLX view, no copy), and
+    "bfloat16" is the dtype to record (Plan's dtypes).  No copy: a view
+    keeps the array's buffer alive, so an in-place update of the array's
+    owner (cache[..., i:j] = x) cannot reuse it."""
+    import mlx.core as mx
+    names = {k: str(a.dtype).rsplit(".", 1)[-1] for k, a in arrays.items()}
+    out = {k: a.view(mx.uint16) if names[k] == "bfloat16" else a for k, a in arrays.items()}
+    mx.eval(list(out.values()))
+    return {k: (np.asarray(a), names[k] if names[k] == "bfloat16" else None) for k, a in out.items()}
 
 
 def tensor_source(name, a):

@@ -938,7 +938,7 @@ class KVStore:
         it).  Once a save of the same sequence writes the whole block it lay
         in, the sequence has moved on past it: a leaf beside that whole
         block, whose text is a strict prefix of this save's, with reason
-        continued, evict or shutdown (anchors and sessions stay), goes.
+        evict or shutdown (anchors, waypoints and sessions stay), goes.
         Another tail beside it (an answer's end beside its prompt's end)
         replaces nothing.
         """
@@ -1145,45 +1145,63 @@ class KVStore:
         """save() on the background writer; returns a concurrent.futures.Future.
 
         The arrays are captured now: NumPy arrays are copied (the caller may
-        reuse its buffers at once), MLX arrays are evaluated (strided ones
-        copied contiguous) on the calling thread and handed to the writer as
-        NumPy views (bfloat16 as its bits, recorded as bfloat16): the writer
-        runs no MLX op.  Blocks only while the writer's bounded queue is full.
+        reuse its buffers at once), MLX arrays are evaluated on the calling
+        thread and handed to the writer as NumPy views of their memory, no
+        copy (bfloat16 as its bits, recorded as bfloat16): the writer runs no
+        MLX op.  Blocks only while the writer's bounded queue is full.
         """
         self._check_open()
         # Shape checked before the copy: a broadcast view of 2**32 ids costs
         # nothing, its copy 16 GiB.
         tokens = np.array(_token_array(tokens), copy=True)
+        captured, dtypes = self.capture(tensors, kwargs.get("dtypes"))
+        if dtypes:
+            kwargs["dtypes"] = dtypes
+        return self.submit(self.save, _as_bytes(text), tokens, captured, **kwargs)
+
+    def capture(self, tensors, dtypes=None):
+        """(tensors as the background writer may use them later, the dtypes to
+        record): save_async's capture, on the calling thread (see save_async).
+
+        Returns:
+            (dict name -> NumPy array, dict name -> recorded dtype or {}).
+        """
         captured = {}
-        dtypes = dict(kwargs.get("dtypes") or {})
+        dtypes = dict(dtypes or {})
+        # MLX arrays: NumPy views of their memory, made here, on the caller's
+        # thread and MLX stream, in one evaluation: the writer then only reads
+        # memory (a strided view, a KV buffer cut to its filled length, is
+        # copied contiguous by NumPy as it writes).  An MLX op on the writer's
+        # thread would queue behind a running prefill (seen: a save of 5.8 MB
+        # taking 17-24 s in kvstore serve) and MLX on the CPU is not safe for
+        # ops on two threads at once.  A view keeps today's data: an in-place
+        # update of the caller's array (cache[..., i:j] = x) cannot reuse a
+        # buffer still referenced.
+        views = payload.host_views({k: a for k, a in tensors.items() if payload.is_mlx_array(a)})
         for k, a in tensors.items():
-            if payload.is_mlx_array(a):
-                # A new array, contiguous: the caller's object may be rebound
-                # by an in-place update (cache[..., i:j] = x) before the
-                # writer gets to it, and the copy keeps today's data.  A
-                # strided view (a KV buffer cut to its filled length) is
-                # copied here, on the caller's thread and MLX stream, and the
-                # writer gets a NumPy view of it, so that it runs no MLX op:
-                # one would queue behind a running prefill (seen: a save of
-                # 5.8 MB taking 17-24 s in kvstore serve, in the contiguous
-                # copy of a chain block's slice), and MLX on the CPU is not
-                # safe for ops on two threads at once.
-                import mlx.core as mx
-                c = mx.contiguous(a[...])
-                mx.eval(c)
-                captured[k], recorded = payload.host_view(c)
+            if k in views:
+                captured[k], recorded = views[k]
                 if recorded is not None:
                     dtypes[k] = recorded
             else:
                 captured[k] = np.array(a, copy=True)
-        if dtypes:
-            kwargs["dtypes"] = dtypes
+        return captured, dtypes
+
+    def submit(self, fn, *args, **kwargs):
+        """Runs fn(*args, **kwargs) on the store's background writer, after the
+        saves queued before it; returns a concurrent.futures.Future.
+
+        For work that belongs beside a save (naming, checking, then saving
+        what capture() took), off the caller's thread.  Blocks only while the
+        writer's bounded queue is full.
+        """
+        self._check_open()
         with self._lock:
             if self._writer is None or self._writer_pid != os.getpid():
                 # (A forked child inherits the writer object but not its thread.)
                 self._writer = BackgroundWriter()
                 self._writer_pid = os.getpid()
-        return self._writer.submit(self.save, _as_bytes(text), tokens, captured, **kwargs)
+        return self._writer.submit(fn, *args, **kwargs)
 
     def flush(self):
         """Waits for every queued save_async to finish."""
@@ -1454,9 +1472,10 @@ class _DirLock:
 
 
 # The reasons of tails a longer save of the same sequence replaces (see
-# KVStore._drop_replaced_tails): the states a server keeps for itself, not
-# anchors or sessions someone asked for.
-_REPLACEABLE = frozenset({Reason.CONTINUED, Reason.EVICT, Reason.SHUTDOWN})
+# KVStore._drop_replaced_tails): the states kept because a live session
+# went away (evicted from RAM, or the server stopped), not anchors,
+# waypoints or sessions that the store policy or a person asked for.
+_REPLACEABLE = frozenset({Reason.EVICT, Reason.SHUTDOWN})
 
 
 def _as_sealed(plain, st):

@@ -368,7 +368,7 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
     # The replies are the script's, not the model's: the caller renders them
     # its own way, so generated tokens leave the live session (keep_generated).
     reports, outs, steps, evicted = {}, {}, {}, []
-    live, last, anchor = [], 0, None
+    live, last, anchor, live_user, owners = [], 0, None, None, []
     session = {}            # user -> the exact tokens of their last request
     for name, prompt in script:
         ids = tok.encode(prompt)
@@ -411,10 +411,20 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
         assert Counter(stored(store)) - before == Counter(exp + evict), name     # new files
         assert pc.live_tokens == effective
         evicted += evict
-        live = session[user] = effective
+        owners += [live_user] * len(evict)
+        live, live_user = effective, user
+        session[user] = effective
 
     pc.close()                                 # shutdown: the live session (B's)
-    expected_all = [s for r in reports.values() for s in r["stored"]] + evicted + [("shutdown", len(live))]
+    # An evict state is a tail that goes once its user's sequence fills the
+    # block it lay in (a grid-aligned store past it, docs/format.md §14).
+    grid = store.block_tokens
+    replaced = [(o, e) for o, e in zip(owners, evicted)
+                if any(t % grid == 0 and t >= (e[1] // grid + 1) * grid
+                       for n, r in reports.items() if n[0] == o for _, t in r["stored"])]
+    assert replaced == [("B", ("evict", 541))]
+    kept = [e for o, e in zip(owners, evicted) if (o, e) not in replaced]
+    expected_all = [s for r in reports.values() for s in r["stored"]] + kept + [("shutdown", len(live))]
     assert stored(store) == sorted(expected_all)
     assert [reports[n]["source"] for n, _ in script] == ["none", "memory", "disk", "disk", "disk", "memory"]
     assert len(evicted) == 3

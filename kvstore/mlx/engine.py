@@ -64,9 +64,18 @@ def token_bytes_function(tokenizer):
                 return bytes(byte_of[ch] for ch in piece)
             return piece.replace("\u2581", " ").encode("utf-8")
 
+        # Each id's bytes, converted once: a server keys every request by
+        # its whole prompt's bytes, and the tokenizer's per-id conversion
+        # costs a few microseconds a token.
+        known = {}
+
         def from_vocab(ids):
             ids = [int(i) for i in ids]
-            return b"".join(piece_bytes(i, p) for i, p in zip(ids, convert(ids)))
+            new = [i for i in dict.fromkeys(ids) if i not in known]
+            if new:
+                for i, p in zip(new, convert(new)):
+                    known[i] = piece_bytes(i, p)
+            return b"".join([known[i] for i in ids])
         return from_vocab
 
     def from_decode(ids):

@@ -69,6 +69,12 @@ ADMISSION_GRID = DEFAULT_BLOCK_TOKENS
 # How many prefix digests admission remembers (least recently counted go first).
 ADMISSION_TABLE = 1 << 16
 
+# A request that RAM serves but for fewer new tokens than this does not look
+# on disk: a stored block could save it at most these tokens' prefill, less
+# than its load costs, and a RAM hit then costs what stock mlx-lm's does (the
+# lookup lists the directory again whenever it changed).  One block.
+MIN_DISK_GAIN = DEFAULT_BLOCK_TOKENS
+
 # Requests the tier keeps track of between begin() and their finished
 # insert; one that never finishes (a dropped client) ages out past this.
 MAX_ACTIVE = 1024
@@ -236,14 +242,16 @@ class TieredPromptCache(LRUPromptCache):
             Prefetched, or None (RAM is as good, nothing stored, or a miss).
         """
         try:
-            key = self.key_bytes(tokens[:-1], tenant)
             if self.admit_after > 1:
-                self._count_uses(tokens[:-1], tenant, key)
+                self._count_uses(tokens[:-1], tenant, self.key_bytes(tokens[:-1], tenant))
             with self._lock:
                 ram = self._ram_reuse(_ns(self.model_key, tenant), tokens)
             # Keep at least one token to prefill: the server needs its logits.
-            if ram >= len(tokens) - 1:
+            # A RAM hit within MIN_DISK_GAIN of that is not worth a lookup: the
+            # disk could save only those tokens' prefill.
+            if len(tokens) - 1 - ram < min(MIN_DISK_GAIN, self.store.block_tokens):
                 return None
+            key = self.key_bytes(tokens[:-1], tenant)
             t0 = time.perf_counter()
             if self.metrics is not None:
                 self.metrics.loading(+1)
@@ -488,7 +496,7 @@ class TieredPromptCache(LRUPromptCache):
         return self._persist(model, tenant, tokens, cache, reason)
 
     def _persist(self, model, tenant, tokens, cache, reason, whole_blocks=False, upto=None):
-        """Stores cache under its tokens' key on the background writer.
+        """Stores cache under its tokens' key, in the background.
 
         Nothing is stored for another model than the store's, for fewer than
         min_tokens tokens, when the same text is stored already, or beyond
@@ -496,6 +504,11 @@ class TieredPromptCache(LRUPromptCache):
         last block boundary are stored, and only when the state is all
         positional (a recurrent or windowed state would be a link without
         its snapshot); with upto, only its first upto tokens, the same way.
+
+        On the generation thread only the state is captured (the arrays it
+        must copy on its own MLX stream: what the save costs it is the bytes);
+        the key, admission, the lookup and the save run on the store's
+        background writer (_store), never between the batch's steps.
         """
         if model != self.model_key:
             return None
@@ -509,9 +522,25 @@ class TieredPromptCache(LRUPromptCache):
             cut = n if upto is None else min(n, upto)
             if whole_blocks:
                 cut = n // self.store.block_tokens * self.store.block_tokens
-            if cut < n and not all_positional:
+            if (cut < n and not all_positional) or cut < self.options.min_tokens:
                 return None
-            admitted = self._admitted(list(tokens[:cut]), tenant, self.key_bytes(tokens[:cut], tenant))
+            if cut < n:
+                tensors = {k: slice_along(a, positional[k], 0, cut) for k, a in tensors.items()}
+            captured, dtypes = self.store.capture(tensors)
+            return self.store.submit(self._store, tenant, list(tokens[:cut]), captured, dtypes, meta, positional,
+                                     reason, all_positional)
+        except (TypeError, ValueError) as e:   # a cache class kvstore cannot store
+            log.info("kvstore: store_skipped reason=%s detail=%s", why, type(e).__name__)
+        except Exception as e:                 # noqa: BLE001 - never fail a request for the disk tier
+            log.warning("kvstore: store_failed reason=%s error=%s", why, type(e).__name__)
+        return None
+
+    def _store(self, tenant, tokens, tensors, dtypes, meta, positional, reason, all_positional):
+        """_persist's second half, on the store's background writer: returns the Entry or None."""
+        why = Reason(reason).name.lower()
+        try:
+            cut = n = len(tokens)
+            admitted = self._admitted(tokens, tenant, self.key_bytes(tokens, tenant))
             if admitted < cut:
                 # Only a prefix has been used by enough requests: a positional
                 # state is cut there, any other is skipped whole.
@@ -521,21 +550,16 @@ class TieredPromptCache(LRUPromptCache):
                         self.metrics.skipped("admission")
                     return None
                 cut = admitted
-            if cut < self.options.min_tokens:
-                return None
             if cut < n:
                 tensors = {k: slice_along(a, positional[k], 0, cut) for k, a in tensors.items()}
-                n = cut
-            tokens = list(tokens[:n])
+                tokens = tokens[:cut]
             text = self.key_bytes(tokens, tenant)
             have = self.store.find(text)
             if have is not None and have.text_bytes == len(text):
                 return None
-            return self.store.save_async(text, tokens, tensors, meta=meta, reason=reason,
-                                         ctx_size=self.store.ctx_size, positional=positional,
-                                         text_offsets=self._offsets(tokens, tenant, len(text)))
-        except (TypeError, ValueError) as e:   # a cache class kvstore cannot store
-            log.info("kvstore: store_skipped reason=%s detail=%s", why, type(e).__name__)
+            return self.store.save(text, tokens, tensors, meta=meta, reason=reason, ctx_size=self.store.ctx_size,
+                                   positional=positional, text_offsets=self._offsets(tokens, tenant, len(text)),
+                                   dtypes=dtypes or None)
         except Exception as e:                 # noqa: BLE001 - never fail a request for the disk tier
             log.warning("kvstore: store_failed reason=%s error=%s", why, type(e).__name__)
         return None
