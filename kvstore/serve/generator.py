@@ -140,8 +140,13 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
         if now >= self._gather_until:
             return None
         with self._admission:
+            waited = False
             while self._preparing and time.monotonic() < self._gather_until and self.requests.empty():
+                waited = True
                 self._admission.wait(self._gather_until - time.monotonic())
+        if not waited:
+            # Nobody was being prepared: the batch's next step must not wait.
+            return super()._next_request(None)
         # A request whose preparation has just ended is put on the queue next.
         return super()._next_request(0.005)
 
