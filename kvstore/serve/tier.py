@@ -481,17 +481,20 @@ class TieredPromptCache(LRUPromptCache):
     def _persist_held(self, ns, tokens, held, reason):
         """Stores a RAM entry mlx-lm lets go (evicted, or at shutdown).
 
-        For the entry of a finished request, the state at its prompt's last
-        token but one comes first: a request that repeats the prompt (or any
-        whose text the answer was rendered differently in) reuses everything
-        up to there after a restart, not only the whole blocks (the server
-        prefills at least the last token).  It is a tail of the chain, one
-        block at most, and goes when a later save of the sequence grows past
-        it (KVStore's replaced tails, docs/format.md §14).
+        At shutdown, for the entry of a finished request, the state at its
+        prompt's last token but one comes first: a request that repeats the
+        prompt (or any whose text the answer was rendered differently in)
+        reuses everything up to there after a restart, not only the whole
+        blocks (the server prefills at least the last token).  It is a tail
+        of the chain, one block at most, and goes when a later save of the
+        sequence grows past it (KVStore's replaced tails, docs/format.md
+        §14).  An entry the LRU drops while the server runs keeps only its
+        whole state: its conversation went quiet, and a busy server drops one
+        per request.
         """
         model, tenant = _split(ns)
         cache, prompt_len = held
-        if 0 < prompt_len - 1 < len(tokens):
+        if reason == Reason.SHUTDOWN and 0 < prompt_len - 1 < len(tokens):
             self._persist(model, tenant, tokens, cache, reason, upto=prompt_len - 1)
         return self._persist(model, tenant, tokens, cache, reason)
 
@@ -554,9 +557,8 @@ class TieredPromptCache(LRUPromptCache):
                 tensors = {k: slice_along(a, positional[k], 0, cut) for k, a in tensors.items()}
                 tokens = tokens[:cut]
             text = self.key_bytes(tokens, tenant)
-            have = self.store.find(text)
-            if have is not None and have.text_bytes == len(text):
-                return None
+            # A text stored already is kept as it is (KVStore.save reads its
+            # header and writes nothing), chain blocks stored already too.
             return self.store.save(text, tokens, tensors, meta=meta, reason=reason, ctx_size=self.store.ctx_size,
                                    positional=positional, text_offsets=self._offsets(tokens, tenant, len(text)),
                                    dtypes=dtypes or None)
