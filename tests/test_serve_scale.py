@@ -17,6 +17,7 @@ import glob
 import http.client
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -389,6 +390,25 @@ def test_admit_after_stores_a_prefix_once_enough_requests_used_it(model_dir, wor
         for e in entries:
             with open(e.path, "rb") as f:
                 assert b"Summarise part" not in f.read()
+
+
+def test_a_disk_hit_is_not_captured_again_when_it_finishes(model_dir, workdir, stored, tmp_path):
+    # The finished request's whole blocks are the chain it loaded: the tier
+    # knows they are on disk and does not copy the state to store it again
+    # (a capture of a large state costs the generation thread a copy).
+    cache = tmp_path / "c"
+    shutil.copytree(stored, cache)
+    server = kvstore_server(model_dir, cache, workdir, "known")
+    try:
+        server.chat(messages_b(), max_tokens=4)
+    finally:
+        assert server.stop() == 0
+    text = server.text()
+    line = server.request_lines()[0]
+    assert line.startswith("request source=disk "), line
+    reused = int(line.split("reused=")[1].split()[0])
+    assert f"store_skipped reason=continued why=stored tokens={reused // 256 * 256}" in text
+    assert "save_kept" not in text, text
 
 
 # ---- the write budget ---------------------------------------------------------------------------

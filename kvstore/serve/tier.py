@@ -31,10 +31,10 @@ The generation thread tells the tier which request comes next (begin());
 mlx-lm's own insert_cache calls carry only token ids, so each insert goes to
 the tenants of the requests whose prompt it continues or starts.
 
-Admission.  With admit_after = N > 1 a prefix is stored only once N
-requests have used it: each request counts the prefixes of its prompt at
-every ADMISSION_GRID-token boundary (digests of their key bytes, kept in a
-bounded table), and a store keeps only the boundaries counted N times.
+Admission.  What is stored is decided on the generation thread before a
+state is captured (kvstore.serve.admission.Ledger): with admit_after = N > 1
+only the prefixes N requests used, and never a key this process loaded or
+stored already.
 """
 
 import collections
@@ -48,7 +48,6 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache
 
-from kvstore import _native
 from kvstore.chain import DEFAULT_BLOCK_TOKENS, slice_along
 from kvstore.format import Reason
 from kvstore.identity import ModelIdentity
@@ -57,17 +56,12 @@ from kvstore.mlx import (cache_from_checkpoint, checked_state, model_fingerprint
 from kvstore.mlx import canary
 from kvstore.policy import continued_step
 from kvstore.serve import tenants
+from kvstore.serve.admission import Ledger
 
 log = logging.getLogger("kvstore")
 
 # mlx-lm's cache types; a waypoint segment is inserted into RAM as "user".
 WAYPOINT_TYPE = "user"
-
-# Admission counts prompt prefixes at multiples of this many tokens.
-ADMISSION_GRID = DEFAULT_BLOCK_TOKENS
-
-# How many prefix digests admission remembers (least recently counted go first).
-ADMISSION_TABLE = 1 << 16
 
 # A request that RAM serves but for fewer new tokens than this does not look
 # on disk: a stored block could save it at most these tokens' prefill, less
@@ -189,7 +183,7 @@ class TieredPromptCache(LRUPromptCache):
         #                            the prompt length of the request it finished, or 0)
         self._next = None          # the Ticket of the request the generation thread serves next
         self._active = collections.OrderedDict()   # id -> (tenant, prompt) between begin() and finish
-        self._uses = collections.OrderedDict()     # prefix digest -> requests that used it
+        self.ledger = Ledger(admit_after, self._offsets)
         self._serial = itertools.count()
 
     # -- the model and its store ----------------------------------------------
@@ -243,7 +237,7 @@ class TieredPromptCache(LRUPromptCache):
         """
         try:
             if self.admit_after > 1:
-                self._count_uses(tokens[:-1], tenant, self.key_bytes(tokens[:-1], tenant))
+                self.ledger.count_uses(tokens[:-1], tenant, self.key_bytes(tokens[:-1], tenant))
             with self._lock:
                 ram = self._ram_reuse(_ns(self.model_key, tenant), tokens)
             # Keep at least one token to prefill: the server needs its logits.
@@ -302,6 +296,7 @@ class TieredPromptCache(LRUPromptCache):
         if ckpt.tokens.tolist() != list(tokens[:n]):
             log.info("kvstore: disk_miss reason=token_mismatch tokens=%d file=%s", n, entry.name[:12])
             return None
+        self.ledger.remember(key, list(ckpt.cuts.values()) + [len(ckpt.text_bytes)])
         return ckpt, n, "remote" if remote else "disk"
 
     def _build(self, ckpt):
@@ -336,41 +331,6 @@ class TieredPromptCache(LRUPromptCache):
                 return None
         mx.eval(_arrays(cache))
         return cache
-
-    # -- admission ------------------------------------------------------------
-
-    def _grid_digests(self, tokens, tenant, key):
-        """{boundary: digest of key up to it} at every ADMISSION_GRID-token multiple of tokens.
-
-        key is key_bytes(tokens, tenant).
-        """
-        offsets = self._offsets(tokens, tenant, len(key))
-        if offsets is None:
-            return {}
-        cuts = list(range(ADMISSION_GRID, len(tokens) + 1, ADMISSION_GRID))
-        if not cuts:
-            return {}
-        return dict(zip(cuts, _native.sha1_prefixes(key, [int(offsets[c]) for c in cuts])))
-
-    def _count_uses(self, tokens, tenant, key):
-        digests = self._grid_digests(tokens, tenant, key)
-        with self._lock:
-            for d in digests.values():
-                self._uses[d] = self._uses.pop(d, 0) + 1
-            while len(self._uses) > ADMISSION_TABLE:
-                self._uses.popitem(last=False)
-
-    def _admitted(self, tokens, tenant, key):
-        """The longest grid boundary <= len(tokens) that admit_after requests have used (0: none).
-
-        key is key_bytes(tokens, tenant).
-        """
-        if self.admit_after <= 1:
-            return len(tokens)
-        digests = self._grid_digests(tokens, tenant, key)
-        with self._lock:
-            ok = [n for n, d in digests.items() if self._uses.get(d, 0) >= self.admit_after]
-        return max(ok, default=0)
 
     # -- the generation thread ------------------------------------------------
 
@@ -481,22 +441,22 @@ class TieredPromptCache(LRUPromptCache):
     def _persist_held(self, ns, tokens, held, reason):
         """Stores a RAM entry mlx-lm lets go (evicted, or at shutdown).
 
-        At shutdown, for the entry of a finished request, the state at its
-        prompt's last token but one comes first: a request that repeats the
-        prompt (or any whose text the answer was rendered differently in)
-        reuses everything up to there after a restart, not only the whole
-        blocks (the server prefills at least the last token).  It is a tail
-        of the chain, one block at most, and goes when a later save of the
-        sequence grows past it (KVStore's replaced tails, docs/format.md
-        §14).  An entry the LRU drops while the server runs keeps only its
-        whole state: its conversation went quiet, and a busy server drops one
-        per request.
+        For the entry of a finished request, the state at its prompt's last
+        token but one: a request that repeats the prompt, or continues the
+        conversation (whatever text its answer is rendered as), reuses
+        everything up to there after a restart, not only the whole blocks
+        (the server prefills at least the last token).  The answer's whole
+        blocks were stored when the request finished; the rest of it (less
+        than a block) is not worth a second tail of the same block.  It is a
+        tail of the chain, one block at most, and goes when a later save of
+        the sequence grows past it (KVStore's replaced tails, docs/format.md
+        §14).  A state that cannot be cut there (recurrent, windowed), and
+        an entry of no finished request, is stored whole.
         """
         model, tenant = _split(ns)
         cache, prompt_len = held
-        if reason == Reason.SHUTDOWN and 0 < prompt_len - 1 < len(tokens):
-            self._persist(model, tenant, tokens, cache, reason, upto=prompt_len - 1)
-        return self._persist(model, tenant, tokens, cache, reason)
+        upto = prompt_len - 1 if 0 < prompt_len - 1 < len(tokens) else None
+        return self._persist(model, tenant, tokens, cache, reason, upto=upto)
 
     def _persist(self, model, tenant, tokens, cache, reason, whole_blocks=False, upto=None):
         """Stores cache under its tokens' key, in the background.
@@ -506,12 +466,14 @@ class TieredPromptCache(LRUPromptCache):
         what admission allows.  With whole_blocks, only the tokens up to the
         last block boundary are stored, and only when the state is all
         positional (a recurrent or windowed state would be a link without
-        its snapshot); with upto, only its first upto tokens, the same way.
+        its snapshot); with upto, only its first upto tokens, or all of
+        them when the state cannot be cut (recurrent, windowed).
 
-        On the generation thread only the state is captured (the arrays it
-        must copy on its own MLX stream: what the save costs it is the bytes);
-        the key, admission, the lookup and the save run on the store's
-        background writer (_store), never between the batch's steps.
+        On the generation thread the key is made and judged (_worth_storing:
+        microseconds) and the state captured (the arrays it must copy on its
+        own MLX stream: what the save costs it is the bytes); the save runs
+        on the store's background writer (_store), never between the batch's
+        steps.
         """
         if model != self.model_key:
             return None
@@ -522,48 +484,58 @@ class TieredPromptCache(LRUPromptCache):
                 return None
             tensors, meta, positional = checked_state(cache, n)
             all_positional = len(positional) == len(tensors)
-            cut = n if upto is None else min(n, upto)
+            cut = n if upto is None or not all_positional else min(n, upto)
             if whole_blocks:
                 cut = n // self.store.block_tokens * self.store.block_tokens
             if (cut < n and not all_positional) or cut < self.options.min_tokens:
                 return None
+            cut, key = self._worth_storing(tokens, tenant, cut, all_positional, why)
+            if not cut:
+                return None
             if cut < n:
                 tensors = {k: slice_along(a, positional[k], 0, cut) for k, a in tensors.items()}
             captured, dtypes = self.store.capture(tensors)
-            return self.store.submit(self._store, tenant, list(tokens[:cut]), captured, dtypes, meta, positional,
-                                     reason, all_positional)
+            return self.store.submit(self._store, tenant, list(tokens[:cut]), key, captured, dtypes, meta,
+                                     positional, reason)
         except (TypeError, ValueError) as e:   # a cache class kvstore cannot store
             log.info("kvstore: store_skipped reason=%s detail=%s", why, type(e).__name__)
         except Exception as e:                 # noqa: BLE001 - never fail a request for the disk tier
             log.warning("kvstore: store_failed reason=%s error=%s", why, type(e).__name__)
         return None
 
-    def _store(self, tenant, tokens, tensors, dtypes, meta, positional, reason, all_positional):
+    def _worth_storing(self, tokens, tenant, cut, all_positional, why):
+        """(how many of tokens[:cut] to store, their key), or (0, None):
+        nothing when the key is stored already (Ledger.known), and, with
+        admit_after, only up to the longest prefix enough requests used (a
+        positional state is cut there, any other is skipped whole).  Decided
+        before the capture, which is what costs the generation thread."""
+        key = self.key_bytes(tokens[:cut], tenant)
+        if self.ledger.known(key):
+            log.info("kvstore: store_skipped reason=%s why=stored tokens=%d", why, cut)
+            return 0, None
+        admitted = self.ledger.admitted(tokens[:cut], tenant, key)
+        if admitted < cut:
+            if admitted < self.options.min_tokens or not all_positional:
+                log.info("kvstore: store_skipped reason=%s why=admission tokens=%d", why, cut)
+                if self.metrics is not None:
+                    self.metrics.skipped("admission")
+                return 0, None
+            cut, key = admitted, self.key_bytes(tokens[:admitted], tenant)
+        return cut, key
+
+    def _store(self, tenant, tokens, key, tensors, dtypes, meta, positional, reason):
         """_persist's second half, on the store's background writer: returns the Entry or None."""
-        why = Reason(reason).name.lower()
         try:
-            cut = n = len(tokens)
-            admitted = self._admitted(tokens, tenant, self.key_bytes(tokens, tenant))
-            if admitted < cut:
-                # Only a prefix has been used by enough requests: a positional
-                # state is cut there, any other is skipped whole.
-                if admitted < self.options.min_tokens or not all_positional:
-                    log.info("kvstore: store_skipped reason=%s why=admission tokens=%d", why, cut)
-                    if self.metrics is not None:
-                        self.metrics.skipped("admission")
-                    return None
-                cut = admitted
-            if cut < n:
-                tensors = {k: slice_along(a, positional[k], 0, cut) for k, a in tensors.items()}
-                tokens = tokens[:cut]
-            text = self.key_bytes(tokens, tenant)
             # A text stored already is kept as it is (KVStore.save reads its
             # header and writes nothing), chain blocks stored already too.
-            return self.store.save(text, tokens, tensors, meta=meta, reason=reason, ctx_size=self.store.ctx_size,
-                                   positional=positional, text_offsets=self._offsets(tokens, tenant, len(text)),
-                                   dtypes=dtypes or None)
+            entry = self.store.save(key, tokens, tensors, meta=meta, reason=reason, ctx_size=self.store.ctx_size,
+                                    positional=positional, text_offsets=self._offsets(tokens, tenant, len(key)),
+                                    dtypes=dtypes or None)
+            if entry is not None:
+                self.ledger.remember(key, [len(key)])
+            return entry
         except Exception as e:                 # noqa: BLE001 - never fail a request for the disk tier
-            log.warning("kvstore: store_failed reason=%s error=%s", why, type(e).__name__)
+            log.warning("kvstore: store_failed reason=%s error=%s", Reason(reason).name.lower(), type(e).__name__)
         return None
 
     def persist_all(self):
