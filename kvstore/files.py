@@ -23,6 +23,7 @@ import hashlib
 import os
 import re
 import secrets
+import subprocess
 import sys
 import time
 
@@ -151,6 +152,26 @@ def sync_dir(path):
         os.close(fd)
 
 
+def make_dir(path, durable):
+    """Creates the directory at path and every missing one above it (0700),
+    like os.makedirs; with durable, syncs the directory each new one was
+    made in, so that a power cut cannot take away a directory that durable
+    saves went into.
+
+    Raises:
+        FileExistsError: path exists.
+    """
+    created = []
+    p = os.path.abspath(path)
+    while not os.path.lexists(p) and p != os.path.dirname(p):
+        created.append(p)
+        p = os.path.dirname(p)
+    os.makedirs(path, mode=0o700, exist_ok=False)
+    if durable:
+        for d in reversed(created):
+            sync_dir(os.path.dirname(d))
+
+
 def same_file(path, st):
     """True while path names the file stat'ed as st (not a newer one, not a symlink)."""
     try:
@@ -177,6 +198,7 @@ class TempFile:
         self.final = os.fspath(final)
         self.path = f"{self.final}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
         self.fd = os.open(self.path, CREATE_FLAGS, 0o600)
+        _live_temps.add(os.path.abspath(self.path))
         self.published = False
         try:
             os.fchmod(self.fd, 0o600)       # whatever the umask
@@ -225,6 +247,7 @@ class TempFile:
                 os.unlink(self.path)
             except OSError:
                 pass
+        _live_temps.discard(os.path.abspath(self.path))
 
     def __enter__(self):
         return self
@@ -298,6 +321,50 @@ def write_image(fd, path, header, text, plan, trailer_raw=b"", head=b"", crc=Tru
     return size
 
 
+# The temporary files this process is writing now (TempFile): one of its
+# own pid that is not among them is stale (left by a write that failed, or
+# by an earlier process that had the same pid).
+_live_temps = set()
+
+
+def boot_time():
+    """When this machine booted (seconds since the epoch), or None where unknown.
+
+    A temporary file older than the boot was left by a writer the machine's
+    restart killed, whatever process has its pid now.
+    """
+    global _boot_time
+    if _boot_time is None:
+        _boot_time = _read_boot_time()
+    return _boot_time or None
+
+
+_boot_time = None
+
+
+def _read_boot_time():
+    try:
+        with open("/proc/stat", "rb") as f:              # Linux
+            for line in f:
+                if line.startswith(b"btime "):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    try:                                                 # macOS, the BSDs: "{ sec = 1700000000, usec = 0 } ..."
+        out = subprocess.run(["sysctl", "-n", "kern.boottime"], capture_output=True, text=True, timeout=5).stdout
+        return float(out.split("sec =")[1].split(",")[0])
+    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
+        return 0.0
+
+
+def _writer_gone(path, pid, mtime):
+    """True when no process is writing the temporary file at path (of pid, last written at mtime)."""
+    if pid == os.getpid():
+        return os.path.abspath(path) not in _live_temps
+    booted = boot_time()
+    return (booted is not None and mtime < booted) or not _pid_alive(pid)
+
+
 def _pid_alive(pid):
     try:
         os.kill(pid, 0)
@@ -309,7 +376,9 @@ def _pid_alive(pid):
 
 
 def remove_stale_temps(directory, now=None):
-    """Removes temporary files whose writer is gone (or that are over a day old).
+    """Removes temporary files whose writer is gone (or that are over a day old):
+    its process has exited, the file predates the machine's boot, or it is
+    this process's own and no write of this process has it open.
 
     Returns:
         the names removed.
@@ -322,10 +391,10 @@ def remove_stale_temps(directory, now=None):
             if not m:
                 continue
             try:
-                age = now - de.stat(follow_symlinks=False).st_mtime
+                mtime = de.stat(follow_symlinks=False).st_mtime
             except OSError:
                 continue
-            if not _pid_alive(int(m.group(1))) or age > STALE_TMP_AGE_S:
+            if _writer_gone(de.path, int(m.group(1)), mtime) or now - mtime > STALE_TMP_AGE_S:
                 try:
                     os.unlink(de.path)
                     removed.append(de.name)

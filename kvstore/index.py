@@ -42,7 +42,7 @@ import numpy as np
 
 from kvstore import _native
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import CorruptCheckpoint, KVStoreError
 from kvstore.format import is_checkpoint_name, read_entry
 from kvstore.names import native_args
 
@@ -53,6 +53,14 @@ MTIME_GRANULARITY_NS = 50_000_000
 
 _EMPTY_U32 = np.zeros(0, dtype=np.uint32)
 _NO_TAG = bytes(_native.LOOKUP_TAG)
+
+
+# Envelope errors that mean a torn file: cut short, or zeros where the magic
+# should be (the name of a file whose data never reached the disk).  A file
+# with a checkpoint's name only ever appears whole (a rename or a link of a
+# synced file), so such a file is debris of a power loss, not a write in
+# progress; a file of another format version is not torn and stays.
+TORN_REASONS = frozenset({"truncated", "bad_magic"})
 
 
 def tag_bytes(entry):
@@ -205,6 +213,7 @@ class DirectoryIndex:
         self.min_tokens = min_tokens
         self.entries = {}          # name -> Entry (every valid envelope)
         self._bad = {}             # name -> (inode, mtime, size) of a file that failed to parse
+        self._torn = {}            # name -> reason, of those: torn envelopes (TORN_REASONS)
         self._mtime = None
         self._listed_ns = 0        # time.time_ns() when the last listing started
         self.generation = 0        # bumped on every change
@@ -251,11 +260,17 @@ class DirectoryIndex:
         for name in list(self._bad):
             if seen.get(name) != self._bad[name]:
                 del self._bad[name]
+                self._torn.pop(name, None)
         for name, key in seen.items():
             if name in self.entries or self._bad.get(name) == key:
                 continue
             try:
                 entry = read_entry(os.path.join(self.path, name))
+            except CorruptCheckpoint as err:
+                self._bad[name] = key
+                if err.reason in TORN_REASONS:
+                    self._torn[name] = err.reason
+                continue
             except KVStoreError:
                 self._bad[name] = key
                 continue
@@ -282,6 +297,11 @@ class DirectoryIndex:
     def get(self, sha):
         """The entry whose name is sha (40 lowercase hex digits, any case on disk), or None."""
         return self._by_sha.get(sha) if sha else None
+
+    @property
+    def torn(self):
+        """[(name, reason)] of the checkpoint-named files whose envelope is torn (TORN_REASONS)."""
+        return sorted(self._torn.items())
 
     @property
     def orphans(self):

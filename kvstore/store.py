@@ -234,7 +234,7 @@ class KVStore:
 
     def _open_dir(self):
         try:
-            os.makedirs(self.path, mode=0o700, exist_ok=False)
+            files.make_dir(self.path, self.durable)
             os.chmod(self.path, 0o700)      # whatever the umask
         except FileExistsError:
             st = os.lstat(self.path)
@@ -700,6 +700,20 @@ class KVStore:
             return
         log.warning("kvstore: canary_failed tokens=%d %s file=%s", entry.tokens, detail, short_name(entry.name))
         self.discard(entry, "canary", quarantine=True)
+
+    def _discard_torn(self):
+        """Removes (or quarantines) the files whose envelope is torn (a power
+        loss's debris, kvstore.index.TORN_REASONS); under the exclusive lock."""
+        with self._lock:
+            torn = self._index.torn
+        for name, reason in torn:
+            path = os.path.join(self.path, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat_mod.S_ISREG(st.st_mode):
+                self._discard_corrupt(path, st, reason)
 
     def _discard_corrupt(self, path, st, reason, quarantine=None):
         name = os.path.basename(path)
@@ -1237,6 +1251,7 @@ class KVStore:
             for e in orphans:
                 if self._delete(e, "orphan"):
                     evicted.append(e)
+            self._discard_torn()
             with self._lock:
                 entries = list(self._index.entries.values())
             now = int(time.time())

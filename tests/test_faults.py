@@ -422,3 +422,26 @@ def test_text_and_tensor_names_checked(store):
     with pytest.raises(TypeError):
         store.save(12345, [1], tensors())
     assert listing(store.path) == []
+
+
+def test_torn_checkpoints_are_removed_at_open_and_said_so(tmp_path, caplog):
+    # A power loss can leave a checkpoint's name with its data never written
+    # (empty, or zeros): debris, removed by the next open (found by
+    # tests/test_power_cuts.py).  A file of another format version is not
+    # torn and stays.
+    caplog.set_level(logging.INFO, logger="kvstore")
+    d = tmp_path / "kv"
+    with make_store(d) as s:
+        good = s.save("a stored prompt", [1, 2, 3], make_tensors(8))
+    empty, zeros, newer = (d / f"{c * 40}.kv" for c in "abc")
+    empty.write_bytes(b"")
+    zeros.write_bytes(b"\0" * 4096)
+    raw = bytearray(open(good.path, "rb").read())
+    raw[3] = 2                                           # format version 2: a future one, not ours
+    newer.write_bytes(bytes(raw))
+    with make_store(d) as s:
+        assert [e.path for e in s.entries()] == [good.path]
+    assert not empty.exists() and not zeros.exists() and newer.exists()
+    lines = [r.getMessage() for r in caplog.records if "kvstore: corrupt " in r.getMessage()]
+    assert any("reason=truncated action=removed file=aaaaaaaaaaaa" in m for m in lines), lines
+    assert any("reason=bad_magic action=removed file=bbbbbbbbbbbb" in m for m in lines), lines

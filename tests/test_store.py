@@ -396,6 +396,35 @@ def test_stale_temporaries_removed_on_open(tmp_path):
         live.wait()
 
 
+def test_temporaries_left_before_the_boot_or_by_this_process_are_removed(tmp_path):
+    # After a power cut every writer died with the machine, and their pids
+    # may belong to other processes now (this one included): a temporary
+    # file older than the boot, or of this process's pid but open in no write
+    # of this process, is debris.  Found by tests/test_power_cuts.py.
+    from kvstore import files
+    d = tmp_path / "kv"
+    with make_store(d):
+        pass
+    sha = hashlib.sha1(b"x").hexdigest()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        before_boot = d / f"{sha}.kv.tmp.{live.pid}.0badf00d"
+        mine = d / f"{sha}.kv.tmp.{os.getpid()}.1a2b3c4d"
+        alive = d / f"{sha}.kv.tmp.{live.pid}.deadbeef"
+        for p in (before_boot, mine, alive):
+            p.write_bytes(b"partial")
+        booted = files.boot_time()
+        assert booted is not None and booted < time.time()
+        os.utime(before_boot, (booted - 60, booted - 60))
+        with files.TempFile(d / f"{sha}.kv") as writing:        # this process's own write, in progress
+            with make_store(d):
+                assert not before_boot.exists() and not mine.exists()
+                assert alive.exists() and os.path.exists(writing.path)
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_wipe_overwrites_then_unlinks(tmp_path):
     with make_store(tmp_path / "kv") as s:
         e1 = s.save(SECRET + " one", [1, 2], small_tensors(seed=1))

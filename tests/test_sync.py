@@ -128,9 +128,10 @@ def test_a_durable_save_syncs_file_and_directory_through_sync_fd(tmp_path, monke
     with kvstore.KVStore(tmp_path / "d", options=Options(min_tokens=1)) as store:
         e = store.save("durable text", [1, 2, 3], ts)
         assert store.stats()["sync"] == files.SYNC_PRIMITIVE
-    assert len(calls) == 2                                 # the new file, then the directory
+    # The directory made for the store (in its parent), the new file, then the directory.
+    assert len(calls) == 3
     if os.path.exists("/proc/self/fd"):
-        assert calls[0].startswith(e.name + ".tmp.") and calls[1] == "d"
+        assert calls[0] == tmp_path.name and calls[1].startswith(e.name + ".tmp.") and calls[2] == "d"
     calls.clear()
     with kvstore.KVStore(tmp_path / "n", options=Options(min_tokens=1), durable=False) as store:
         store.save("not durable", [1, 2, 3], ts)
