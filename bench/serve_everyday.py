@@ -56,16 +56,8 @@ CORPUS = ("argparse", "collections", "json", "logging", "pathlib", "subprocess",
 
 def _texts(tok, n, tokens, skip=0):
     """n distinct texts of exactly `tokens` tokens, cut one after the other from the corpus."""
-    from kvstore.demo import model as demo_model
-    rest = demo_model.prose(CORPUS)[skip:]
-    out = []
-    while len(out) < n:
-        piece = demo_model.text_of_tokens(tok, rest, tokens)
-        if piece is None:
-            raise SystemExit(f"the corpus ran out after {len(out)} texts of {tokens} tokens")
-        out.append(piece)
-        rest = rest[len(piece):].lstrip()
-    return out
+    from serve_load import distinct_texts
+    return distinct_texts(tok, CORPUS, n, tokens, skip)
 
 
 def _server(kind, model, tmp, name):

@@ -330,19 +330,25 @@ def ms_text(ns):
 
 # ---- A. the sessions ------------------------------------------------------------------
 
-def tool_outputs(tok, n, tokens):
-    """n distinct texts of exactly `tokens` tokens each, cut one after the other from TOOL_MODULES."""
+def distinct_texts(tok, modules, n, tokens, skip=0):
+    """n distinct texts of exactly `tokens` tokens each, cut one after the other from the
+    docstrings of modules (from character skip on)."""
     from kvstore.demo import model as demo_model
 
-    rest = demo_model.prose(TOOL_MODULES)
+    rest = demo_model.prose(modules)[skip:]
     out = []
     while len(out) < n:
         piece = demo_model.text_of_tokens(tok, rest, tokens)
         if piece is None:
-            raise SystemExit(f"the tool corpus ran out after {len(out)} outputs of {tokens} tokens")
+            raise SystemExit(f"the corpus ran out after {len(out)} texts of {tokens} tokens")
         out.append(piece)
         rest = rest[len(piece):].lstrip()
     return out
+
+
+def tool_outputs(tok, n, tokens):
+    """n distinct tool outputs of exactly `tokens` tokens each (TOOL_MODULES)."""
+    return distinct_texts(tok, TOOL_MODULES, n, tokens)
 
 
 class Session:

@@ -309,19 +309,14 @@ def _filesystem(root):
             return 0
 
         def rmdir(self, path):
-            with self.mutex:
-                m = self._mutate("rmdir", path)
-                try:
-                    m.unlink(self._rel(path))
-                except KeyError:
-                    raise mfusepy.FuseOSError(errno.ENOENT) from None
-                except OSError as e:
-                    raise mfusepy.FuseOSError(e.errno) from None
-            return 0
+            return self._remove("rmdir", path)
 
         def unlink(self, path):
+            return self._remove("unlink", path)
+
+        def _remove(self, what, path):
             with self.mutex:
-                m = self._mutate("unlink", path)
+                m = self._mutate(what, path)
                 try:
                     m.unlink(self._rel(path))
                 except KeyError:

@@ -6,6 +6,7 @@ random-weight model directory written here (config, weights, an offline
 tokenizer and a chat template).
 """
 
+import contextlib
 import glob
 import http.client
 import json
@@ -383,14 +384,30 @@ def wait_for(cond, timeout=60):
         time.sleep(0.02)
 
 
-def test_sigterm_lets_a_streaming_answer_finish_and_refuses_new_requests(model_dir, workdir):
-    server = kvstore_server(model_dir, os.path.join(workdir, "cache-drain"), workdir, "drain")
+@contextlib.contextmanager
+def signalled_mid_stream(server, max_tokens):
+    """A streaming answer of max_tokens, SIGTERM after its fifth chunk.
+
+    Yields {"events": the stream's events as they come}; on leaving, the
+    stream has been read to its end and "rc" holds the server's exit code.
+    """
     events = []
-    t = threading.Thread(target=stream, args=(server, 300, events))
+    t = threading.Thread(target=stream, args=(server, max_tokens, events))
     t.start()
+    out = {"events": events}
     try:
         wait_for(lambda: len(chunks(events)) >= 5)
         server.proc.send_signal(signal.SIGTERM)
+        yield out
+    finally:
+        t.join(120)
+        out["rc"] = server.proc.wait(120)
+        server.log.close()
+
+
+def test_sigterm_lets_a_streaming_answer_finish_and_refuses_new_requests(model_dir, workdir):
+    server = kvstore_server(model_dir, os.path.join(workdir, "cache-drain"), workdir, "drain")
+    with signalled_mid_stream(server, 300) as run:
         wait_for(lambda: "kvstore: draining" in server.text())
         # A request sent now is refused, politely, while the stream goes on.
         status, r = server.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
@@ -399,10 +416,7 @@ def test_sigterm_lets_a_streaming_answer_finish_and_refuses_new_requests(model_d
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == 503 and e.value.headers["Retry-After"]
-    finally:
-        t.join(120)
-        rc = server.proc.wait(120)
-        server.log.close()
+    events, rc = run["events"], run["rc"]
     got = chunks(events)
     assert events[0] == ("status", 200) and events[-1] == "[DONE]"
     assert got[-1]["choices"][0]["finish_reason"] == "length", got[-1]
@@ -415,16 +429,9 @@ def test_sigterm_lets_a_streaming_answer_finish_and_refuses_new_requests(model_d
 def test_a_stream_the_drain_timeout_cuts_ends_with_an_error_not_a_silent_end(model_dir, workdir):
     server = kvstore_server(model_dir, os.path.join(workdir, "cache-cut"), workdir, "cut",
                             "--drain-timeout", "0.5")
-    events = []
-    t = threading.Thread(target=stream, args=(server, 100_000, events))
-    t.start()
-    try:
-        wait_for(lambda: len(chunks(events)) >= 5)
-        server.proc.send_signal(signal.SIGTERM)
-    finally:
-        t.join(120)
-        rc = server.proc.wait(120)
-        server.log.close()
+    with signalled_mid_stream(server, 100_000) as run:
+        pass
+    events, rc = run["events"], run["rc"]
     assert "[DONE]" not in events and all(c["choices"][0]["finish_reason"] is None for c in chunks(events))
     assert "error" in events[-1] and events[-1]["error"]["code"] == "server_shutting_down", events[-1]
     assert rc == 0

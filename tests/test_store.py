@@ -370,33 +370,37 @@ def _dead_pid():
     return p.pid
 
 
-def test_stale_temporaries_removed_on_open(tmp_path):
+@pytest.fixture
+def live():
+    """A process that is alive for the test (its pid names other writers' temporaries)."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def test_stale_temporaries_removed_on_open(tmp_path, live):
     d = tmp_path / "kv"
     with make_store(d) as s:
         good = s.save("survivor", [1, 2], small_tensors())
     sha = hashlib.sha1(b"x").hexdigest()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        dead = d / f"{sha}.kv.tmp.{_dead_pid()}.1a2b3c4d"
-        alive = d / f"{sha}.kv.tmp.{live.pid}.deadbeef"
-        alive_but_old = d / f"{sha}.kv.tmp.{live.pid}.0badf00d"
-        unrelated = d / "notes.kv.tmp.1.ab"
-        for p in (dead, alive, alive_but_old, unrelated):
-            p.write_bytes(b"partial")
-        old = time.time() - 3 * 24 * 3600
-        os.utime(alive_but_old, (old, old))
-        with make_store(d) as s:
-            assert not dead.exists()
-            assert alive.exists()
-            assert not alive_but_old.exists()
-            assert unrelated.exists()
-            assert good.path in [e.path for e in s.entries()]
-    finally:
-        live.kill()
-        live.wait()
+    dead = d / f"{sha}.kv.tmp.{_dead_pid()}.1a2b3c4d"
+    alive = d / f"{sha}.kv.tmp.{live.pid}.deadbeef"
+    alive_but_old = d / f"{sha}.kv.tmp.{live.pid}.0badf00d"
+    unrelated = d / "notes.kv.tmp.1.ab"
+    for p in (dead, alive, alive_but_old, unrelated):
+        p.write_bytes(b"partial")
+    old = time.time() - 3 * 24 * 3600
+    os.utime(alive_but_old, (old, old))
+    with make_store(d) as s:
+        assert not dead.exists()
+        assert alive.exists()
+        assert not alive_but_old.exists()
+        assert unrelated.exists()
+        assert good.path in [e.path for e in s.entries()]
 
 
-def test_temporaries_left_before_the_boot_or_by_this_process_are_removed(tmp_path):
+def test_temporaries_left_before_the_boot_or_by_this_process_are_removed(tmp_path, live):
     # After a power cut every writer died with the machine, and their pids
     # may belong to other processes now (this one included): a temporary
     # file older than the boot, or of this process's pid but open in no write
@@ -406,23 +410,18 @@ def test_temporaries_left_before_the_boot_or_by_this_process_are_removed(tmp_pat
     with make_store(d):
         pass
     sha = hashlib.sha1(b"x").hexdigest()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        before_boot = d / f"{sha}.kv.tmp.{live.pid}.0badf00d"
-        mine = d / f"{sha}.kv.tmp.{os.getpid()}.1a2b3c4d"
-        alive = d / f"{sha}.kv.tmp.{live.pid}.deadbeef"
-        for p in (before_boot, mine, alive):
-            p.write_bytes(b"partial")
-        booted = files.boot_time()
-        assert booted is not None and booted < time.time()
-        os.utime(before_boot, (booted - 60, booted - 60))
-        with files.TempFile(d / f"{sha}.kv") as writing:        # this process's own write, in progress
-            with make_store(d):
-                assert not before_boot.exists() and not mine.exists()
-                assert alive.exists() and os.path.exists(writing.path)
-    finally:
-        live.kill()
-        live.wait()
+    before_boot = d / f"{sha}.kv.tmp.{live.pid}.0badf00d"
+    mine = d / f"{sha}.kv.tmp.{os.getpid()}.1a2b3c4d"
+    alive = d / f"{sha}.kv.tmp.{live.pid}.deadbeef"
+    for p in (before_boot, mine, alive):
+        p.write_bytes(b"partial")
+    booted = files.boot_time()
+    assert booted is not None and booted < time.time()
+    os.utime(before_boot, (booted - 60, booted - 60))
+    with files.TempFile(d / f"{sha}.kv") as writing:        # this process's own write, in progress
+        with make_store(d):
+            assert not before_boot.exists() and not mine.exists()
+            assert alive.exists() and os.path.exists(writing.path)
 
 
 def test_wipe_overwrites_then_unlinks(tmp_path):
