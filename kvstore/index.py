@@ -44,15 +44,19 @@ from kvstore import _native
 
 from kvstore.errors import CorruptCheckpoint, KVStoreError
 from kvstore.format import is_checkpoint_name, read_entry
-from kvstore.names import native_args
+from kvstore.forest import Forest, prefix_matches, tag_bytes
+from kvstore.journal import Journal
 
 # Directory mtimes come from a coarse kernel clock (a few ms on Linux): a
 # change made within this window of the last listing may carry the same
 # mtime, so a directory modified that recently is always re-listed.
 MTIME_GRANULARITY_NS = 50_000_000
 
+# A change made without the journal (kvstore.journal) while journaled changes
+# came in the same interval is found by a listing at most this late.
+RESCAN_NS = 30 * 1_000_000_000
+
 _EMPTY_U32 = np.zeros(0, dtype=np.uint32)
-_NO_TAG = bytes(_native.LOOKUP_TAG)
 
 
 # Envelope errors that mean a torn file: cut short, or zeros where the magic
@@ -63,23 +67,6 @@ _NO_TAG = bytes(_native.LOOKUP_TAG)
 TORN_REASONS = frozenset({"truncated", "bad_magic"})
 
 
-def tag_bytes(entry):
-    """An entry's lookup tag as the lookup arrays hold it (zeros: none)."""
-    return entry.lookup_tag or _NO_TAG
-
-
-def prefix_matches(data, lengths, digests, keys=(None,), tags=None):
-    """Indices i whose name digests[20*i:20*i+20] is data[:lengths[i]]'s
-    under any of keys (kvstore.names.NameKey, or None: SHA1), ascending: one
-    pass per key.  tags: the entries' lookup tags (LOOKUP_TAG bytes each),
-    for an HMAC pass."""
-    out = []
-    for key in keys:
-        k, inner = native_args(key)
-        out += _native.sha1_prefix_matches(data, lengths, digests, k, tags if k is not None else None, inner)
-    return out if len(keys) == 1 else sorted(set(out))
-
-
 def chain_link_ok(child, parent):
     """True when parent is the block child's chain continues from (the same
     model made both: a chain never crosses models)."""
@@ -87,108 +74,6 @@ def chain_link_ok(child, parent):
             and parent.tokens == child.token_start and parent.text_bytes == child.text_start
             and parent.token_digest == child.parent_token_digest and parent.model_id == child.model_id
             and parent.model_tag == child.model_tag)
-
-
-class _Forest:
-    """The lookup forest, changed in place: a node per ABI 16 file that may be
-    found and per block whose chain reaches a first block.
-
-    Node arrays grow by doubling; a removed node is unlinked and left dead
-    until dead nodes outnumber live ones (then the store rebuilds it).
-    Children and roots are linked lists (first_child / next_sibling), so
-    adding or removing a node costs its siblings, not the forest.
-    """
-
-    def __init__(self, capacity=64):
-        self.n = 0
-        self.live = 0
-        self.lengths = np.zeros(capacity, dtype=np.uint64)
-        self.digests = bytearray(20 * capacity)
-        self.tags = bytearray(_native.LOOKUP_TAG * capacity)
-        self.first_child = np.full(capacity, -1, dtype=np.int32)
-        self.next_sibling = np.full(capacity, -1, dtype=np.int32)
-        self.parent = np.full(capacity, -1, dtype=np.int32)
-        self.entry = [None] * capacity
-        self.first_root = -1
-
-    def _grow(self):
-        cap = 2 * len(self.entry)
-        self.lengths = np.resize(self.lengths, cap)
-        self.digests.extend(bytes(len(self.digests)))
-        self.tags.extend(bytes(len(self.tags)))
-        for name in ("first_child", "next_sibling", "parent"):
-            old = getattr(self, name)
-            new = np.full(cap, -1, dtype=np.int32)
-            new[:len(old)] = old
-            setattr(self, name, new)
-        self.entry.extend([None] * (cap - len(self.entry)))
-
-    def add(self, entry, parent=-1):
-        """A new node for entry under parent (-1: a root); returns its index."""
-        if self.n == len(self.entry):
-            self._grow()
-        i = self.n
-        self.n += 1
-        self.live += 1
-        self.lengths[i] = entry.text_bytes
-        self.digests[20 * i:20 * i + 20] = bytes.fromhex(entry.sha)
-        t = _native.LOOKUP_TAG
-        self.tags[t * i:t * i + t] = tag_bytes(entry)
-        self.entry[i] = entry
-        self.parent[i] = parent
-        self.first_child[i] = -1
-        if parent < 0:
-            self.next_sibling[i] = self.first_root
-            self.first_root = i
-        else:
-            self.next_sibling[i] = self.first_child[parent]
-            self.first_child[parent] = i
-        return i
-
-    def unlink(self, i):
-        """Takes node i (and so its subtree) out of the forest and marks it dead."""
-        parent = int(self.parent[i])
-        head = self.first_root if parent < 0 else int(self.first_child[parent])
-        if head == i:
-            nxt = int(self.next_sibling[i])
-            if parent < 0:
-                self.first_root = nxt
-            else:
-                self.first_child[parent] = nxt
-        else:
-            while head >= 0 and int(self.next_sibling[head]) != i:
-                head = int(self.next_sibling[head])
-            if head >= 0:
-                self.next_sibling[head] = self.next_sibling[i]
-        self.kill(i)
-
-    def kill(self, i):
-        """Marks node i dead (its list is unlinked from the roots already)."""
-        self.entry[i] = None
-        self.live -= 1
-
-    def subtree(self, i):
-        """The nodes below i (not i)."""
-        out, todo = [], [i]
-        while todo:
-            c = int(self.first_child[todo.pop()])
-            while c >= 0:
-                out.append(c)
-                todo.append(c)
-                c = int(self.next_sibling[c])
-        return out
-
-    def matches(self, data, keys=(None,)):
-        """The nodes whose name matches data under any of keys (see prefix_matches)."""
-        n = self.n
-        out = []
-        for key in keys:
-            k, inner = native_args(key)
-            tags = memoryview(self.tags)[:_native.LOOKUP_TAG * n] if k is not None else None
-            out += _native.sha1_forest_matches(data, self.lengths[:n], memoryview(self.digests)[:20 * n],
-                                               self.first_root, self.first_child[:n], self.next_sibling[:n], k,
-                                               tags, inner)
-        return out if len(keys) == 1 else sorted(set(out))
 
 
 class DirectoryIndex:
@@ -206,19 +91,21 @@ class DirectoryIndex:
             the prompt each.
     """
 
-    def __init__(self, path, fits=lambda e: True, min_tokens=0, keys=(None,)):
+    def __init__(self, path, fits=lambda e: True, min_tokens=0, keys=(None,), journal=True):
         self.path = os.fspath(path)
+        self.journal = Journal(self.path) if journal else None
         self.keys = tuple(keys)
         self.fits = fits
         self.min_tokens = min_tokens
         self.entries = {}          # name -> Entry (every valid envelope)
         self._bad = {}             # name -> (inode, mtime, size) of a file that failed to parse
         self._torn = {}            # name -> reason, of those: torn envelopes (TORN_REASONS)
-        self._mtime = None
+        self._mtime = None         # the directory's mtime the index accounts for
         self._listed_ns = 0        # time.time_ns() when the last listing started
+        self._full_mtime = None    # the directory's mtime at the last listing
         self.generation = 0        # bumped on every change
         self._by_sha = {}          # sha -> Entry
-        self._forest = _Forest()
+        self._forest = Forest()
         self._node = {}            # sha -> forest node of an entry that is in the forest
         self._waiting = {}         # parent sha -> {sha: Entry} of blocks whose parent is not in the forest
         self._blocks = 0           # chain blocks in the forest (none: the flat lookup)
@@ -228,7 +115,34 @@ class DirectoryIndex:
     # -- upkeep ------------------------------------------------------------
 
     def refresh(self, force=False):
-        """Re-lists the directory if it changed since the last listing."""
+        """Brings the index up to date: the journal's changed names looked at
+        again, or the directory listed when the journal cannot say what
+        changed (kvstore.journal); returns True when entries changed."""
+        if force or self._mtime is None or self.journal is None:
+            return self._relist(force)
+        st = os.stat(self.path)
+        records = self.journal.changes()
+        if records is None:
+            # No journal yet, or it cannot say (rotated, damaged): the
+            # directory's mtime decides, as without one.
+            return self._relist(False)
+        changed = self._recheck([name for name, _ in records])
+        if st.st_mtime_ns != self._mtime:
+            if st.st_mtime_ns not in {m for _, m in records}:
+                # Changed since, and not by a journaled change (another tool,
+                # or a writer whose record comes next): list it.
+                return self._relist(False) or changed
+            self._mtime = st.st_mtime_ns
+        if (time.time_ns() - self._listed_ns > RESCAN_NS and st.st_mtime_ns != self._full_mtime):
+            # A change made without the journal while journaled ones hid it
+            # (the same interval) is found within RESCAN_NS.
+            return self._relist(True) or changed
+        return changed
+
+    def _relist(self, force):
+        """Re-lists the directory if it changed since the last listing (always with force)."""
+        if self.journal is not None and (force or self._full_mtime is None):
+            self.journal.start()      # (may create the journal: before the directory's mtime is read)
         st = os.stat(self.path)
         now = time.time_ns()
         # The last listing saw every change stamped before it started; one
@@ -236,9 +150,12 @@ class DirectoryIndex:
         # mtime unchanged.  So an unchanged mtime is trusted only when the
         # last listing started well after it (checking `now` instead would
         # miss such a change for good).
-        if (not force and st.st_mtime_ns == self._mtime
+        if (not force and st.st_mtime_ns == self._full_mtime
                 and self._listed_ns - st.st_mtime_ns > MTIME_GRANULARITY_NS):
+            self._mtime = st.st_mtime_ns
             return False
+        if self.journal is not None and not force and self._full_mtime is not None:
+            self.journal.start()      # the listing sees every change recorded before it
         # A file is known by (inode, mtime, size), not the inode alone: a
         # checkpoint deleted and stored again under the same name often gets
         # the inode number just freed (ext4 hands it out at once).
@@ -262,37 +179,72 @@ class DirectoryIndex:
                 del self._bad[name]
                 self._torn.pop(name, None)
         for name, key in seen.items():
-            if name in self.entries or self._bad.get(name) == key:
-                continue
-            try:
-                entry = read_entry(os.path.join(self.path, name))
-            except CorruptCheckpoint as err:
-                self._bad[name] = key
-                if err.reason in TORN_REASONS:
-                    self._torn[name] = err.reason
-                continue
-            except KVStoreError:
-                self._bad[name] = key
-                continue
-            self._insert(entry)
-            changed = True
-        self._mtime = st.st_mtime_ns
+            changed |= self._examine(name, key)
+        self._mtime = self._full_mtime = st.st_mtime_ns
         self._listed_ns = now
         if changed:
             self._changed()
         return changed
 
+    def _recheck(self, names):
+        """Looks again at the files called names (recorded as changed); True when entries changed."""
+        changed = False
+        for name in dict.fromkeys(names):
+            try:
+                fst = os.stat(os.path.join(self.path, name), follow_symlinks=False)
+            except FileNotFoundError:
+                self._bad.pop(name, None)
+                self._torn.pop(name, None)
+                changed |= self._remove(name)
+                continue
+            except OSError:
+                continue
+            key = (fst.st_ino, fst.st_mtime_ns, fst.st_size)
+            e = self.entries.get(name)
+            if e is not None and (e.inode, e.mtime_ns, e.file_size) != key:
+                self._remove(name)
+                changed = True
+            if self._bad.get(name) not in (None, key):
+                del self._bad[name]
+                self._torn.pop(name, None)
+            changed |= self._examine(name, key)
+        if changed:
+            self._changed()
+        return changed
+
+    def _examine(self, name, key):
+        """Reads the envelope of a file not indexed as it is now (key: inode,
+        mtime, size); True when it joined the index."""
+        if name in self.entries or self._bad.get(name) == key:
+            return False
+        try:
+            entry = read_entry(os.path.join(self.path, name))
+        except CorruptCheckpoint as err:
+            self._bad[name] = key
+            if err.reason in TORN_REASONS:
+                self._torn[name] = err.reason
+            return False
+        except KVStoreError:
+            self._bad[name] = key
+            return False
+        self._insert(entry)
+        return True
+
     def add(self, *entries):
-        """Records entries this process just wrote (no listing needed)."""
+        """Records entries this process just wrote (no listing needed), in the journal too."""
         for entry in entries:
             self._remove(entry.name)
             self._insert(entry)
         self._changed()
+        if self.journal is not None:
+            self.journal.append([e.name for e in entries], os.stat(self.path).st_mtime_ns)
 
     def discard(self, name):
-        """Forgets a file this process just deleted."""
+        """Forgets a file this process just deleted (and records it in the journal)."""
         if self._remove(name):
             self._changed()
+        if self.journal is not None:
+            self.journal.append([name], os.stat(self.path).st_mtime_ns)
 
     def get(self, sha):
         """The entry whose name is sha (40 lowercase hex digits, any case on disk), or None."""
@@ -377,7 +329,7 @@ class DirectoryIndex:
         """The forest from scratch (drops dead nodes)."""
         entries = list(self.entries.values())
         self.entries, self._by_sha, self._node, self._waiting = {}, {}, {}, {}
-        self._forest = _Forest(max(64, 2 * len(entries)))
+        self._forest = Forest(max(64, 2 * len(entries)))
         self._blocks = self._bytes = 0
         # Parents first, so that children attach at once.
         for e in sorted(entries, key=lambda x: (x.token_start, x.tokens)):

@@ -310,7 +310,7 @@ class KVStore:
 
     def _lookup_keys(self, accept_unsealed):
         """The NameKeys a lookup hashes the prompt under, the store's own first:
-        one pass each (kvstore.index.prefix_matches)."""
+        one pass each (kvstore.forest.prefix_matches)."""
         keys = [self._name_key]
         if self._seal is not None and accept_unsealed:
             keys.append(None if self.identity is None else self.identity.names)
@@ -606,11 +606,13 @@ class KVStore:
         the fetch is a miss, the best local hit for the same prompt (None if none)."""
         if os.path.lexists(entry.path):      # fetched or saved here meanwhile
             return dataclasses.replace(entry, remote=None)
+        published = []
         got = self.remote.fetch(entry, lambda e: self._eligible(e, min_tokens), self.budget_bytes, self.durable,
-                                fits=lambda e: self.misfit(e) is None, have=self._has_block)
-        if got is not None:
+                                fits=lambda e: self.misfit(e) is None, have=self._has_block, published=published)
+        if published:
             with self._lock:
-                self._index.add(got)
+                self._index.add(*published)
+        if got is not None:
             self._evict_if_over(got)
             return dataclasses.replace(got, query=entry.query)
         with self._lock:

@@ -63,9 +63,9 @@ def checkpoint_files(directory, temporaries=False):
 
 
 def listing(directory):
-    """Every name in directory but the lock file and the counters file (tmp files and
-    quarantine included)."""
-    return sorted(n for n in os.listdir(directory) if n not in (".kvstore.lock", ".counters"))
+    """Every name in directory but the lock file, the counters file and the journal (tmp
+    files and quarantine included)."""
+    return sorted(n for n in os.listdir(directory) if n not in (".kvstore.lock", ".counters", ".journal"))
 
 
 def stored(store):

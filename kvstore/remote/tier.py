@@ -193,7 +193,7 @@ class RemoteTier:
 
     # -- fetch --------------------------------------------------------------
 
-    def fetch(self, entry, eligible, budget_bytes=0, durable=True, fits=None, have=None):
+    def fetch(self, entry, eligible, budget_bytes=0, durable=True, fits=None, have=None, published=None):
         """Copies a remote hit into the local directory; returns its local Entry or None.
 
         The object lands in a TempFile (0600; removed on any failure, and by
@@ -213,11 +213,15 @@ class RemoteTier:
         checked and published parent first, so the directory never holds a
         block whose parent is missing (fits judges the ancestors, eligible
         the block itself).
+
+        published: a list that gets the local Entry of every file published
+        (a chain's blocks, parent first), for the caller's index.
         """
         self._check_fork()
+        published = [] if published is None else published
         if entry.is_block:
             return self._fetch_chain(entry, eligible, fits or eligible, have or (lambda sha: False),
-                                     budget_bytes, durable)
+                                     budget_bytes, durable, published)
         sha = entry.sha
         if budget_bytes and not policy.file_size_fits(0, max(0, entry.file_size - PREFIX_SIZE), 0, budget_bytes):
             return self._miss(sha, "budget", drop=False, reject=True)
@@ -231,6 +235,7 @@ class RemoteTier:
                     return None
                 tmp.publish(durable)
                 local = entry_from_fd(tmp.fd, os.fstat(tmp.fd), final)
+                published.append(local)
         except OSError as e:                # the local disk (full, failing): a miss, not the remote's fault
             return self._local_failed(sha, e)
         dt = time.perf_counter() - t0
@@ -240,7 +245,7 @@ class RemoteTier:
                  short_name(sha))
         return local
 
-    def _fetch_chain(self, entry, eligible, fits, have, budget_bytes, durable):
+    def _fetch_chain(self, entry, eligible, fits, have, budget_bytes, durable, published):
         shas = self.index.chain(entry.sha)
         if shas is None:
             return self._miss(entry.sha, "broken_chain", drop=False)
@@ -275,6 +280,7 @@ class RemoteTier:
                     return self._miss(e.sha, "corrupt", reject=True)
                 tmp.publish(durable, exclusive=True)   # (another process may have put it there first)
                 local = entry_from_fd(tmp.fd, os.fstat(tmp.fd), tmp.final)
+                published.append(local)
         except OSError as e:                # the local disk (full, failing): a miss, not the remote's fault
             return self._local_failed(entry.sha, e)
         finally:
