@@ -597,23 +597,53 @@ def _name_hasher(entry, model):
     return names.hasher(ident.names), None
 
 
+class BrokenChain(Exception):
+    """The walk up a chain (ancestors) stopped at child's parent: missing or
+    unreadable (error: the exception) or not linking to child (error None)."""
+
+    def __init__(self, child, error):
+        super().__init__(f"parent {child.parent[:12]} of {child.sha[:12]}")
+        self.child, self.name, self.error = child, child.parent, error
+
+    def describe(self):
+        """The one-line reason, as kvstore verify says it."""
+        if isinstance(self.error, CheckpointMissing):
+            return f"broken_chain: parent {self.name[:12]} is missing"
+        if self.error is not None:
+            return f"broken_chain: parent {self.name[:12]}: {describe_error(self.error)}"
+        return f"broken_chain: parent {self.name[:12]} does not end where its child starts"
+
+
+def ancestors(entry, directory, limit=1 << 20, linked=True):
+    """The blocks entry's chain continues from, read from directory, nearest
+    first, each checked to link to its child (index.chain_link_ok; with
+    linked=False not: a sealed file's envelope hides the token digests the
+    check compares): the one walk up a chain on disk.
+
+    Raises:
+        BrokenChain: where the chain breaks (at the latest after limit blocks).
+    """
+    cur, n = entry, 0
+    while cur.is_block and cur.parent:
+        try:
+            parent = read_entry(os.path.join(directory, cur.parent + ".kv"))
+        except (KVStoreError, OSError) as err:
+            raise BrokenChain(cur, err) from None
+        if (linked and not chain_link_ok(cur, parent)) or n > limit:
+            raise BrokenChain(cur, None)
+        yield parent
+        cur, n = parent, n + 1
+
+
 def _hash_ancestors(directory, entry, h, mv):
     """Feeds the text segments of entry's ancestors, first block first, into h.
 
     Returns None, or the one-line reason the chain is broken.
     """
-    chain, cur = [], entry
-    while cur.parent:
-        try:
-            parent = read_entry(os.path.join(directory, cur.parent + ".kv"))
-        except CheckpointMissing:
-            return f"broken_chain: parent {cur.parent[:12]} is missing"
-        except (KVStoreError, OSError) as err:
-            return f"broken_chain: parent {cur.parent[:12]}: {describe_error(err)}"
-        if not chain_link_ok(cur, parent) or len(chain) > 1 << 20:
-            return f"broken_chain: parent {cur.parent[:12]} does not end where its child starts"
-        chain.append(parent)
-        cur = parent
+    try:
+        chain = list(ancestors(entry, directory))
+    except BrokenChain as broken:
+        return broken.describe()
     for p in reversed(chain):
         try:
             fd, _ = open_checkpoint(p.path)

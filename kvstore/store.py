@@ -29,7 +29,6 @@ import numpy as np
 
 from kvstore import _native, chain, counters, files, names, payload, policy, registry, seal
 from kvstore import identity as identity_mod
-from kvstore import index as index_mod
 from kvstore import trailers as trailer_mod
 from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
                             KVStoreError, StoreClosed, UnsafePath, os_error)
@@ -559,22 +558,20 @@ class KVStore:
             the corruption reason, or the miss reason when nothing is bad:
             "vanished" or "broken_chain").
         """
-        name, child, seen = entry.sha, None, 0
-        while seen <= len(self._index.entries) + 1:
-            path = os.path.join(self.path, name + ".kv")
-            try:
-                cur = read_entry(path)
-            except CorruptCheckpoint as e:
-                end = entry.text_bytes if child is None else child.text_start
-                bad = entry if child is None else dataclasses.replace(child, path=path, sha=name, inode=0)
-                return bad, end, e.reason
-            except KVStoreError:
-                return None, 0, "vanished" if child is None else "broken_chain"
-            if child is not None and not index_mod.chain_link_ok(child, cur):
-                return None, 0, "broken_chain"
-            if not cur.is_block or not cur.parent:
-                return None, 0, "broken_chain"
-            child, name, seen = cur, cur.parent, seen + 1
+        try:
+            cur = read_entry(os.path.join(self.path, entry.sha + ".kv"))
+        except CorruptCheckpoint as e:
+            return entry, entry.text_bytes, e.reason
+        except KVStoreError:
+            return None, 0, "vanished"
+        try:
+            for _ in files.ancestors(cur, self.path, limit=len(self._index.entries) + 1):
+                pass
+        except files.BrokenChain as broken:
+            if isinstance(broken.error, CorruptCheckpoint):
+                path = os.path.join(self.path, broken.name + ".kv")
+                bad = dataclasses.replace(broken.child, path=path, sha=broken.name, inode=0)
+                return bad, broken.child.text_start, broken.error.reason
         return None, 0, "broken_chain"
 
     def _discard_block(self, entry, reason, quarantine=None):
@@ -877,7 +874,7 @@ class KVStore:
                             have += kept.file_size
                             continue
                     else:
-                        cur = self._current(path)
+                        cur = self._current_authentic(path)
                         if chain.same_block(cur, b) and self.misfit(cur, ctx) is None \
                                 and (cur.restorable or not restorable):
                             have += cur.file_size
@@ -910,7 +907,7 @@ class KVStore:
                     e = self._write(path, header, seg, plan, tr, head, self.durable,
                                     exclusive=not os.path.lexists(path), lookup_tag=b.lookup_tag)
                     if e is None:
-                        e = self._current(path)
+                        e = self._current_authentic(path)
                         if not (chain.same_block(e, b) and (e.restorable or not restorable)):
                             e = self._write(path, header, seg, plan, tr, head, self.durable, lookup_tag=b.lookup_tag)
                             nbytes += e.file_size
@@ -985,11 +982,11 @@ class KVStore:
                                                lookup_tag)
         return files.write_checkpoint(path, header, text, plan, trailer_raw, head, durable, exclusive)
 
-    def _current(self, path):
+    def _current_authentic(self, path):
         """The envelope at path now, or None (missing, corrupt, unsafe); for a
         sealed file of this store's key, its authenticated head (real token
         digests), or None when it does not authenticate."""
-        e = _current(path)
+        e = _envelope_now(path)
         if e is None or self._seal is None or not self._seal.owns(e):
             return e
         try:
@@ -1303,7 +1300,7 @@ class KVStore:
                 continue
             # The index's copy predates hits recorded in place since
             # (touch): an entry that looks old is re-read.
-            cur = _current(e.path)
+            cur = _envelope_now(e.path)
             if cur is None:
                 continue
             t = _last_activity(cur)
@@ -1501,7 +1498,7 @@ def _as_sealed(plain, st):
     return dataclasses.replace(plain, payload_abi=plain.payload_abi + SEALED_ABI_OFFSET, file_size=st.st_size)
 
 
-def _current(path):
+def _envelope_now(path):
     """The envelope at path now, or None (missing, corrupt, unsafe)."""
     try:
         return read_entry(path)

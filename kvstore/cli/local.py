@@ -33,7 +33,7 @@ from kvstore.cli import text
 from kvstore.cli.remote import cmd_remote_ls
 from kvstore.cli.text import PROG, UsageError
 from kvstore.errors import CheckpointMissing, CorruptCheckpoint, KVStoreError, UnsafePath
-from kvstore.files import QUARANTINE_DIR, checkpoint_names, describe_error, scan_directory
+from kvstore.files import QUARANTINE_DIR, BrokenChain, ancestors, checkpoint_names, describe_error, scan_directory
 from kvstore.format import SEALED_ABI_OFFSET, ExtFlag, entry_from_fd, open_checkpoint, read_entry
 from kvstore.payload import pread, read_manifest
 from kvstore.chain import DEFAULT_BLOCK_TOKENS
@@ -331,14 +331,12 @@ def cmd_inspect(args):
 
 def _block_rows(e, d):
     """inspect's rows for a chain block: its range, its parent, its chain in d."""
-    chain, cur = [e], e
-    while cur.parent:
-        try:
-            cur = read_entry(os.path.join(d, cur.parent + ".kv"))
-        except (KVStoreError, OSError):
-            break
-        chain.append(cur)
-    complete = not chain[-1].parent
+    chain, complete = [e], True
+    try:
+        for parent in ancestors(e, d, linked=False):
+            chain.append(parent)
+    except BrokenChain:
+        complete = False
     return [
         ("block", f"tokens {e.token_start}..{e.tokens} of the sequence, grid {e.block_grid}"),
         ("parent", e.parent or "none (the first block)"),
@@ -355,14 +353,11 @@ def _copy_text(fd, e, out, d, sealer=None, chunk=1 << 20):
     chain block, its whole sequence's text (its parents' segments first).
     fd may be a sealed file's plain view (e its plain Entry); sealer reads
     its sealed parents."""
-    parts, cur = [], e
-    while cur.is_block and cur.parent:
-        try:
-            cur = read_entry(os.path.join(d, cur.parent + ".kv"))
-        except (KVStoreError, OSError):
-            raise UsageError(f"{e.name}: parent {cur.parent[:12]} is missing: the text before "
-                             f"byte {cur.text_start} is not here") from None
-        parts.append(cur)
+    try:
+        parts = list(ancestors(e, d, linked=False))
+    except BrokenChain as broken:
+        raise UsageError(f"{e.name}: parent {broken.name[:12]} is missing: the text before "
+                         f"byte {broken.child.text_start} is not here") from None
     for p in reversed(parts):
         pfd, pst = open_checkpoint(p.path)
         try:
