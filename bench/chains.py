@@ -449,6 +449,16 @@ class ChainText:
                           positional={"k": 0}, text_offsets=self.offsets, reason=kvstore.Reason.SHUTDOWN)
 
 
+def save_elsewhere_and_move(ct, part, d):
+    """Saves ct into a scratch store at part, then renames its files into d (no journal record there)."""
+    with KVStore(part, budget_mb=0, durable=False, block_tokens=BLOCK_TOKENS) as s:
+        assert ct.save(s) is not None
+    for n in os.listdir(part):
+        if kvstore.format.is_checkpoint_name(n):
+            os.rename(os.path.join(part, n), os.path.join(d, n))
+    shutil.rmtree(part)
+
+
 def build_blocks(tmp, d, chains, rng):
     """Writes chains of CHAIN_BLOCKS blocks into d with KVStore.save.
 
@@ -461,13 +471,7 @@ def build_blocks(tmp, d, chains, rng):
     t0 = time.perf_counter()
     for j in range(chains):
         ct = ChainText(j, CHAIN_BLOCKS * BLOCK_TOKENS, rng)
-        part = os.path.join(tmp, f"part{j}")
-        with KVStore(part, budget_mb=0, durable=False, block_tokens=BLOCK_TOKENS) as s:
-            assert ct.save(s) is not None
-        for n in os.listdir(part):
-            if kvstore.format.is_checkpoint_name(n):
-                os.rename(os.path.join(part, n), os.path.join(d, n))
-        shutil.rmtree(part)
+        save_elsewhere_and_move(ct, os.path.join(tmp, f"part{j}"), d)
         texts.append(ct if j < 2 else None)            # two are enough to build prompts from
         if j and j % 200 == 0:
             progress(f"built {j * CHAIN_BLOCKS:,} blocks in {time.perf_counter() - t0:.0f} s")
@@ -546,13 +550,7 @@ def bench_lookup(report, tmp, quick):
             assert store.find(miss) is None
             elsewhere.append(time.perf_counter_ns() - t)
             ct = ChainText(chains + 3 * BUILD_SAMPLE_CHAINS + j, CHAIN_BLOCKS * BLOCK_TOKENS, rng)
-            part = os.path.join(tmp, f"late{j}")
-            with KVStore(part, budget_mb=0, durable=False, block_tokens=BLOCK_TOKENS) as s:
-                assert ct.save(s) is not None
-            for n in os.listdir(part):
-                if kvstore.format.is_checkpoint_name(n):
-                    os.rename(os.path.join(part, n), os.path.join(d, n))
-            shutil.rmtree(part)
+            save_elsewhere_and_move(ct, os.path.join(tmp, f"late{j}"), d)
             t = time.perf_counter_ns()
             assert store.find(miss) is None
             foreign.append(time.perf_counter_ns() - t)

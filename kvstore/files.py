@@ -21,13 +21,11 @@ import errno
 import fcntl
 import hashlib
 import os
-import re
 import secrets
-import subprocess
 import sys
 import time
 
-from kvstore import _native, names, payload
+from kvstore import _native, names, payload, temps
 from kvstore.identity import ModelIdentity
 from kvstore.index import chain_link_ok
 from kvstore.errors import CheckpointMissing, CheckpointOSError, CorruptCheckpoint, KVStoreError, UnsafePath
@@ -41,12 +39,6 @@ RDWR_FLAGS = os.O_RDWR | _SAFE
 READ_FLAGS = os.O_RDONLY | _SAFE
 
 QUARANTINE_DIR = ".quarantine"
-
-# A temporary file is "<40 hex>.kv.tmp.<pid>.<random>".  One whose writer is
-# gone is debris of a crash; one older than this is removed even if its pid
-# is alive again (pid reuse, or a writer on another host of a shared mount).
-TMP_RE = re.compile(r"^(?:[0-9a-fA-F]{40}\.kv|\.models)\.tmp\.(\d+)\.[0-9a-f]+$")
-STALE_TMP_AGE_S = 24 * 3600
 
 # wipe overwrites in blocks of this size before unlinking.
 WIPE_BLOCK = 1 << 20
@@ -198,7 +190,7 @@ class TempFile:
         self.final = os.fspath(final)
         self.path = f"{self.final}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
         self.fd = os.open(self.path, CREATE_FLAGS, 0o600)
-        _live_temps.add(os.path.abspath(self.path))
+        temps.track(self.path)
         self.published = False
         try:
             os.fchmod(self.fd, 0o600)       # whatever the umask
@@ -247,7 +239,7 @@ class TempFile:
                 os.unlink(self.path)
             except OSError:
                 pass
-        _live_temps.discard(os.path.abspath(self.path))
+        temps.untrack(self.path)
 
     def __enter__(self):
         return self
@@ -319,88 +311,6 @@ def write_image(fd, path, header, text, plan, trailer_raw=b"", head=b"", crc=Tru
         # would end short of payload_bytes and read back as truncated.
         os.ftruncate(fd, size)
     return size
-
-
-# The temporary files this process is writing now (TempFile): one of its
-# own pid that is not among them is stale (left by a write that failed, or
-# by an earlier process that had the same pid).
-_live_temps = set()
-
-
-def boot_time():
-    """When this machine booted (seconds since the epoch), or None where unknown.
-
-    A temporary file older than the boot was left by a writer the machine's
-    restart killed, whatever process has its pid now.
-    """
-    global _boot_time
-    if _boot_time is None:
-        _boot_time = _read_boot_time()
-    return _boot_time or None
-
-
-_boot_time = None
-
-
-def _read_boot_time():
-    try:
-        with open("/proc/stat", "rb") as f:              # Linux
-            for line in f:
-                if line.startswith(b"btime "):
-                    return float(line.split()[1])
-    except OSError:
-        pass
-    try:                                                 # macOS, the BSDs: "{ sec = 1700000000, usec = 0 } ..."
-        out = subprocess.run(["sysctl", "-n", "kern.boottime"], capture_output=True, text=True, timeout=5).stdout
-        return float(out.split("sec =")[1].split(",")[0])
-    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
-        return 0.0
-
-
-def _writer_gone(path, pid, mtime):
-    """True when no process is writing the temporary file at path (of pid, last written at mtime)."""
-    if pid == os.getpid():
-        return os.path.abspath(path) not in _live_temps
-    booted = boot_time()
-    return (booted is not None and mtime < booted) or not _pid_alive(pid)
-
-
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temps(directory, now=None):
-    """Removes temporary files whose writer is gone (or that are over a day old):
-    its process has exited, the file predates the machine's boot, or it is
-    this process's own and no write of this process has it open.
-
-    Returns:
-        the names removed.
-    """
-    now = time.time() if now is None else now
-    removed = []
-    with os.scandir(directory) as it:
-        for de in it:
-            m = TMP_RE.match(de.name)
-            if not m:
-                continue
-            try:
-                mtime = de.stat(follow_symlinks=False).st_mtime
-            except OSError:
-                continue
-            if _writer_gone(de.path, int(m.group(1)), mtime) or now - mtime > STALE_TMP_AGE_S:
-                try:
-                    os.unlink(de.path)
-                    removed.append(de.name)
-                except OSError:
-                    pass
-    return removed
 
 
 # ---- changing or removing the file one opened ---------------------------------
@@ -685,5 +595,5 @@ def checkpoint_names(directory):
 
 __all__ = ["TempFile", "write_checkpoint", "write_image", "image_size", "sync_fd", "sync_dir", "sync_primitive", "sync_fallbacks", "SYNC_PRIMITIVE", "same_file", "unlink_if_same", "move_aside", "quarantine",
            "record_hit", "overwrite", "wipe_file", "crc_range", "verify_file", "scan_directory",
-           "checkpoint_names", "remove_stale_temps", "short_name", "describe_error",
+           "checkpoint_names", "short_name", "describe_error", "make_dir", "ancestors", "BrokenChain",
            "QUARANTINE_DIR", "CREATE_FLAGS", "RDWR_FLAGS", "READ_FLAGS"]

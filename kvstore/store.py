@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from kvstore import _native, chain, counters, files, names, payload, policy, registry, seal
+from kvstore import _native, chain, counters, evictor, files, names, payload, policy, registry, seal, temps
 from kvstore import identity as identity_mod
 from kvstore import trailers as trailer_mod
 from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpoint,
@@ -224,7 +224,7 @@ class KVStore:
                                      self._lookup_keys(bool(accept_unsealed)))
         self._orphans_swept = 0.0
         self._lookup = TieredLookup(self._index)
-        for name in files.remove_stale_temps(self.path):
+        for name in temps.remove_stale_temps(self.path):
             log.info("kvstore: stale_tmp_removed file=%s", short_name(name))
         self.evict()            # lists the directory (the first index refresh) and applies the budget
         self.remote = None if remote is None else self._open_remote(remote, remote_options)
@@ -986,7 +986,7 @@ class KVStore:
         """The envelope at path now, or None (missing, corrupt, unsafe); for a
         sealed file of this store's key, its authenticated head (real token
         digests), or None when it does not authenticate."""
-        e = _envelope_now(path)
+        e = evictor.envelope_now(path)
         if e is None or self._seal is None or not self._seal.owns(e):
             return e
         try:
@@ -1247,33 +1247,15 @@ class KVStore:
             with self._lock:
                 self._index.refresh(force=True)
                 orphans = list(self._index.orphans)
-            for e in orphans:
-                if self._delete(e, "orphan"):
-                    evicted.append(e)
-            self._discard_torn()
-            with self._lock:
                 entries = list(self._index.entries.values())
-            now = int(time.time())
-            if self.max_age_s is not None:
-                evicted += self._expire(entries, now, protect)
-                entries = [e for e in entries if e not in evicted]
-            total = sum(e.file_size for e in entries)
-            if not self.budget_bytes or total <= self.budget_bytes:
-                return evicted
-            # Fresh hit counts: other processes touch headers in place.
-            fresh = []
-            for e in entries:
-                try:
-                    fresh.append(read_entry(e.path))
-                except KVStoreError:
-                    pass
-            superseded = self._superseded(fresh, protect, incoming_text)
-            protected = frozenset([protect.sha]) if protect is not None else frozenset()
-            for victim in policy.select_victims(fresh, self.budget_bytes, now, superseded, protected,
-                                                self.options.hit_half_life_s,
-                                                stale_after_s=self.options.stale_after_s):
-                if self._delete(victim, "budget"):
-                    evicted.append(victim)
+            self._discard_torn()
+            victims = evictor.plan(entries, orphans, int(time.time()), self.budget_bytes, max_age_s=self.max_age_s,
+                                   protect=protect, superseded=lambda fresh: self._superseded(fresh, protect,
+                                                                                             incoming_text),
+                                   half_life_s=self.options.hit_half_life_s, stale_after_s=self.options.stale_after_s)
+            for v in victims:
+                if self._delete(v.entry, v.why):
+                    evicted.append(v.entry)
         return evicted
 
     def _evict_if_over(self, protect, incoming_text=None):
@@ -1287,30 +1269,6 @@ class KVStore:
             total = self._index.total_bytes()
         if self.max_age_s is not None or (self.budget_bytes and total > self.budget_bytes):
             self.evict(protect=protect, incoming_text=incoming_text)
-
-    def _expire(self, entries, now, protect):
-        """Deletes checkpoints unused for max_age_s, chain blocks leaves first."""
-        evicted = []
-        parents = {e.parent for e in entries if e.is_block and e.parent}
-        for e in policy.eviction_order(entries, now):
-            if e.sha in parents or (protect is not None and e.name == protect.name):
-                continue
-            t = _last_activity(e)
-            if not (t and now - t > self.max_age_s):
-                continue
-            # The index's copy predates hits recorded in place since
-            # (touch): an entry that looks old is re-read.
-            cur = _envelope_now(e.path)
-            if cur is None:
-                continue
-            t = _last_activity(cur)
-            if t and now - t > self.max_age_s and self._delete(e, "max_age"):
-                evicted.append(e)
-        left = [e for e in entries if e not in evicted]
-        if evicted and any(e.is_block for e in evicted):
-            # A parent whose last child just went may have expired too.
-            evicted += self._expire(left, now, protect)
-        return evicted
 
     def _sweep_orphans(self):
         """Removes orphaned blocks under the exclusive lock, if it is free now (at
@@ -1498,14 +1456,6 @@ def _as_sealed(plain, st):
     return dataclasses.replace(plain, payload_abi=plain.payload_abi + SEALED_ABI_OFFSET, file_size=st.st_size)
 
 
-def _envelope_now(path):
-    """The envelope at path now, or None (missing, corrupt, unsafe)."""
-    try:
-        return read_entry(path)
-    except KVStoreError:
-        return None
-
-
 def _check_axes(positional, tensors, n):
     """positional as {name: axis}, checked: each a tensor holding n rows along axis."""
     if not positional:
@@ -1520,13 +1470,6 @@ def _check_axes(positional, tensors, n):
                              f"{n} tokens along that axis")
         out[name] = axis
     return out
-
-
-def _last_activity(e):
-    """Unix seconds of a checkpoint's last use, else its creation, else (a
-    header with neither, written by some other tool) its file's mtime: a
-    maximum age must not spare a file for lack of a timestamp."""
-    return e.last_used or e.created_at or e.mtime_ns // 10**9
 
 
 def _token_array(tokens):

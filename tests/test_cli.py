@@ -323,6 +323,32 @@ def test_evict_dry_run_deletes_nothing_then_the_real_run_fits(cache, cwd):
     assert {n[:12] for n in before} - {n[:12] for n in left} == set(would)
 
 
+def test_evict_dry_run_names_the_orphans_and_the_real_run_removes_exactly_its_victims(cache, cwd):
+    # kvstore.evictor.plan is behind both: orphaned chain blocks first, then
+    # the budget's order.
+    d, _ = cache
+    with kvstore.KVStore(d, budget_mb=0, options=kvstore.Options(min_tokens=1), block_tokens=64) as s:
+        ids = np.arange(200, dtype=np.uint32)
+        text = "".join(f"w{i} " for i in ids)
+        offsets = [0] + [len("".join(f"w{i} " for i in ids[:k + 1])) for k in range(len(ids))]
+        s.save(text, ids, {"k": np.ones((2, 200), dtype=np.float16)}, positional={"k": 1}, text_offsets=offsets)
+        blocks = sorted((e for e in s.entries() if e.is_block and e.text_bytes <= len(text)),
+                        key=lambda e: e.tokens)
+    os.unlink(blocks[0].path)                               # the blocks after it are orphans
+    orphans = {e.sha[:12] for e in blocks[1:]}
+    before = names(d)
+    total = sum(os.path.getsize(os.path.join(d, n)) for n in before)
+    budget_mb = total / 2 / 2**20
+    p = run(cwd, "evict", d, "--budget-mb", repr(budget_mb), "--dry-run")
+    would = [ln.split()[2] for ln in p.stdout.splitlines() if ln.startswith("would evict ") and "  " in ln]
+    assert set(would[:len(orphans)]) == orphans and len(would) > len(orphans)
+    assert names(d) == before
+    p = run(cwd, "evict", d, "--budget-mb", repr(budget_mb))
+    gone = [ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("evicted ") and "  " in ln]
+    assert gone == would
+    assert {n[:12] for n in before} - {n[:12] for n in names(d)} == set(would)
+
+
 def test_evict_errors(cache, cwd):
     d, _ = cache
     assert_usage_error(run(cwd, "evict", d), "--budget-mb")

@@ -405,7 +405,7 @@ def test_temporaries_left_before_the_boot_or_by_this_process_are_removed(tmp_pat
     # may belong to other processes now (this one included): a temporary
     # file older than the boot, or of this process's pid but open in no write
     # of this process, is debris.  Found by tests/test_power_cuts.py.
-    from kvstore import files
+    from kvstore import files, temps
     d = tmp_path / "kv"
     with make_store(d):
         pass
@@ -415,7 +415,7 @@ def test_temporaries_left_before_the_boot_or_by_this_process_are_removed(tmp_pat
     alive = d / f"{sha}.kv.tmp.{live.pid}.deadbeef"
     for p in (before_boot, mine, alive):
         p.write_bytes(b"partial")
-    booted = files.boot_time()
+    booted = temps.boot_time()
     assert booted is not None and booted < time.time()
     os.utime(before_boot, (booted - 60, booted - 60))
     with files.TempFile(d / f"{sha}.kv") as writing:        # this process's own write, in progress

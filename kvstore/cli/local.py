@@ -27,12 +27,13 @@ import os
 import sys
 import time
 
-from kvstore import _native, counters, files, identity, policy, registry, seal, sessions, trailers
+from kvstore import _native, counters, evictor, files, identity, policy, registry, seal, sessions, trailers
 from kvstore import remote
 from kvstore.cli import text
 from kvstore.cli.remote import cmd_remote_ls
 from kvstore.cli.text import PROG, UsageError
 from kvstore.errors import CheckpointMissing, CorruptCheckpoint, KVStoreError, UnsafePath
+from kvstore.index import DirectoryIndex
 from kvstore.files import QUARANTINE_DIR, BrokenChain, ancestors, checkpoint_names, describe_error, scan_directory
 from kvstore.format import SEALED_ABI_OFFSET, ExtFlag, entry_from_fd, open_checkpoint, read_entry
 from kvstore.payload import pread, read_manifest
@@ -507,18 +508,23 @@ def cmd_evict(args):
     entries, _ = scan_directory(d)
     before = sum(e.file_size for e in entries)
     now = int(time.time())
+    # KVStore.evict's plan (kvstore.evictor): the dry run prints it, the
+    # real run carries it out; the same victims in the same order, orphans
+    # first.  The index here is read only (no journal is created).
+    index = DirectoryIndex(d, journal=False)
+    index.refresh(force=True)
     if args.dry_run:
-        # KVStore.evict's choice, deleting nothing: the same victims in the same order.
-        victims = policy.select_victims(entries, budget, now, stale_after_s=policy.DEFAULT_STALE_AFTER_S)
+        victims = [v.entry for v in evictor.plan(list(index.entries.values()), index.orphans, now, budget)]
         total = before - sum(v.file_size for v in victims)
         verb = "would evict"
     else:
-        store = _open_store(d)
-        # Opened with no budget so that the constructor deletes nothing; the
-        # explicit pass below evicts to the given one and reports its victims.
+        orphans = index.orphans
+        store = _open_store(d)          # its open removes the orphans
+        # Opened with no budget so that the constructor deletes nothing else;
+        # the explicit pass below evicts to the given one and reports its victims.
         store.budget_bytes = budget
         try:
-            victims = store.evict()
+            victims = [o for o in orphans if not os.path.lexists(o.path)] + store.evict()
             total = store.stats()["bytes"]
         finally:
             store.close()

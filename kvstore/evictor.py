@@ -1,0 +1,100 @@
+"""What an eviction pass removes, decided in one place (docs/format.md §8).
+
+``plan`` is the one function behind ``KVStore.evict`` (which deletes its
+victims, in order) and ``kvstore evict --dry-run`` (which prints them):
+orphaned chain blocks first, then checkpoints past the maximum age (chain
+blocks leaves first: a parent is a candidate once no block continues it),
+then, while the rest is over the budget, the order of
+kvstore.policy.eviction_order (stale files first, superseded waypoints
+next, then by score) over headers read again, since other processes
+record hits in place.
+"""
+
+import dataclasses
+
+from kvstore import policy
+from kvstore.errors import KVStoreError
+from kvstore.format import read_entry
+
+
+@dataclasses.dataclass(frozen=True)
+class Victim:
+    entry: object     # the Entry to delete
+    why: str          # "orphan", "max_age" or "budget": the log line's reason
+
+
+def envelope_now(path):
+    """The envelope at path now, or None (missing, corrupt, unsafe)."""
+    try:
+        return read_entry(path)
+    except KVStoreError:
+        return None
+
+
+def last_activity(e):
+    """Unix seconds of a checkpoint's last use, else its creation, else (a
+    header with neither, written by some other tool) its file's mtime: a
+    maximum age must not spare a file for lack of a timestamp."""
+    return e.last_used or e.created_at or e.mtime_ns // 10**9
+
+
+def plan(entries, orphans, now, budget_bytes, *, max_age_s=None, protect=None, superseded=None,
+         half_life_s=policy.DEFAULT_HALF_LIFE, stale_after_s=policy.DEFAULT_STALE_AFTER_S, current=envelope_now):
+    """The victims of one eviction pass, the first to delete first.
+
+    Args:
+        entries: every valid checkpoint of the directory (the orphans too).
+        orphans: the chain blocks whose chain does not reach a first block.
+        now: unix seconds.
+        budget_bytes: the budget; 0 means unlimited.
+        max_age_s: delete what has not been used for this long (None: keep).
+        protect: an Entry never chosen (the file just written).
+        superseded: a callable (the entries, read again) -> shas of waypoints
+            the incoming checkpoint supersedes; None: none.
+        half_life_s, stale_after_s: as kvstore.policy.eviction_order.
+        current: path -> the Entry there now or None (headers change in place).
+
+    Returns:
+        [Victim].
+    """
+    out = [Victim(e, "orphan") for e in orphans]
+    gone = {e.name for e in orphans}
+    entries = [e for e in entries if e.name not in gone]
+    if max_age_s is not None:
+        expired = _expired(entries, now, max_age_s, protect, current)
+        out += [Victim(e, "max_age") for e in expired]
+        gone = {e.name for e in expired}
+        entries = [e for e in entries if e.name not in gone]
+    if not budget_bytes or sum(e.file_size for e in entries) <= budget_bytes:
+        return out
+    fresh = [c for c in (current(e.path) for e in entries) if c is not None]
+    protected = frozenset([protect.sha]) if protect is not None else frozenset()
+    chosen = policy.select_victims(fresh, budget_bytes, now, superseded(fresh) if superseded else frozenset(),
+                                   protected, half_life_s, stale_after_s=stale_after_s)
+    return out + [Victim(e, "budget") for e in chosen]
+
+
+def _expired(entries, now, max_age_s, protect, current):
+    """The entries unused for max_age_s, chain blocks leaves first (a parent
+    once every block that continues it is expired)."""
+    out, left = [], list(entries)
+    while True:
+        parents = {e.parent for e in left if e.is_block and e.parent}
+        newly = []
+        for e in policy.eviction_order(left, now):
+            if e.sha in parents or (protect is not None and e.name == protect.name):
+                continue
+            t = last_activity(e)
+            if not (t and now - t > max_age_s):
+                continue
+            # The index's copy predates hits recorded in place since (touch):
+            # an entry that looks old is read again.
+            cur = current(e.path)
+            t = last_activity(cur) if cur is not None else None
+            if t and now - t > max_age_s:
+                newly.append(e)
+        out += newly
+        if not any(e.is_block for e in newly):
+            return out
+        gone = {e.name for e in newly}
+        left = [e for e in left if e.name not in gone]
