@@ -26,6 +26,7 @@ from kvstore.format import (CHAIN_END, CHAIN_RESTORABLE, NO_PARENT, PREFIX_SIZE,
                             entry_from_fd, open_checkpoint)
 from kvstore.index import chain_link_ok
 from kvstore.names import names_of
+from kvstore.sources import as_source
 
 # Blocks of this many tokens.  mlx-lm grows its KV buffers in steps of 256
 # tokens, and a block of 256 tokens of an 8B model (128 KiB of KV per token)
@@ -227,8 +228,7 @@ class OpenChain:
 
     def close(self):
         for fd, _, _ in self.blocks:
-            if type(fd) is int:
-                os.close(fd)
+            as_source(fd).close()
         for fd in self._held:
             os.close(fd)
         self.blocks = []

@@ -28,6 +28,7 @@ import time
 from kvstore import _native, names, payload, temps
 from kvstore.identity import ModelIdentity
 from kvstore.index import chain_link_ok
+from kvstore.sources import as_source
 from kvstore.errors import CheckpointMissing, CheckpointOSError, CorruptCheckpoint, KVStoreError, UnsafePath
 from kvstore.format import PREFIX_SIZE, entry_from_fd, is_checkpoint_name, open_checkpoint, read_entry
 
@@ -298,18 +299,16 @@ def write_image(fd, path, header, text, plan, trailer_raw=b"", head=b"", crc=Tru
     """
     P = PREFIX_SIZE + len(text)
     size = image_size(text, plan, trailer_raw)
-    if type(fd) is int:
-        # All blocks at once: faster writes, and no room fails here.
-        _native.preallocate(fd, size, path)
+    dst = as_source(fd)
+    dst.reserve(size, path)
     payload.pwrite_from(fd, header.pack() + len(text).to_bytes(4, "little") + text + head, 0, path)
     plan.write(fd, path, crc)
     if trailer_raw:
         payload.pwrite_from(fd, trailer_raw, P + plan.payload_bytes, path)
-    if type(fd) is int:
-        # A zero-byte last block sits at an aligned offset past the last
-        # byte written: without a trailer (or the preallocation) the file
-        # would end short of payload_bytes and read back as truncated.
-        os.ftruncate(fd, size)
+    # A zero-byte last block sits at an aligned offset past the last byte
+    # written: without a trailer (or the preallocation) the file would end
+    # short of payload_bytes and read back as truncated.
+    dst.set_size(size)
     return size
 
 

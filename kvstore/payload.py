@@ -54,6 +54,7 @@ import numpy as np
 from kvstore import _native
 from kvstore.errors import CorruptCheckpoint
 from kvstore.format import PREFIX_SIZE
+from kvstore.sources import as_source
 
 MAGIC = b"KVTP"
 PAYLOAD_HEADER = struct.Struct("<4sIQII")     # 24 bytes
@@ -525,25 +526,19 @@ def pread_into(src, buf, offset, path=None, crc=None):
     """Fills buf from src at offset: src is a file descriptor, or an object
     with the same pread_into method (a sealed file's authenticated plain
     view, kvstore.seal.SealedSource).  Returns the CRC as _native.pread_into."""
-    if type(src) is int:
-        return _native.pread_into(src, buf, offset, path, crc)
-    return src.pread_into(buf, offset, path, crc)
+    return as_source(src).pread_into(buf, offset, path, crc)
 
 
 def pwrite_from(dst, buf, offset, path=None):
     """Writes buf to dst at offset: dst is a file descriptor, or an object
     with the same pwrite_from method (the in-memory image kvstore.seal
     encrypts before anything reaches the disk)."""
-    if type(dst) is int:
-        return _native.pwrite_from(dst, buf, offset, path)
-    return dst.pwrite_from(buf, offset, path)
+    return as_source(dst).pwrite_from(buf, offset, path)
 
 
 def pread(src, n, offset):
     """os.pread for a file descriptor or a source with pread_into."""
-    if type(src) is int:
-        return os.pread(src, n, offset)
-    return src.pread(n, offset)
+    return as_source(src).pread(n, offset)
 
 
 def _slices(n):
@@ -1048,7 +1043,7 @@ class _Batch:
                                                   p.dst + run0 * p.stride)))
                 size += k * p.run
         groups = [g for g in groups if g]
-        read = _native.pread_pieces if type(src) is int else src.read_pieces
+        read = as_source(src).read_pieces
         if last and not self.jobs and len(groups) == 1:
             g = groups[0]
             self.jobs.append((_Done(read, self.buffers, [part[2] for part in g], self.verify),

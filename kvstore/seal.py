@@ -514,6 +514,12 @@ class _SealingSink:
         # The chunks this write completes go now, while the writer goes on.
         self._queue_below(grid.of(hi))
 
+    def reserve(self, size, path=None):
+        """The Source protocol's preallocation: the sealed file is sized by its writer."""
+
+    def set_size(self, size):
+        """The Source protocol's final size: the sealed file's is set when it is written."""
+
     def finish(self):
         """Queues every chunk not queued yet, the held ones last, and waits for them."""
         self._queue_below(self.chunks)
@@ -659,6 +665,9 @@ class SealedSource:
         plain = self.decrypt(i, scratch)
         for off, b, dst, run, count, stride in rows:
             _native.copy_runs(buffers[b], dst, plain, off - lo, run, count, stride)
+
+    def close(self):
+        """The Source protocol's close: the descriptor belongs to whoever opened the file."""
 
     @staticmethod
     def read_pieces(buffers, pieces, verify=False):

@@ -31,6 +31,7 @@ from typing import Protocol
 
 from kvstore._native import crc32c
 from kvstore.format import ExtFlag
+from kvstore.sources import as_source
 
 __all__ = [
     "SECTION_HEADER", "MAX_BIT", "TITLE_MAX_BYTES",
@@ -344,7 +345,7 @@ def trailer_sections(fd, entry):
     hdr = SECTION_HEADER.size
     at, end = entry.trailer_offset, entry.file_size
     while end - at >= hdr:
-        raw = os.pread(fd, hdr, at) if type(fd) is int else fd.pread(hdr, at)
+        raw = as_source(fd).pread(hdr, at)
         if len(raw) < hdr:
             return
         bit, length, crc = SECTION_HEADER.unpack(raw)

@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvstore"
 # between the libraries and the applications built on them.
 LAYERS = [
     ["kvstore._native", "kvstore._reference", "kvstore.errors"],
-    ["kvstore.format", "kvstore.payload", "kvstore.names", "kvstore.identity", "kvstore.journal", "kvstore.forest", "kvstore.evictor", "kvstore.temps",
+    ["kvstore.format", "kvstore.payload", "kvstore.names", "kvstore.identity", "kvstore.journal", "kvstore.forest", "kvstore.evictor", "kvstore.temps", "kvstore.sources",
      "kvstore.index", "kvstore.policy",
      "kvstore.trailers", "kvstore.files", "kvstore.registry", "kvstore.counters", "kvstore.writer",
      "kvstore.chain", "kvstore.seal"],

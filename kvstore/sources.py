@@ -1,0 +1,56 @@
+"""A file's bytes, plain or sealed, behind one small protocol (the Source).
+
+The readers and writers of the payload take a Source, never a bare file
+descriptor: FdSource over a plain file, kvstore.seal.SealedSource over a
+sealed file's authenticated plain view, and the sealing sink that collects
+a file's image before it is encrypted.  A Source offers:
+
+    pread(n, offset) -> bytes
+    pread_into(buf, offset, path=None, crc=None) -> crc     (as _native.pread_into)
+    read_pieces(buffers, pieces, verify=False)              (as _native.pread_pieces)
+    pwrite_from(buf, offset, path=None)                     (writers)
+    reserve(size, path=None)   all of a new file's blocks at once (or nothing)
+    set_size(size)             the file's final size (or nothing)
+    close()                    what the Source itself opened (FdSource: its descriptor)
+
+as_source() is the one place that tells a descriptor from a Source.
+"""
+
+import os
+
+from kvstore import _native
+
+
+class FdSource:
+    """The Source of a plain file, through its descriptor."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def pread(self, n, offset):
+        return os.pread(self.fd, n, offset)
+
+    def pread_into(self, buf, offset, path=None, crc=None):
+        return _native.pread_into(self.fd, buf, offset, path, crc)
+
+    read_pieces = staticmethod(_native.pread_pieces)
+
+    def pwrite_from(self, buf, offset, path=None):
+        return _native.pwrite_from(self.fd, buf, offset, path)
+
+    def reserve(self, size, path=None):
+        # All blocks at once: faster writes, and a disk without room fails here.
+        _native.preallocate(self.fd, size, path)
+
+    def set_size(self, size):
+        os.ftruncate(self.fd, size)
+
+    def close(self):
+        os.close(self.fd)
+
+
+def as_source(x):
+    """x as a Source: a file descriptor (an int) in an FdSource, any Source as it is."""
+    return FdSource(x) if type(x) is int else x
