@@ -20,10 +20,20 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvstore"
 # between the libraries and the applications built on them.
 LAYERS = [
     ["kvstore._native", "kvstore._reference", "kvstore.errors"],
-    ["kvstore.format", "kvstore.payload", "kvstore.names", "kvstore.identity", "kvstore.journal", "kvstore.forest", "kvstore.evictor", "kvstore.temps", "kvstore.sources",
-     "kvstore.index", "kvstore.policy",
-     "kvstore.trailers", "kvstore.files", "kvstore.registry", "kvstore.counters", "kvstore.writer",
-     "kvstore.chain", "kvstore.seal"],
+    # The file's parts, then what is built on them, up to the store: the
+    # envelope and names; a file's bytes; which temporaries are debris; the
+    # counters; the background writer.
+    ["kvstore.format", "kvstore.names", "kvstore.sources", "kvstore.temps", "kvstore.counters", "kvstore.writer"],
+    # Model identities, the journal, the lookup forest, the payload, the
+    # pure rules, the trailers.
+    ["kvstore.identity", "kvstore.journal", "kvstore.forest", "kvstore.payload", "kvstore.policy",
+     "kvstore.trailers"],
+    # The lookup index, and the eviction plan over its entries.
+    ["kvstore.index", "kvstore.evictor"],
+    # Writing and checking files; chains of blocks.
+    ["kvstore.files", "kvstore.chain"],
+    # What is written with them: the model registry, sealed files.
+    ["kvstore.registry", "kvstore.seal"],
     ["kvstore.store"],
     ["kvstore.remote", "kvstore.mlx", "kvstore.prompt_cache", "kvstore.sessions", "kvstore.exchange"],
     ["kvstore"],
@@ -175,7 +185,9 @@ def test_no_private_name_across_modules():
 
 @pytest.mark.parametrize("importer,target,expect", [
     ("kvstore.store", "kvstore.remote.tier", "upward"),
-    ("kvstore.format", "kvstore.policy", "same room"),
+    ("kvstore.format", "kvstore.names", "same room"),
+    ("kvstore.format", "kvstore.policy", "upward"),
+    ("kvstore.seal", "kvstore.files", "downward"),
     ("kvstore.cli.local", "kvstore.store", "downward"),
 ])
 def test_rooms_rank_as_documented(importer, target, expect):
