@@ -34,6 +34,7 @@ still point at it is kept in a graveyard beside the backing tree, so that
 its bytes are there to survive.
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -386,6 +387,9 @@ def _serve(root, mountpoint):
 
     def control():
         out = sys.stdout
+        if not os.path.ismount(mountpoint):
+            print(json.dumps({"ready": False}), file=out, flush=True)
+            return
         print(json.dumps({"ready": True}), file=out, flush=True)
         for line in sys.stdin:
             try:
@@ -415,6 +419,22 @@ def _serve(root, mountpoint):
 
 # ---- the client (in the test's process) ----------------------------------------------
 
+class MountFailed(RuntimeError):
+    """The FUSE mount could not be made (the tests skip, saying why)."""
+
+
+@contextlib.contextmanager
+def mounted(root):
+    """A PowerFS at root for a test module; skips the tests, with the reason, where it cannot mount."""
+    import pytest
+    try:
+        fs = PowerFS(root)
+    except MountFailed as e:
+        pytest.skip(str(e))
+    with fs:
+        yield fs
+
+
 class PowerFS:
     """A power-loss mount at ``mount``, backed under ``root`` (a fresh directory).
 
@@ -432,10 +452,10 @@ class PowerFS:
                                       self.mount], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=open(os.path.join(self.root, "fs.log"), "wb"), text=True)
         ready = self.proc.stdout.readline()
-        if not ready:
+        if not ready or not json.loads(ready).get("ready"):
             self.close()
             with open(os.path.join(self.root, "fs.log")) as f:
-                raise RuntimeError(f"the power-loss filesystem did not start: {f.read()[-2000:]}")
+                raise MountFailed(f"the power-loss filesystem did not mount at {self.mount}: {f.read()[-2000:]}")
 
     def _call(self, **req):
         self.proc.stdin.write(json.dumps(req) + "\n")

@@ -37,7 +37,7 @@ from kvstore.format import is_checkpoint_name, read_entry
 from kvstore.index import TORN_REASONS
 from kvstore.policy import Options
 from kvhelpers import S3_BUCKET
-from powerfs import PowerFS, fuse_unavailable
+from powerfs import fuse_unavailable, mounted
 from test_chain import Seq, kv_of, rows_of
 
 pytestmark = pytest.mark.skipif(fuse_unavailable() is not None, reason=f"no FUSE mount: {fuse_unavailable()}")
@@ -301,7 +301,7 @@ SCENARIOS = {c.__name__: c() for c in (ChainSaves, WholeSaves, SealedSaves, Touc
 
 @pytest.fixture(scope="module")
 def power(tmp_path_factory):
-    with PowerFS(tmp_path_factory.mktemp("powerfs")) as fs:
+    with mounted(tmp_path_factory.mktemp("powerfs")) as fs:
         yield fs
 
 

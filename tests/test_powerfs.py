@@ -5,14 +5,14 @@ import os
 
 import pytest
 
-from powerfs import PowerFS, fuse_unavailable
+from powerfs import fuse_unavailable, mounted
 
 pytestmark = pytest.mark.skipif(fuse_unavailable() is not None, reason=f"no FUSE mount: {fuse_unavailable()}")
 
 
 @pytest.fixture(scope="module")
 def fs(tmp_path_factory):
-    with PowerFS(tmp_path_factory.mktemp("powerfs")) as fs:
+    with mounted(tmp_path_factory.mktemp("powerfs")) as fs:
         yield fs
 
 
