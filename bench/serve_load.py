@@ -157,6 +157,7 @@ SETTLE_S = 1.0                    # after each session's first token, before the
 FULL_BASELINE_S, QUICK_BASELINE_S = 3.0, 2.0    # the window without load
 FULL_ROUNDS, QUICK_ROUNDS = 3, 1
 DECODE_TARGET = 0.8               # decode rate during the load / without (the target)
+BYTES_TARGET = 1.15               # bytes written / KV bytes of the distinct tokens (tails write a block twice at most)
 
 # A request that gets no byte for this long has hung the server (the
 # longest legitimate silence is one prefill step of 8 prompts, seconds).
@@ -562,6 +563,7 @@ def bench_load(report, quick, tmp):
                    "bytes of the distinct tokens",
                    {"text": f"{shown / MiB:.2f} MiB"}, {"text": f"{kv_bytes / MiB:.2f} MiB"}, "size",
                    shown / kv_bytes, ratio_text=f"{shown / kv_bytes:.2f}",
+                   target=f"size ratio ≤ {BYTES_TARGET}", passed=shown / kv_bytes <= BYTES_TARGET,
                    note=(f"bytes_written counter {written:,} B; " if written is not None
                          else "no bytes_written counter in `kvstore stats --json`: the directory's size; ")
                         + f"directory {rec['dir_bytes']:,} B in {rec['stats'].get('entries', '?')} files; "
