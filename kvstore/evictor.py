@@ -13,22 +13,13 @@ record hits in place.
 import dataclasses
 
 from kvstore import policy
-from kvstore.errors import KVStoreError
-from kvstore.format import read_entry
+from kvstore.format import envelope_now
 
 
 @dataclasses.dataclass(frozen=True)
 class Victim:
     entry: object     # the Entry to delete
     why: str          # "orphan", "max_age" or "budget": the log line's reason
-
-
-def envelope_now(path):
-    """The envelope at path now, or None (missing, corrupt, unsafe)."""
-    try:
-        return read_entry(path)
-    except KVStoreError:
-        return None
 
 
 def last_activity(e):

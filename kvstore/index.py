@@ -246,6 +246,11 @@ class DirectoryIndex:
         if self.journal is not None:
             self.journal.append([name], os.stat(self.path).st_mtime_ns)
 
+    def close(self):
+        """Lets go of the journal's descriptor (the index may still be read)."""
+        if self.journal is not None:
+            self.journal.close()
+
     def get(self, sha):
         """The entry whose name is sha (40 lowercase hex digits, any case on disk), or None."""
         return self._by_sha.get(sha) if sha else None

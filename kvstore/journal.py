@@ -94,18 +94,17 @@ class Journal:
     def start(self):
         """Reads from the journal's end from now on (called before a full
         listing, which sees every change recorded so far)."""
-        self._close()
+        self.close()
+        flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC
         try:
             # Created here when missing, so that this reader follows it from
-            # the first record on (a directory that cannot be written has none).
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o600)
-            os.close(fd)
+            # the first record on.
+            self._fd = os.open(self.path, flags | os.O_CREAT, 0o600)
         except OSError:
-            pass
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-        except OSError:
-            return
+            try:
+                self._fd = os.open(self.path, flags)     # a directory this process cannot write
+            except OSError:
+                return
         st = os.fstat(self._fd)
         self._ino, self._offset = st.st_ino, st.st_size
 
@@ -133,11 +132,9 @@ class Journal:
         self._offset += end
         return records
 
-    def _close(self):
+    def close(self):
+        """Lets go of the journal (a reader's descriptor); start() takes it up again."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         self._ino = None
-
-    def close(self):
-        self._close()

@@ -35,7 +35,7 @@ from kvstore.errors import (CheckpointMissing, CheckpointOSError, CorruptCheckpo
 from kvstore.files import RDWR_FLAGS, short_name
 from kvstore.format import (CHAIN_HEAD_SIZE, LOADABLE_ABIS, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE,
                             SEALED_ABI_OFFSET, SEALED_ABIS, Entry, Header, Reason, entry_from_fd, open_checkpoint, pack_chain_head,
-                            read_entry)
+                            envelope_now, read_entry)
 from kvstore.index import DirectoryIndex, TieredLookup
 from kvstore.policy import Options
 from kvstore.writer import BackgroundWriter
@@ -986,7 +986,7 @@ class KVStore:
         """The envelope at path now, or None (missing, corrupt, unsafe); for a
         sealed file of this store's key, its authenticated head (real token
         digests), or None when it does not authenticate."""
-        e = evictor.envelope_now(path)
+        e = envelope_now(path)
         if e is None or self._seal is None or not self._seal.owns(e):
             return e
         try:
@@ -1411,6 +1411,8 @@ class KVStore:
         if self.remote is not None:
             self.remote.close()
         self._counters.close()
+        with self._lock:
+            self._index.close()
         self._closed = True
 
     def __enter__(self):

@@ -149,3 +149,15 @@ def test_a_writer_killed_mid_update_hides_no_file_it_stored(tmp_path):
         for i, sha in done:
             e = reader.find(f"writer prompt {i}!")
             assert e is not None and e.sha == sha
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc/self/fd")
+def test_a_closed_store_lets_go_of_the_journal(tmp_path):
+    d = tmp_path / "kv"
+    with make_store(d) as s:
+        save(s, "a prompt")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with make_store(d) as s:
+            s.find("a prompt, continued")
+    assert len(os.listdir("/proc/self/fd")) <= before

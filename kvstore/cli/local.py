@@ -505,14 +505,13 @@ def cmd_evict(args):
     if args.budget_mb <= 0:
         raise UsageError("evict --budget-mb must be > 0 (to remove every checkpoint use `kvstore wipe`)")
     budget = text.mib_bytes(args.budget_mb)
-    entries, _ = scan_directory(d)
-    before = sum(e.file_size for e in entries)
-    now = int(time.time())
     # KVStore.evict's plan (kvstore.evictor): the dry run prints it, the
     # real run carries it out; the same victims in the same order, orphans
     # first.  The index here is read only (no journal is created).
     index = DirectoryIndex(d, journal=False)
     index.refresh(force=True)
+    before = index.total_bytes()
+    now = int(time.time())
     if args.dry_run:
         victims = [v.entry for v in evictor.plan(list(index.entries.values()), index.orphans, now, budget)]
         total = before - sum(v.file_size for v in victims)
