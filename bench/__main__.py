@@ -1,70 +1,55 @@
 """Runs every benchmark against its peers and publishes the tables and plots.
 
-    python -m bench                      # the full run (about 35 minutes), writes the results
+    python -m bench                      # the full run (over half an hour), writes the results
     python -m bench --quick              # the quick variants (under 3 minutes)
     python -m bench --quick --no-write   # CI smoke: runs everything, writes into a temp dir
     python -m bench --only store,e2e     # some harnesses; the others' last results are kept
 
 Each harness (bench/foundation.py: hashing and header touch; bench/store.py:
-lookup scaling and payload save/load; bench/ttft.py: time to first token;
-bench/e2e.py: the demo's agent workload; bench/serve.py: kvstore serve after
-a restart; bench/chains.py: chained checkpoints against whole-prefix files;
-bench/serve_load.py: kvstore serve and stock mlx_lm.server under concurrent
-sessions, and decoding while a checkpoint loads; bench/canary.py: the
-canary's distances, states the live model made against states it did not)
-runs in its own process, from a temporary directory so that the repository's
-kvstore/ does not shadow the installed package, and prints a markdown
-report.  This script collects the reports into bench/README.md (the machine
-and the versions on top, one table per section), keeps the JSON results in
-bench/results/, draws bench/*.png from them (bench/plots.py; matplotlib, the
-`bench` extra) and copies the headline rows into the top-level README between
-its `<!-- bench:start -->` and `<!-- bench:end -->` markers, so that no
-number in the README is typed by hand.  Nothing here imports kvstore.
+lookup scaling and payload save/load, plain and sealed; bench/ttft.py: time
+to first token; bench/e2e.py: the demo's agent workload; bench/serve.py:
+kvstore serve after a restart; bench/chains.py: chained checkpoints against
+whole-prefix files; bench/serve_load.py: kvstore serve and stock
+mlx_lm.server under concurrent sessions, and decoding while a checkpoint
+loads; bench/canary.py: the canary's distances, states the live model made
+against states it did not; bench/remote.py: a hit from an S3 bucket against
+a local one) runs in its own process, from a temporary directory so that the
+repository's kvstore/ does not shadow the installed package, writes its JSON
+results and prints a markdown report.  A harness whose tools are missing
+here (remote.py without boto3 or `weed`) reports itself skipped; the results
+of an earlier run, if any, are then kept.
+
+Every invocation has a run id, its UTC start, stored with the command and
+the harness's wall time in the JSON of every harness it runs.  This script
+collects the reports into bench/README.md: on top this run, its machine and
+versions, its total wall time and its harnesses' times, and the tables that
+come from earlier runs (``--only`` keeps the others' results) with their
+machines; under each table's heading the run it comes from, its machine and
+its date.  It keeps the JSON results in bench/results/, draws bench/*.png
+from them (bench/plots.py; matplotlib, the `bench` extra) and rewrites the
+generated blocks of README.md and docs/format.md from them (bench/figures.py:
+the headline rows, the remote tier, the sealed costs), so that no measured
+figure in either is typed by hand (tests/test_figures.py checks it).
+Nothing here imports kvstore.
 """
 
 import argparse
+import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+import figures  # noqa: E402
 import plots  # noqa: E402
 
-HARNESSES = ["foundation", "store", "ttft", "e2e", "serve", "chains", "serve_load", "canary"]
-
-# The rows quoted in the README: (harness, substring of the comparison).
-HEADLINE = [
-    ("foundation", "sha1 400 KB vs hashlib.sha1"),
-    ("foundation", "sha1_prefixes 400 KB × 1000 lengths, random order vs one hashlib"),
-    ("foundation", "crc32c 64 MiB vs zlib.crc32"),
-    ("foundation", "touch, 2 processes on one file vs ds4 way (os.open"),
-    ("store", "find, N=10,000, miss vs ds4"),
-    ("store", "find, N=10,000, hit vs ds4"),
-    ("store", "find, N=10,000, miss vs one hashlib"),
-    ("store", "load 512 MiB, 1st in a fresh process, into MLX, CRC on vs mlx_lm"),
-    ("store", "save 512 MiB, durable=False vs mlx_lm"),
-    ("ttft", "TTFT 4,096 + 128 tokens: kvstore disk hit vs cold prefill"),
-    ("ttft", "TTFT 4,096 + 128 tokens: kvstore disk hit vs mlx-lm"),
-    ("ttft", "file 4,096 + 128: kvstore .kv vs mlx-lm .safetensors with the prompt text"),
-    ("ttft", "TTFT 8,192 + 128 tokens: kvstore disk hit vs cold prefill"),
-    ("e2e", "hit rate: kvstore vs mlx-lm"),
-    ("e2e", "median TTFT per request: kvstore vs no prompt cache"),
-    ("e2e", "mean TTFT per request (a round's total wait): kvstore vs mlx-lm"),
-    ("serve", "turn 4"),
-    ("chains", "agent session bytes written / KV bytes of distinct tokens"),
-    ("chains", "at P = 15,000: chain vs whole"),
-    ("chains", "400 KB prompt, miss vs one hashlib"),
-    ("serve_load", "8 sessions, turns 3-4 after SIGTERM + restart: TTFT p50"),
-    ("serve_load", "8 sessions, turns 3-4 after SIGTERM + restart: TTFT p95"),
-    ("serve_load", "cold page cache, vs without load"),
-    ("canary", "canary llama bfloat16, tail: largest rounding vs smallest wrong-model distance"),
-]
+HARNESSES = ["foundation", "store", "ttft", "e2e", "serve", "chains", "serve_load", "canary", "remote"]
 
 LOAD_NOTE = """\
 ## Why loads stream through `mx.load`, and prefault their pages
@@ -142,11 +127,16 @@ blocks three short sessions leave.
 """
 
 
-def run(name, quick, results):
-    """Runs one harness; returns (its markdown report, seconds)."""
-    cmd = [sys.executable, os.path.join(HERE, f"{name}.py"), "--json", os.path.join(results, f"{name}.json")]
-    if quick:
-        cmd.append("--quick")
+def run_harness(name, quick, results, stamp):
+    """Runs one harness; returns its JSON results, stamped with this run (stamp: id and command).
+
+    The harness writes NAME.json.new and prints its markdown report; both replace
+    bench/results/NAME.json and NAME.md with the run's stamp added to the JSON,
+    except when the harness was skipped (what it needs is missing here) and an
+    earlier run's results exist: those are kept, and their own stamp says so.
+    """
+    new = os.path.join(results, f"{name}.json.new")
+    cmd = [sys.executable, os.path.join(HERE, f"{name}.py"), "--json", new] + (["--quick"] if quick else [])
     print(f"bench: running {name}{' --quick' if quick else ''}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     # Run outside the source tree: the repository's kvstore/ must not shadow
@@ -155,41 +145,61 @@ def run(name, quick, results):
         out = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - t0
     if out.returncode != 0:
+        if os.path.exists(new):
+            os.unlink(new)
         raise SystemExit(f"bench: {name} failed (exit {out.returncode})")
-    print(f"bench: {name} done in {seconds:.0f} s", file=sys.stderr, flush=True)
-    return out.stdout, seconds
+    with open(new) as f:
+        data = {"run": {**stamp, "wall_s": seconds}, **json.load(f)}
+    os.unlink(new)
+    if data.get("skipped") and figures.load_results(results, name) is not None:
+        print(f"bench: {name} skipped ({data['skipped']}); the results of an earlier run are kept",
+              file=sys.stderr, flush=True)
+        return data
+    with open(os.path.join(results, f"{name}.json"), "w") as f:
+        json.dump(data, f, indent=2)
+    with open(os.path.join(results, f"{name}.md"), "w") as f:
+        f.write(out.stdout)
+    print(f"bench: {name} {'skipped' if data.get('skipped') else 'done'} in {seconds:.0f} s",
+          file=sys.stderr, flush=True)
+    return data
 
 
-def load_results(results, name):
-    path = os.path.join(results, f"{name}.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+def table_stamp(data, run):
+    """The line under a harness's heading: the run it comes from, its machine and date."""
+    m, here = data.get("machine", {}), run["machine"]
+    if figures.run_id(data) == run["id"]:
+        head = f"**Run** {run['id']} (this run)"
+    else:
+        cmd = (data.get("run") or {}).get("command")
+        head = f"**From an earlier run**: {figures.run_label(data)}" + (f" (`{cmd}`)" if cmd else "")
+        if data.get("name") in run["skipped"]:
+            head += f"; skipped in this run: {run['skipped'][data['name']]}"
+    where = "this run's" if figures.same_machine(m, here) else "**not this run's machine**"
+    versions = "" if figures.same_versions(m, here) else "; other versions: its own lines below"
+    return (f"> {head} · **machine** {figures.machine_text(m)} ({where}{versions}) · "
+            f"**date** {m.get('date', '?')} (the harness's start)")
 
 
-def headline_rows(results):
-    lines = ["| comparison | kvstore | peer | ratio (median) | target | result |", "|---|---|---|---|---|---|"]
-    for name, needle in HEADLINE:
-        data = load_results(results, name) or {}
-        for r in data.get("rows", []):
-            if needle in r.get("comparison", ""):
-                ratio = r.get("ratio_text") or (f"{r['ratio']:.3g}" if isinstance(r["ratio"], (int, float))
-                                                else r["ratio"])
-                lines.append(f"| {r['comparison']} | {r.get('kvstore_cell', '')} | {r.get('peer_cell', '')} "
-                             f"| {ratio} | {r.get('target', '')} | {r.get('result') or '—'} |")
-                break
-    return "\n".join(lines)
+def earlier_tables(results, run):
+    """[(name, its results)] of the harnesses whose tables come from another run than this one."""
+    out = []
+    for name in HARNESSES:
+        data = figures.load_results(results, name)
+        if data is not None and figures.run_id(data) != run["id"]:
+            out.append((name, data))
+    return out
 
 
-def machine_table(results, seconds, quick):
-    """The machine and versions (from the harnesses' JSON) and the run's times."""
-    runs = [d for d in (load_results(results, n) for n in HARNESSES) if d]
-    m = runs[0]["machine"] if runs else {}
+def machine_table(results, run):
+    """The header: this run, its machine and versions, its times, and the tables from other runs."""
+    m = run["machine"]
     impl = ", ".join(f"{k}={v}" for k, v in m.get("implementation", {}).items())
-    times = ", ".join(f"{n} {d['elapsed_s']:.0f} s{' (quick)' if d.get('quick') else ''}"
-                      for n, d in zip(HARNESSES, (load_results(results, n) for n in HARNESSES)) if d)
+    times = ", ".join(f"{n} {d['run']['wall_s']:.0f} s ({d['elapsed_s']:.0f} s"
+                      f"{', quick' if d.get('quick') else ''}{', skipped' if d.get('skipped') else ''})"
+                      for n, d in run["ran"].items())
     rows = [
+        ("run", f"{run['id']} (its UTC start): `{run['command']}`; total wall time {run['wall_s']:.0f} s; "
+                f"harnesses of this run, wall time (own clock): {times}"),
         ("CPU", f"{m.get('cpu', '?')} ({', '.join(m.get('cpu_flags', []))}); {m.get('cores', '?')} cores "
                 f"({m.get('usable_cores', '?')} usable)"),
         ("platform", m.get("platform", "?")),
@@ -197,81 +207,116 @@ def machine_table(results, seconds, quick):
         ("MLX", m.get("mlx", "?")),
         ("mlx-lm", m.get("mlx_lm", "?")),
         ("kvstore", f"{m.get('kvstore', '?')} ({impl})"),
-        ("date", m.get("date", "?")),
-        ("run", f"{'`python -m bench --quick`' if quick else '`python -m bench`'}: total wall time "
-                f"{seconds:.0f} s; harnesses (their own clocks): {times}"),
     ]
+    if run["skipped"]:
+        rows.append(("skipped", "; ".join(f"{n}: {why}" for n, why in run["skipped"].items())))
+    earlier = earlier_tables(results, run)
+    if earlier:
+        rows.append(("tables of earlier runs", "; ".join(
+            f"{n}: run {figures.run_label(d)}, {d['elapsed_s']:.0f} s{' (quick)' if d.get('quick') else ''}, "
+            + ("this run's machine" if figures.same_machine(d["machine"], m)
+               else f"**another machine**: {figures.machine_text(d['machine'])}")
+            + ("" if figures.same_versions(d["machine"], m) else ", other versions")
+            for n, d in earlier)))
     return "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
 
 
-def write_readme_table(table):
-    path = os.path.join(ROOT, "README.md")
+def provenance_note(results, run):
+    """The header's sentence on where the tables come from."""
+    earlier = earlier_tables(results, run)
+    if not earlier:
+        return "Every table below comes from this run, on this machine."
+    other = sum(not figures.same_machine(d["machine"], run["machine"]) for _, d in earlier)
+    return (f"{len(earlier)} of the tables below come from earlier runs"
+            + (f", {other} of them from another machine" if other else ", on this run's machine")
+            + " (the header's last row); each table's first line names its run, machine and date.")
+
+
+def harness_section(results, name, run):
+    """A harness's report as a section of bench/README.md, its stamp under the heading; or None."""
+    path = os.path.join(results, f"{name}.md")
+    data = figures.load_results(results, name)
+    if not os.path.exists(path) or data is None:
+        return None
     with open(path) as f:
-        text = f.read()
-    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
-    if start not in text or end not in text:
-        raise SystemExit("bench: README.md has no bench markers")
-    a = text.index(start) + len(start)
-    b = text.index(end)
-    with open(path, "w") as f:
-        f.write(text[:a] + "\n" + table + "\n" + text[b:])
+        body = f.read().strip()
+    body = body.replace("\n# ", "\n## ").replace("# ", "## ", 1)
+    heading, _, rest = body.partition("\n")
+    return f"{heading}\n\n{table_stamp({**data, 'name': name}, run)}\n{rest}\n"
 
 
-def publish(out, results, seconds, quick, pictures):
+def publish(out, results, run, pictures):
     parts = ["# kvstore benchmarks\n",
              "Generated by `python -m bench` from the harnesses' own output (bench/foundation.py, "
-             "store.py, ttft.py, e2e.py, serve.py, chains.py, serve_load.py, canary.py). Each comparison was measured "
-             "side by side with its peer in one run, after a warm-up, with repeats; cells are median / min (the "
-             "canary's cells are distances, not times). The machine is a shared 2-core VM, so compare the ratios, "
-             "not the absolute times.\n",
-             machine_table(results, seconds, quick) + "\n"]
+             "store.py, ttft.py, e2e.py, serve.py, chains.py, serve_load.py, canary.py, remote.py). Each comparison "
+             "was measured side by side with its peer in one run, after a warm-up, with repeats; cells are median / "
+             "min (the canary's cells are distances, not times). The machine is a shared 2-core VM, so compare the "
+             f"ratios, not the absolute times. {provenance_note(results, run)}\n",
+             machine_table(results, run) + "\n"]
     parts += [f"![{title}]({os.path.basename(path)})\n" for title, path in pictures]
-    for name in HARNESSES:
-        path = os.path.join(results, f"{name}.md")
-        if os.path.exists(path):
-            with open(path) as f:
-                body = f.read().strip()
-            parts.append(body.replace("\n# ", "\n## ").replace("# ", "## ", 1) + "\n")
+    parts += [s for s in (harness_section(results, n, run) for n in HARNESSES) if s]
     parts.append(LOAD_NOTE)
     parts.append(CHAINS_NOTE)
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write("\n".join(parts))
 
-
-def main(argv=None):
+def arguments(argv):
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the quick variants (CI smoke), under 3 minutes")
     ap.add_argument("--only", help=f"comma-separated harnesses (default: all of {','.join(HARNESSES)})")
     ap.add_argument("--no-write", action="store_true",
-                    help="write the results, README and plots into a temporary directory and print "
-                         "the README; leave the repository alone")
+                    help="write the results, README and plots into a temporary directory (starting from a "
+                         "copy of bench/results/) and print the README and the generated blocks; leave the "
+                         "repository alone")
     args = ap.parse_args(argv)
-    names = args.only.split(",") if args.only else HARNESSES
-    unknown = sorted(set(names) - set(HARNESSES))
+    args.names = args.only.split(",") if args.only else HARNESSES
+    unknown = sorted(set(args.names) - set(HARNESSES))
     if unknown:
         ap.error(f"unknown harness {', '.join(unknown)}; choose from {', '.join(HARNESSES)}")
+    return args
 
+
+def copy_results(src, dst):
+    """Copies the kept results (NAME.json, NAME.md) into a --no-write run's directory."""
+    for entry in sorted(os.listdir(src)) if os.path.isdir(src) else ():
+        if entry.endswith((".json", ".md")):
+            shutil.copyfile(os.path.join(src, entry), os.path.join(dst, entry))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = arguments(argv)
+    # The run's id is its UTC start; every harness it runs carries it in its JSON.
+    run = {"id": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "command": " ".join(["python -m bench", *argv]), "ran": {}, "skipped": {}}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-out-") as scratch:
         out = scratch if args.no_write else HERE
         results = os.path.join(out, "results")
         os.makedirs(results, exist_ok=True)
-        for name in names:
-            text, _ = run(name, args.quick, results)
-            with open(os.path.join(results, f"{name}.md"), "w") as f:
-                f.write(text)
+        if args.no_write:
+            copy_results(os.path.join(HERE, "results"), results)
+        for name in args.names:
+            data = run_harness(name, args.quick, results, {"id": run["id"], "command": run["command"]})
+            run["ran"][name] = data
+            run.setdefault("machine", data["machine"])
+            if data.get("skipped"):
+                run["skipped"][name] = data["skipped"]
         pictures = plots.draw(results, out)
-        seconds = time.perf_counter() - t0
-        publish(out, results, seconds, args.quick, pictures)
+        run["wall_s"] = time.perf_counter() - t0
+        publish(out, results, run, pictures)
         if args.no_write:
             with open(os.path.join(out, "README.md")) as f:
                 print(f.read())
+            for (path, tag), body in figures.generate(results).items():
+                start, end = figures.markers(tag)
+                print(f"{path}:\n{start}\n{body}\n{end}\n")
         else:
-            write_readme_table(headline_rows(results))
+            changed = figures.write_blocks(results)
             print("bench: wrote bench/README.md, bench/results/, "
                   + "".join(f"bench/{os.path.basename(p)}, " for _, p in pictures)
-                  + "and the README table", file=sys.stderr)
-    print(f"bench: total wall time {seconds:.1f} s", file=sys.stderr)
+                  + f"and the generated blocks ({', '.join(changed) or 'unchanged'})", file=sys.stderr)
+    print(f"bench: total wall time {run['wall_s']:.1f} s", file=sys.stderr)
     return 0
 
 

@@ -18,6 +18,8 @@ from kvstore.prompt_cache import PromptCache
 from kvstore import sessions
 # The remote tier registers itself with the store (KVStore(remote="s3://...")).
 from kvstore import remote  # noqa: F401
+# Sealing registers its codec with the store (KVStore(key=...)).
+from kvstore.seal import codec as seal_codec  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -8,12 +8,22 @@ then, while the rest is over the budget, the order of
 kvstore.policy.eviction_order (stale files first, superseded waypoints
 next, then by score) over headers read again, since other processes
 record hits in place.
+
+``Evictor`` carries a plan out over one open directory: under the
+directory's exclusive lock, torn files first, then the plan's victims.
 """
 
 import dataclasses
+import fcntl
+import time
 
-from kvstore import policy
-from kvstore.format import envelope_now
+from kvstore import names, policy
+from kvstore.errors import KVStoreError
+from kvstore.format import Reason, envelope_now
+
+# Orphaned blocks (a chain broken by a crash or another tool) are removed
+# under the directory lock; a lookup that sees some tries at most this often.
+ORPHAN_SWEEP_INTERVAL_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +59,9 @@ def plan(entries, orphans, now, budget_bytes, *, max_age_s=None, protect=None, s
         [Victim].
     """
     out = [Victim(e, "orphan") for e in orphans]
-    gone = {e.name for e in orphans}
-    entries = [e for e in entries if e.name not in gone]
+    if orphans:
+        gone = {e.name for e in orphans}
+        entries = [e for e in entries if e.name not in gone]
     if max_age_s is not None:
         expired = _expired(entries, now, max_age_s, protect, current)
         out += [Victim(e, "max_age") for e in expired]
@@ -89,3 +100,78 @@ def _expired(entries, now, max_age_s, protect, current):
             return out
         gone = {e.name for e in newly}
         left = [e for e in left if e.name not in gone]
+
+
+class Evictor:
+    """Eviction, expiry, orphans and superseded waypoints over one open directory.
+
+    Args:
+        d: the kvstore.directory.Directory.
+    """
+
+    def __init__(self, d):
+        self.d = d
+        self._orphans_swept = 0.0
+
+    def evict(self, protect=None, incoming_text=None):
+        """KVStore.evict (see there): the list of evicted entries."""
+        d = self.d
+        evicted = []
+        with d.dir_lock(fcntl.LOCK_EX):
+            with d.lock:
+                d.index.refresh(force=True)
+                orphans = list(d.index.orphans)
+                entries = list(d.index.entries.values())
+            d.discard_torn()
+            victims = plan(entries, orphans, int(time.time()), d.budget_bytes, max_age_s=d.max_age_s,
+                           protect=protect, superseded=lambda fresh: self.superseded(fresh, protect, incoming_text),
+                           half_life_s=d.options.hit_half_life_s, stale_after_s=d.options.stale_after_s)
+            for v in victims:
+                if d.delete(v.entry, v.why):
+                    evicted.append(v.entry)
+        return evicted
+
+    def evict_if_over(self, protect, incoming_text=None):
+        """evict() after a new file, when the directory as last listed is over the
+        budget (or a maximum age applies).  Under the budget the pass is
+        skipped: it re-lists and re-reads the whole directory under the
+        exclusive lock, which in a directory of 100,000 blocks costs far more
+        than the save.  Another process's files count from its next listing;
+        its own saves run this check too."""
+        d = self.d
+        with d.lock:
+            total = d.index.total_bytes()
+        if d.max_age_s is not None or (d.budget_bytes and total > d.budget_bytes):
+            self.evict(protect=protect, incoming_text=incoming_text)
+
+    def sweep_orphans(self):
+        """Removes orphaned blocks under the exclusive lock, if it is free now (at
+        most every ORPHAN_SWEEP_INTERVAL_S); a lookup never waits for it."""
+        now = time.monotonic()
+        if now - self._orphans_swept < ORPHAN_SWEEP_INTERVAL_S:
+            return
+        self._orphans_swept = now
+        d = self.d
+        try:
+            with d.dir_lock(fcntl.LOCK_EX | fcntl.LOCK_NB):
+                with d.lock:
+                    d.index.refresh(force=True)
+                    orphans = list(d.index.orphans)
+                for e in orphans:
+                    d.delete(e, "orphan")
+        except (BlockingIOError, KVStoreError):
+            pass
+
+    def superseded(self, entries, incoming, text):
+        """Shas of continued waypoints that the incoming checkpoint supersedes."""
+        if incoming is None or text is None:
+            return frozenset()
+        d = self.d
+        # At least as widely reusable: the incoming checkpoint fits every
+        # engine that the waypoint fits.  (A chain's interior blocks may be
+        # superseded too; they go only once no block continues them.)
+        cands = [e for e in entries
+                 if e.reason == Reason.CONTINUED and e.sha and e.text_bytes < len(text)
+                 and policy.misfit(incoming, e.model_id, e.ctx_size, e.quant_bits, d.reject_different_quant,
+                                   d.codec.abis, d.codec.key_id, e.model_tag) is None]
+        return frozenset(e.sha for e in names.named_prefixes(cands, text, d.codec.key_of))

@@ -455,38 +455,40 @@ def verify_file(path, progress=None, name=None):
         e = entry_from_fd(fd, st, path if name is None else os.path.join(os.path.dirname(path), name))
         if progress is not None:
             progress(PREFIX_SIZE)
-        if not e.loadable:
-            return None
-        buf = bytearray(min(VERIFY_CHUNK, max(e.segment_bytes, e.payload_bytes, 1)))
-        mv = memoryview(buf)
-        manifest = payload.read_manifest(fd, e)
-        h, why = _name_hasher(e, manifest.model)
-        if why is not None:
-            return why
-        if e.is_block and e.parent:
-            why = _hash_ancestors(os.path.dirname(path), e, h, mv)
-            if why is not None:
-                return why
-        for off in range(0, e.segment_bytes, len(buf)):
-            k = min(len(buf), e.segment_bytes - off)
-            _native.pread_into(fd, mv[:k], PREFIX_SIZE + off, e.path)
-            h.update(mv[:k])
-            if progress is not None:
-                progress(k)
-        if e.sha and h.hexdigest() != e.sha:
-            return "text_hash: stored text does not hash to the file name"
-        blocks = [(manifest.tokens[0], 4 * e.stored_tokens, manifest.tokens[2], "tokens")]
-        blocks += [(off, n, crc, f"tensor {tname!r}") for tname, _, _, off, n, crc in manifest.tensors]
-        for off, n, want, what in blocks:
-            if crc_range(fd, e.tensors_offset + off, n, e.path, buf, progress) != want:
-                return f"crc: {what} CRC mismatch"
-        return None
+        return _check_contents(fd, e, os.path.dirname(path), progress)
     except CheckpointMissing:
         raise
     except (KVStoreError, OSError) as err:
         return describe_error(err)
     finally:
         os.close(fd)
+
+
+def _check_contents(fd, e, directory, progress):
+    """verify_file past the envelope: the text against the name, then every CRC; None or the reason."""
+    if not e.loadable:
+        return None
+    mv = memoryview(bytearray(min(VERIFY_CHUNK, max(e.segment_bytes, e.payload_bytes, 1))))
+    manifest = payload.read_manifest(fd, e)
+    h, why = _name_hasher(e, manifest.model)
+    if why is None and e.is_block and e.parent:
+        why = _hash_ancestors(directory, e, h, mv)
+    if why is not None:
+        return why
+    for off in range(0, e.segment_bytes, len(mv)):
+        k = min(len(mv), e.segment_bytes - off)
+        _native.pread_into(fd, mv[:k], PREFIX_SIZE + off, e.path)
+        h.update(mv[:k])
+        if progress is not None:
+            progress(k)
+    if e.sha and h.hexdigest() != e.sha:
+        return "text_hash: stored text does not hash to the file name"
+    blocks = [(manifest.tokens[0], 4 * e.stored_tokens, manifest.tokens[2], "tokens")]
+    blocks += [(off, n, crc, f"tensor {tname!r}") for tname, _, _, off, n, crc in manifest.tensors]
+    for off, n, want, what in blocks:
+        if crc_range(fd, e.tensors_offset + off, n, e.path, mv, progress) != want:
+            return f"crc: {what} CRC mismatch"
+    return None
 
 
 def _name_hasher(entry, model):

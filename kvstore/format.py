@@ -2,7 +2,7 @@
 
 A checkpoint file is a 48-byte header, a u32 text length, the prompt text
 bytes, the payload and an optional trailer.  This module reads and writes the
-envelope only; payloads are payload.py's and policy is policy.py's.
+envelope only; payloads are kvstore.payload's and policy is kvstore.policy's.
 
 A block of a chained checkpoint (payload ABI 17, docs/format.md §14) stores
 only its own text segment and opens its payload with a 64-byte chain header
@@ -198,16 +198,6 @@ class Entry:
     file_size: int
     mtime_ns: int = 0
     inode: int = 0
-    # The prompt a lookup matched this entry against (set by KVStore.find so
-    # that load can compare the stored text byte for byte); never printed.
-    query: bytes = dataclasses.field(default=None, repr=False, compare=False)
-    # The accept predicate of that lookup (KVStore.find), so that a load
-    # which falls back to a shorter hit applies it again.
-    accept: object = dataclasses.field(default=None, repr=False, compare=False)
-    # The object key of a hit in the remote tier (KVStore.find), not yet
-    # copied to ``path``: only sha, text_bytes and file_size are known until
-    # load() fetches it.  None for a local file.
-    remote: str = dataclasses.field(default=None, compare=False)
     # A chain block (ABI 17) covers tokens [token_start, tokens) and text
     # bytes [text_start, text_bytes) of its sequence; its parent is the block
     # ending at token_start ("" for the first block).  text_bytes is always

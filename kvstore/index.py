@@ -19,10 +19,14 @@ orphan: never found, and removed by the store under its lock.
 Other processes add and delete files at any time.  The index re-lists the
 directory only when the directory's mtime says something changed, and then
 reads only the headers of names it has not seen (or whose inode, mtime or
-size changed), so a lookup in an unchanged directory costs one stat.
+size changed), so a lookup in an unchanged directory costs one stat.  The
+first refresh starts from the directory's snapshot of the index
+(kvstore.index_snapshot), brought up to date from the journal and a listing
+of names, so that opening a store reads only the envelopes that changed
+since the snapshot was written.
 
-TieredLookup searches the directory and the remote tier's index of a bucket
-in the same single pass.
+TieredLookup (kvstore.forest) searches the directory and the remote tier's
+index of a bucket in the same single pass.
 
 A sealed store's files are named by HMAC-SHA1 of the text under the
 store's name key (kvstore.seal, docs/format.md §16).  The HMAC's inner hash
@@ -35,17 +39,20 @@ HMAC.  A sealed lookup so costs what a plain one does.  A keyed store that
 accepts unsealed files makes a second, plain pass.
 """
 
+import gc
 import os
 import time
+from itertools import filterfalse
 
 import numpy as np
 
-from kvstore import _native
-
+from kvstore import _native, index_snapshot
 from kvstore.errors import CorruptCheckpoint, KVStoreError
-from kvstore.format import is_checkpoint_name, read_entry
-from kvstore.forest import Forest, prefix_matches, tag_bytes
-from kvstore.journal import Journal
+from kvstore.forest import (Forest, attached_rows, chain_link_ok, forest_of, prefix_matches,
+                            tag_bytes)
+from kvstore.format import LOADABLE_ABIS, SEALED_ABIS, is_checkpoint_name, read_entry
+from kvstore.index_snapshot import SNAPSHOT_NAME
+from kvstore.journal import Journal, checkpoint_names
 
 # Directory mtimes come from a coarse kernel clock (a few ms on Linux): a
 # change made within this window of the last listing may carry the same
@@ -56,8 +63,6 @@ MTIME_GRANULARITY_NS = 50_000_000
 # came in the same interval is found by a listing at most this late.
 RESCAN_NS = 30 * 1_000_000_000
 
-_EMPTY_U32 = np.zeros(0, dtype=np.uint32)
-
 
 # Envelope errors that mean a torn file: cut short, or zeros where the magic
 # should be (the name of a file whose data never reached the disk).  A file
@@ -66,14 +71,19 @@ _EMPTY_U32 = np.zeros(0, dtype=np.uint32)
 # progress; a file of another format version is not torn and stays.
 TORN_REASONS = frozenset({"truncated", "bad_magic"})
 
+# A directory with fewer checkpoints opens fast without a snapshot (their
+# envelopes read in some 40 ms): none is kept for it.
+SNAPSHOT_MIN_ENTRIES = 1000
 
-def chain_link_ok(child, parent):
-    """True when parent is the block child's chain continues from (the same
-    model made both: a chain never crosses models)."""
-    return (parent is not None and parent.is_block and parent.sha == child.parent
-            and parent.tokens == child.token_start and parent.text_bytes == child.text_start
-            and parent.token_digest == child.parent_token_digest and parent.model_id == child.model_id
-            and parent.model_tag == child.model_tag)
+# The snapshot is written again after this many changes to the index: the
+# journal holds about 23,000 records before it starts again empty, so a
+# snapshot this far behind is still explained by it while several processes
+# write.  A rewrite keeps the records of unchanged entries (some 1.5 µs per
+# entry for 100,000, plus the new ones): about 40 µs per change.
+SNAPSHOT_EVERY_CHANGES = 4096
+
+# The fields of an Entry that the fits predicate may judge (kvstore.policy.misfit).
+FIT_FIELDS = ("payload_abi", "key_id", "model_tag", "model_id", "ctx_size", "quant_bits")
 
 
 class DirectoryIndex:
@@ -83,7 +93,8 @@ class DirectoryIndex:
         path: the directory.
         fits: predicate on Entry: can this store load it (model, context,
             payload ABI)?  Only entries that fit take part in lookups (all
-            valid envelopes count for the budget).
+            valid envelopes count for the budget).  It may judge only the
+            FIT_FIELDS: it is asked once per distinct combination of them.
         min_tokens: the shortest checkpoint a lookup returns (shorter chain
             blocks still link longer ones).
         keys: the kvstore.names.NameKey of every kind of name a lookup
@@ -111,13 +122,20 @@ class DirectoryIndex:
         self._blocks = 0           # chain blocks in the forest (none: the flat lookup)
         self._bytes = 0            # the file sizes of every entry
         self._flat = None          # (generation, the flat lookup arrays), built when asked for
+        self.temp_names = []       # the temporary files (".tmp." names) the last listing saw
+        self._fit_memo = {}        # the FIT_FIELDS of an entry -> fits
+        self._unsaved = 0          # entries changed since the snapshot was read or written
+        self._written = None       # (records, entries) of the snapshot read or written: kept records
 
     # -- upkeep ------------------------------------------------------------
 
     def refresh(self, force=False):
         """Brings the index up to date: the journal's changed names looked at
         again, or the directory listed when the journal cannot say what
-        changed (kvstore.journal); returns True when entries changed."""
+        changed (kvstore.journal); returns True when entries changed.  The
+        first one starts from the directory's snapshot (docs/format.md §4)."""
+        if self._mtime is None and self.journal is not None:
+            return self._open()
         if force or self._mtime is None or self.journal is None:
             return self._relist(force)
         st = os.stat(self.path)
@@ -126,7 +144,7 @@ class DirectoryIndex:
             # No journal yet, or it cannot say (rotated, damaged): the
             # directory's mtime decides, as without one.
             return self._relist(False)
-        changed = self._recheck([name for name, _ in records])
+        changed = self._recheck(checkpoint_names(records))
         if st.st_mtime_ns != self._mtime:
             if st.st_mtime_ns not in {m for _, m in records}:
                 # Changed since, and not by a journaled change (another tool,
@@ -159,7 +177,7 @@ class DirectoryIndex:
         # A file is known by (inode, mtime, size), not the inode alone: a
         # checkpoint deleted and stored again under the same name often gets
         # the inode number just freed (ext4 hands it out at once).
-        seen = {}
+        seen, temps = {}, []
         with os.scandir(self.path) as it:
             for de in it:
                 if is_checkpoint_name(de.name):
@@ -168,6 +186,9 @@ class DirectoryIndex:
                     except OSError:
                         continue
                     seen[de.name] = (fst.st_ino, fst.st_mtime_ns, fst.st_size)
+                elif ".tmp." in de.name:
+                    temps.append(de.name)
+        self.temp_names = temps
         changed = False
         for name in list(self.entries):
             e = self.entries[name]
@@ -185,6 +206,123 @@ class DirectoryIndex:
         if changed:
             self._changed()
         return changed
+
+    # -- the snapshot (docs/format.md §4) ---------------------------------------
+
+    def _open(self):
+        """The first refresh: the directory's snapshot brought up to date from
+        the journal and a listing of names, or, where it cannot be used or
+        the directory changed in a way neither explains, every file stated
+        (reading only the envelopes the snapshot does not hold as they are)."""
+        # The cyclic collector would walk 100,000 new entries again and again
+        # while they are made (none is garbage): it waits, and they join the
+        # oldest generation at once (freeze and unfreeze move everything there).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            started = time.time_ns()
+            st = os.stat(self.path)
+            snap = index_snapshot.read(self.path, st)
+            if snap is not None and self._load(snap):
+                if self.journal.resume(snap.journal) and self._reconcile(snap, st, started):
+                    if self._unsaved >= SNAPSHOT_EVERY_CHANGES:
+                        self._save_snapshot()
+                    return bool(self.entries)
+            self._relist(True)
+            self._save_snapshot()
+            return bool(self.entries)
+        finally:
+            if collecting:
+                if len(self.entries) >= SNAPSHOT_MIN_ENTRIES:
+                    gc.freeze()
+                    gc.unfreeze()
+                gc.enable()
+
+    def _reconcile(self, snap, st, started):
+        """Looks again at the names the journal recorded since the snapshot,
+        reads the names listed now that it does not hold, drops those no
+        longer listed; False when the directory's mtime (st, read before the
+        journal) is neither the snapshot's nor a recorded change's."""
+        records = self.journal.changes()
+        if records is None:
+            return False
+        listed = os.listdir(self.path)
+        unknown = list(filterfalse(self.entries.__contains__, listed))
+        # Names are listed once each: as many known as the index holds, none is gone.
+        gone = [] if len(listed) - len(unknown) == len(self.entries) else list(self.entries.keys() - set(listed))
+        self.temp_names = [n for n in unknown if ".tmp." in n]
+        self._recheck(checkpoint_names(records) + [n for n in unknown if is_checkpoint_name(n)] + gone)
+        if st.st_mtime_ns != snap.mtime_ns and st.st_mtime_ns not in {m for _, m in records}:
+            return False
+        # The listing of names counts as a listing of the directory (RESCAN_NS).
+        self._mtime = self._full_mtime = st.st_mtime_ns
+        self._listed_ns = started
+        return True
+
+    def _load(self, snap):
+        """Takes in a snapshot's entries (into an empty index) at once: which
+        ones join the lookup forest, and under which parent, is worked out on
+        the snapshot's record arrays, not entry by entry.  False (and still
+        empty) when it names a file twice."""
+        rec, entries, shas, n = snap.records, snap.entries, snap.shas, len(snap.entries)
+        self.entries = dict(zip(snap.names, entries))
+        if len(self.entries) != n:
+            self.entries = {}           # a name twice: not a snapshot kvstore wrote
+            return False
+        if not snap.unique or _native.LOOKUP_TAG != index_snapshot.SEAL_ID:
+            self.entries = {}
+            for e in entries:           # two names of one digest (hex case): as a listing would
+                self._insert(e)
+            self._changed()
+            return True
+        self._written = (rec, entries)
+        self._by_sha = dict(zip(shas, entries))
+        self._bytes = int(rec["file_size"].sum())
+        block = np.isin(rec["payload_abi"], index_snapshot.BLOCK_ABIS)
+        fit = self._fit_rows(entries, rec)
+        cand = np.isin(rec["payload_abi"], list(LOADABLE_ABIS | SEALED_ABIS)) & fit
+        attached, up = attached_rows(snap.parent_rows, rec, block, cand)
+        nodes = np.flatnonzero(attached | (cand & ~block & (rec["tokens"] >= self.min_tokens)))
+        self._forest, self._node = forest_of(entries, shas, snap.digests, rec, nodes, up)
+        self._blocks = int(attached.sum())
+        for i in np.flatnonzero(cand & block & ~attached).tolist():
+            self._waiting.setdefault(entries[i].parent, {})[entries[i].sha] = entries[i]
+        self._changed()
+        return True
+
+    def _fit_rows(self, entries, rec):
+        """fits of every entry of a snapshot, as a bool array: asked of one
+        entry per distinct FIT_FIELDS (and record kind) of the records."""
+        first, inverse = index_snapshot.groups(rec, [*FIT_FIELDS, "kind"])
+        return np.array([self._fit(entries[i]) for i in first], dtype=bool)[inverse]
+
+    def _fit(self, e):
+        key = tuple(getattr(e, f) for f in FIT_FIELDS)
+        ok = self._fit_memo.get(key)
+        if ok is None:
+            ok = self._fit_memo[key] = bool(self.fits(e))
+        return ok
+
+    def _save_snapshot(self):
+        """Writes the snapshot of the index as it is now (a small directory's is
+        removed instead) and journals it: the directory's new mtime changed no checkpoint."""
+        self._unsaved = 0
+        if self.journal is None or self._mtime is None:
+            return
+        try:
+            if len(self.entries) < SNAPSHOT_MIN_ENTRIES:
+                self._written = None
+                done = index_snapshot.remove(self.path)
+            else:
+                entries = list(self.entries.values())
+                rec = index_snapshot.records_of(list(self.entries), entries, self._written)
+                done = rec is not None and index_snapshot.write(
+                    self.path, index_snapshot.encode(rec, os.stat(self.path), self._mtime, self.journal.position()))
+                self._written = (rec, entries) if done else None
+            if done:
+                self.journal.append([SNAPSHOT_NAME], os.stat(self.path).st_mtime_ns)
+        except OSError:
+            pass            # a snapshot is a hint: without one the next open lists the directory
 
     def _recheck(self, names):
         """Looks again at the files called names (recorded as changed); True when entries changed."""
@@ -238,6 +376,8 @@ class DirectoryIndex:
         self._changed()
         if self.journal is not None:
             self.journal.append([e.name for e in entries], os.stat(self.path).st_mtime_ns)
+            if self._unsaved >= SNAPSHOT_EVERY_CHANGES:
+                self._save_snapshot()
 
     def discard(self, name):
         """Forgets a file this process just deleted (and records it in the journal)."""
@@ -245,10 +385,16 @@ class DirectoryIndex:
             self._changed()
         if self.journal is not None:
             self.journal.append([name], os.stat(self.path).st_mtime_ns)
+            if self._unsaved >= SNAPSHOT_EVERY_CHANGES:
+                self._save_snapshot()
 
     def close(self):
-        """Lets go of the journal's descriptor (the index may still be read)."""
+        """Writes the snapshot if the index changed since it was read or
+        written, and lets go of the journal's descriptor (the index may still
+        be read)."""
         if self.journal is not None:
+            if self._unsaved:
+                self._save_snapshot()
             self.journal.close()
 
     def get(self, sha):
@@ -270,7 +416,8 @@ class DirectoryIndex:
         self._bytes += e.file_size
         if e.sha:
             self._by_sha[e.sha] = e
-        if not e.sha or not (e.loadable or e.sealed) or not self.fits(e):
+        self._unsaved += 1
+        if not e.sha or not (e.loadable or e.sealed) or not self._fit(e):
             return
         if not e.is_block:
             if e.tokens >= self.min_tokens:
@@ -299,6 +446,7 @@ class DirectoryIndex:
         e = self.entries.pop(name, None)
         if e is None:
             return False
+        self._unsaved += 1
         self._bytes -= e.file_size
         if e.sha and self._by_sha.get(e.sha) is e:
             del self._by_sha[e.sha]
@@ -332,13 +480,14 @@ class DirectoryIndex:
 
     def _rebuild(self):
         """The forest from scratch (drops dead nodes)."""
-        entries = list(self.entries.values())
+        entries, unsaved = list(self.entries.values()), self._unsaved
         self.entries, self._by_sha, self._node, self._waiting = {}, {}, {}, {}
         self._forest = Forest(max(64, 2 * len(entries)))
         self._blocks = self._bytes = 0
         # Parents first, so that children attach at once.
         for e in sorted(entries, key=lambda x: (x.token_start, x.tokens)):
             self._insert(e)
+        self._unsaved = unsaved
         self.generation += 1
 
     # -- the chain structure -------------------------------------------------
@@ -442,73 +591,3 @@ def _preference(e):
     file of the store's model over one that names no model (a store that
     accepts both sees no third kind)."""
     return e.text_bytes, e.tokens, e.model_tag != 0
-
-
-def _merge(local, remote):
-    l_entries, l_lengths, l_digests, l_tags = local
-    r_shas, r_lengths, r_digests = remote
-    lengths = np.concatenate([l_lengths, r_lengths]).astype(np.uint64, copy=False)
-    # Stable: at equal lengths local entries stay first (and in their order:
-    # fewer tokens first), so the scan from the end meets the remote one
-    # first and the best local one next.
-    order = np.argsort(lengths, kind="stable")
-    owners = [*l_entries, *r_shas]
-    digests = np.frombuffer(bytes(l_digests) + bytes(r_digests), dtype=np.uint8).reshape(-1, 20)
-    # A bucket's listing carries no lookup tags: its entries are confirmed
-    # by their names alone.
-    tags = np.frombuffer(bytes(l_tags) + bytes(_native.LOOKUP_TAG * len(r_shas)),
-                         dtype=np.uint8).reshape(-1, _native.LOOKUP_TAG)
-    return [owners[i] for i in order.tolist()], lengths[order], digests[order].tobytes(), tags[order].tobytes()
-
-
-class TieredLookup:
-    """The local index and a remote index searched in one SHA1 pass.
-
-    The local and the remote lengths are merged into one sorted array,
-    rebuilt only when either index changed.  A remote hit counts only when
-    its text is strictly longer than the best local one: at equal length the
-    local file wins (no transfer needed).
-
-    Args:
-        local: the DirectoryIndex.
-    """
-
-    def __init__(self, local):
-        self.local = local
-        self._key = None
-        self._merged = None
-
-    def longest_prefix(self, data, remote=None, accept=None):
-        """(local Entry, None), (None, remote sha) or (None, None) for a miss.
-
-        Args:
-            data: the prompt bytes.
-            remote: the remote index (``snapshot`` of (shas, lengths, digests)
-                sorted by length, and ``generation``), or None: local only.
-            accept: optional predicate on a local Entry (see DirectoryIndex).
-        """
-        if remote is None:
-            return self.local.longest_prefix(data, accept), None
-        key = (self.local.generation, id(remote), remote.generation)
-        if self._key != key:
-            self._merged = _merge(self.local.lookup_arrays(), remote.snapshot)
-            self._key = key
-        owners, lengths, digests, tags = self._merged
-        n = int(np.searchsorted(lengths, len(data), side="right"))
-        if n == 0:
-            return None, None
-        matches = prefix_matches(data, lengths[:n], memoryview(digests)[:20 * n], self.local.keys,
-                                 memoryview(tags)[:_native.LOOKUP_TAG * n])
-        local = remote_at = None
-        for i in reversed(matches):
-            if not isinstance(owners[i], str):
-                if accept is None or accept(owners[i]):
-                    local = owners[i]
-                    break
-                continue
-            if remote_at is None:
-                remote_at = i
-        # The scan met the remote match first, so it is at least as long.
-        if remote_at is not None and (local is None or int(lengths[remote_at]) > local.text_bytes):
-            return None, owners[remote_at]
-        return local, None

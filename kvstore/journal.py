@@ -8,10 +8,12 @@ its change.  A record says only "this name changed": a reader looks at that
 one file again (stat, and its envelope when it is new), so a record
 repeated, out of order or about a file that has changed again since is
 harmless.  The mtime tells a reader that the directory's current mtime is
-a journaled change's, so that nothing else changed it since.
+a journaled change's, so that nothing else changed it since.  A record
+``.index <mtime>`` says that the index snapshot (kvstore.index_snapshot)
+was replaced or removed: no checkpoint changed, only the directory's mtime.
 
 The files stay the truth: the journal is a hint that lets kvstore.index
-skip a listing of the whole directory (docs/format.md §13).  A journal that
+skip a listing of the whole directory (docs/format.md §4).  A journal that
 is missing, rotated (another inode at the name) or damaged (a line that is
 not a checkpoint name) makes the reader list the directory once.  A change
 made without a record (another tool, an older kvstore, a record lost to a
@@ -27,6 +29,7 @@ import os
 import secrets
 
 from kvstore.format import is_checkpoint_name
+from kvstore.index_snapshot import SNAPSHOT_NAME
 
 JOURNAL_NAME = ".journal"
 
@@ -37,10 +40,20 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
+def _recordable(name):
+    """A checkpoint's name, or the snapshot's."""
+    return name == SNAPSHOT_NAME or is_checkpoint_name(name)
+
+
+def checkpoint_names(records):
+    """The checkpoint names of records (a snapshot's record changes none)."""
+    return [name for name, _ in records if name != SNAPSHOT_NAME]
+
+
 def _parse(line):
     """(name, mtime) of a record line, or None when it is not one."""
     name, _, mtime = line.partition(" ")
-    if not is_checkpoint_name(name) or not mtime.isdigit():
+    if not _recordable(name) or not mtime.isdigit():
         return None
     return name, int(mtime)
 
@@ -60,7 +73,7 @@ class Journal:
         """Records that the files called names changed, the directory's mtime
         then being dir_mtime_ns (best effort: a failure only costs readers a
         listing)."""
-        data = "".join(f"{n} {int(dir_mtime_ns)}\n" for n in names if is_checkpoint_name(n)).encode()
+        data = "".join(f"{n} {int(dir_mtime_ns)}\n" for n in names if _recordable(n)).encode()
         if not data:
             return
         try:
@@ -107,6 +120,29 @@ class Journal:
                 return
         st = os.fstat(self._fd)
         self._ino, self._offset = st.st_ino, st.st_size
+
+    def position(self):
+        """(inode, offset) up to which this reader has read the journal, or None."""
+        return None if self._fd is None else (self._ino, self._offset)
+
+    def resume(self, position):
+        """Reads from position (an earlier position(), maybe another
+        process's) on; False, and nothing to read, when the journal there
+        now is another (rotated, or gone) or shorter: records since may be
+        lost."""
+        self.close()
+        if position is None:
+            return False
+        try:
+            fd = os.open(self.path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+        except OSError:
+            return False
+        st = os.fstat(fd)
+        if (st.st_ino, st.st_size >= position[1]) != (position[0], True):
+            os.close(fd)
+            return False
+        self._fd, self._ino, self._offset = fd, st.st_ino, position[1]
+        return True
 
     def changes(self):
         """[(name, directory mtime)] recorded since the last call (or

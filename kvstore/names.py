@@ -80,4 +80,15 @@ def hasher(key=None):
     return h
 
 
-__all__ = ["NameKey", "native_args", "name_of", "names_of", "hasher"]
+def named_prefixes(entries, text, key_of):
+    """The entries whose name is the digest of text's prefix of their length
+    (under the NameKey key_of gives each): the ones text continues."""
+    out = []
+    for key in {key_of(e) for e in entries}:
+        mine = [e for e in entries if key_of(e) == key]
+        digests, _ = names_of(text, [e.text_bytes for e in mine], key)
+        out.extend(e for e, dg in zip(mine, digests) if dg.hex() == e.sha)
+    return out
+
+
+__all__ = ["NameKey", "native_args", "name_of", "names_of", "named_prefixes", "hasher"]

@@ -187,9 +187,8 @@ class PromptCache:
         return False
 
     def _disk_hit(self, entry, text):
-        if len(self.live_tokens) >= self.options.min_tokens:
-            # docs/format.md §7: the live session is about to be replaced; keep it.
-            self._store_live(Reason.EVICT, None)
+        # docs/format.md §7: the live session is about to be replaced; keep it.
+        self._store_leaving(Reason.EVICT)
         t = time.perf_counter()
         ckpt = self.store.load(entry, into=self._load_into())
         if ckpt is None:
@@ -252,9 +251,8 @@ class PromptCache:
         self._last_store = 0
         tokens = list(self.engine.tokenize(text))
         req = Request("none", tokens, 0, text)
-        if 0 < len(tokens) <= self.options.cold_max_tokens:
-            anchor = policy.chat_anchor_pos(tokens, self.engine.user_id, self.engine.assistant_id, self.options)
-            req.cold_target = anchor if anchor > 0 else policy.store_len(len(tokens), self.options)
+        anchor = policy.chat_anchor_pos(tokens, self.engine.user_id, self.engine.assistant_id, self.options)
+        req.cold_target = policy.cold_target(len(tokens), anchor, self.options)
         return req
 
     def _load_into(self):
@@ -326,26 +324,16 @@ class PromptCache:
         self._set_live(tokens)
 
     def _maybe_store(self, req, pos):
-        waypoint = policy.continued_store_target(pos, self._last_store, self.options)
-        if req.cold_target and pos == req.cold_target:
-            if self._store_live(Reason.COLD, req) is not None:
-                self._last_store = max(self._last_store, pos)
-                return                      # the anchor suppresses a waypoint here
-            # The cold store failed: the waypoint schedule stands.
-        if waypoint and waypoint == pos:
-            if self._store_live(Reason.CONTINUED, req) is not None:
-                self._last_store = pos
-        elif self._snapshots_are_cheap(pos):
-            # State that does not decompose by position (a sliding window,
-            # a recurrent state) is only whole where it was captured: where
-            # it is small next to the KV a block holds, every chunk boundary
-            # on the block grid gets it (docs/format.md §14).
-            self._store_live(Reason.CONTINUED, req)
-
-    def _snapshots_are_cheap(self, pos):
+        """Stores the first of the policy's targets at pos that stores (kvstore.policy.prefill_stores)."""
         grid = getattr(self.store, "block_tokens", 0) if getattr(self.store, "layout", "") == "chain" else 0
-        if not grid or pos % grid or pos < self.options.min_tokens:
-            return False
+        for target in policy.prefill_stores(pos, self.options, req.cold_target, self._last_store, grid):
+            if target.kind == policy.SNAPSHOT and not self._snapshots_are_cheap(pos, grid):
+                continue
+            if self._store_live(target.reason, req) is not None:
+                self._last_store = policy.last_store_after(self._last_store, pos, target)
+                return
+
+    def _snapshots_are_cheap(self, pos, grid):
         snap = self.engine.snapshot()
         if len(snap) < 3:
             return False
@@ -353,9 +341,13 @@ class PromptCache:
         return policy.snapshot_every_block(tensors, positional, pos, grid)
 
     def _store_live(self, reason, req):
-        """Stores the live state under its exact text; returns the entry (or future)."""
+        """Stores the live state under its exact text; returns the entry (or future).
+
+        The whole state, when the policy finds it worth a file
+        (kvstore.policy.store_cut: never cut here, so all of it or nothing).
+        """
         n = len(self.live_tokens)
-        if n < self.options.min_tokens:
+        if not policy.store_cut(n, self.options):
             return None
         text = self.live_text
         if req is not None and not req.text.startswith(text):
@@ -382,6 +374,16 @@ class PromptCache:
             if result is not None:
                 req.stored.append((Reason(reason).name.lower(), n))
         return result
+
+    def _store_leaving(self, reason):
+        """Stores the live state as it leaves memory (evict, shutdown): kvstore.policy.leaving_stores.
+
+        Whole: the session does not know which prompt its answer finished,
+        so there is no tail to cut it to.
+        """
+        for target in policy.leaving_stores(reason, len(self.live_tokens)):
+            if self._store_live(target.reason, None) is not None:
+                return
 
     # -- after generation ----------------------------------------------------
 
@@ -412,8 +414,7 @@ class PromptCache:
             True, or False when the canary found the state was not this
             model's (the checkpoint is quarantined, the live session empty).
         """
-        if len(self.live_tokens) >= self.options.min_tokens:
-            self._store_live(Reason.EVICT, None)
+        self._store_leaving(Reason.EVICT)
         self.engine.restore(checkpoint.tensors, checkpoint.meta)
         tokens = checkpoint.tokens.tolist()
         self._set_live(tokens, checkpoint.text_bytes)
@@ -430,7 +431,7 @@ class PromptCache:
 
     def close(self):
         """Stores the live session as `shutdown` and waits for pending saves."""
-        self._store_live(Reason.SHUTDOWN, None)
+        self._store_leaving(Reason.SHUTDOWN)
         self.store.flush()
 
 

@@ -14,10 +14,11 @@ import re
 import subprocess
 import time
 
-# A temporary file is "<40 hex>.kv.tmp.<pid>.<random>".  One whose writer is
+# A temporary file is "<40 hex>.kv.tmp.<pid>.<random>" (or the directory's
+# model registry's, ".models.tmp...", or its index snapshot's, ".index.tmp...").  One whose writer is
 # gone is debris of a crash; one older than this is removed even if its pid
 # is alive again (pid reuse, or a writer on another host of a shared mount).
-TMP_RE = re.compile(r"^(?:[0-9a-fA-F]{40}\.kv|\.models)\.tmp\.(\d+)\.[0-9a-f]+$")
+TMP_RE = re.compile(r"^(?:[0-9a-fA-F]{40}\.kv|\.models|\.index)\.tmp\.(\d+)\.[0-9a-f]+$")
 STALE_TMP_AGE_S = 24 * 3600
 
 
@@ -85,29 +86,38 @@ def _pid_alive(pid):
     return True
 
 
-def remove_stale_temps(directory, now=None):
+def remove_stale_temps(directory, now=None, names=None):
     """Removes temporary files whose writer is gone (or that are over a day old):
     its process has exited, the file predates the machine's boot, or it is
     this process's own and no write of this process has it open.
+
+    Args:
+        directory: the store directory.
+        now: unix seconds (default: now).
+        names: the names to look at, from a listing just made (the index's
+            first: a directory of 100,000 blocks is then listed once); None
+            lists the directory.
 
     Returns:
         the names removed.
     """
     now = time.time() if now is None else now
+    if names is None:
+        names = [n for n in os.listdir(directory) if ".tmp." in n]
     removed = []
-    with os.scandir(directory) as it:
-        for de in it:
-            m = TMP_RE.match(de.name)
-            if not m:
-                continue
+    for name in names:
+        m = TMP_RE.match(name)
+        if not m:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            mtime = os.lstat(path).st_mtime
+        except OSError:
+            continue
+        if _writer_gone(path, int(m.group(1)), mtime) or now - mtime > STALE_TMP_AGE_S:
             try:
-                mtime = de.stat(follow_symlinks=False).st_mtime
+                os.unlink(path)
+                removed.append(name)
             except OSError:
-                continue
-            if _writer_gone(de.path, int(m.group(1)), mtime) or now - mtime > STALE_TMP_AGE_S:
-                try:
-                    os.unlink(de.path)
-                    removed.append(de.name)
-                except OSError:
-                    pass
+                pass
     return removed

@@ -39,8 +39,8 @@ __all__ = [
     "register", "hooks", "encode_trailer", "parse_trailer", "trailer_size",
 ]
 
-SECTION_HEADER = struct.Struct("<B3xQI")   # 16 bytes: bit, reserved, body length, CRC32C
-_SECTION = struct.Struct("<B3sQI")         # the same framing, reserved bytes read (and ignored)
+# 16 bytes: bit, reserved (pad bytes: written 0, skipped on read), body length, CRC32C.
+SECTION_HEADER = struct.Struct("<B3xQI")
 
 # The header's extension-flags field is one byte (docs/format.md §2), so a section
 # can be owned by bits 0..7 only.
@@ -52,6 +52,11 @@ MAX_BIT = 7
 TITLE_MAX_BYTES = 4096
 
 _log = logging.getLogger("kvstore")
+
+
+def _is_bit_index(bit):
+    """True for an ext-bit index 0..MAX_BIT (an int, not a bool)."""
+    return not isinstance(bit, bool) and isinstance(bit, int) and 0 <= bit <= MAX_BIT
 
 
 class TrailerHook(Protocol):
@@ -86,7 +91,7 @@ def register(hook):
         TypeError: the hook lacks encode or decode.
     """
     bit = getattr(hook, "bit", None)
-    if isinstance(bit, bool) or not isinstance(bit, int) or not 0 <= bit <= MAX_BIT:
+    if not _is_bit_index(bit):
         raise ValueError(f"trailer hook bit={bit!r} is not an ext-flag bit index 0..{MAX_BIT}")
     if not callable(getattr(hook, "encode", None)) or not callable(getattr(hook, "decode", None)):
         raise TypeError(f"trailer hook {hook!r} needs encode(value) and decode(body)")
@@ -185,7 +190,7 @@ def bit_index(key):
         if v <= 0 or v & (v - 1) or v > 1 << MAX_BIT:
             raise ValueError(f"trailer key {key!r} is not a single ext flag")
         return v.bit_length() - 1
-    if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key <= MAX_BIT:
+    if not _is_bit_index(key):
         raise ValueError(f"trailer key {key!r} is not an ext-bit index 0..{MAX_BIT} or an ExtFlag")
     return int(key)
 
@@ -211,7 +216,7 @@ def _plan(values, keep):
     kept = set()
     for s in keep:
         bit = s.bit
-        if isinstance(bit, bool) or not isinstance(bit, int) or not 0 <= bit <= MAX_BIT:
+        if not _is_bit_index(bit):
             raise ValueError(f"kept section bit={bit!r} is not an ext-bit index 0..{MAX_BIT}")
         if bit in kept:
             raise ValueError(f"kept sections hold ext bit {bit} twice")
@@ -287,29 +292,10 @@ def parse_trailer(buf, path=None, log=_log):
                     name, bit, reason, offset, extra)
 
     with memoryview(buf) as raw, raw.cast("B") as view:
-        size = len(view)
-        at = 0
-        while at < size:
-            if size - at < _SECTION.size:
-                # The first byte of a short header is still the bit, if there is one.
-                drop(view[at], "truncated_header", at, bytes=size - at)
-                break
-            bit, _reserved, length, crc = _SECTION.unpack_from(view, at)
-            start = at + _SECTION.size
-            # Python ints: start + length cannot wrap, even for length near 2**64.
-            if length > size - start:
-                drop(bit, "truncated_body", at, length=length, avail=size - start)
-                break
-            end = start + length
-            section_at, at = at, end
-            if bit > MAX_BIT:
-                drop(bit, "bad_bit", section_at, length=length)
-                continue
-            if flags & (1 << bit):
-                drop(bit, "duplicate", section_at, length=length)
-                continue
-            if crc32c(view[start:end]) != crc:
-                drop(bit, "crc", section_at, length=length)
+        for bit, section_at, start, end, crc in _framed_sections(view, drop):
+            reason = _frame_fault(view, bit, start, end, crc, flags)
+            if reason is not None:
+                drop(bit, reason, section_at, length=end - start)
                 continue
             body = bytes(view[start:end])
             hook = _HOOKS.get(bit)
@@ -318,11 +304,44 @@ def parse_trailer(buf, path=None, log=_log):
                     values[bit] = hook.decode(body)
                 except Exception as e:   # noqa: BLE001 - a bad body must not break a load
                     # The type only: messages can quote the body.
-                    drop(bit, "decode", section_at, length=length, error=type(e).__name__)
+                    drop(bit, "decode", section_at, length=end - start, error=type(e).__name__)
                     continue
             sections.append(Section(bit, body))
             flags |= 1 << bit
     return values, sections, flags
+
+
+def _framed_sections(view, drop):
+    """The sections framed in view, in order: (bit, section offset, body start,
+    body end, CRC32C the header records).  A truncated header or body ends
+    the walk with one drop(bit, reason, offset, **kv) call."""
+    size = len(view)
+    at = 0
+    while at < size:
+        if size - at < SECTION_HEADER.size:
+            # The first byte of a short header is still the bit, if there is one.
+            drop(view[at], "truncated_header", at, bytes=size - at)
+            return
+        bit, length, crc = SECTION_HEADER.unpack_from(view, at)
+        start = at + SECTION_HEADER.size
+        # Python ints: start + length cannot wrap, even for length near 2**64.
+        if length > size - start:
+            drop(bit, "truncated_body", at, length=length, avail=size - start)
+            return
+        yield bit, at, start, start + length, crc
+        at = start + length
+
+
+def _frame_fault(view, bit, start, end, crc, flags):
+    """Why a framed section cannot be kept (its bit is no ext bit, is taken in
+    flags, or its body fails its CRC), or None."""
+    if bit > MAX_BIT:
+        return "bad_bit"
+    if flags & (1 << bit):
+        return "duplicate"
+    if crc32c(view[start:end]) != crc:
+        return "crc"
+    return None
 
 
 def trailer_sections(fd, entry):

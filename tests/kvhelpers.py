@@ -439,3 +439,46 @@ class WeedServer:
         for path in self.sockets:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+class ToyEngine:
+    """A PromptCache engine of byte tokens (user turns start with 1, assistant
+    turns with 2) whose state is its tokens; with snapshots, a snapshot that
+    also holds one KV row per token and a small state that cannot be cut."""
+    model_id, quant_bits, ctx_size, user_id, assistant_id = 0, 16, 100_000, 1, 2
+
+    def __init__(self, snapshots=False):
+        self.state = []
+        self.snapshots = snapshots
+        self.chunks = []          # (start, length) of each prefill call, to check alignment
+
+    def tokenize(self, text):
+        return list(text)
+
+    def token_bytes(self, tokens):
+        return bytes(tokens)
+
+    def reset(self):
+        self.state = []
+
+    def prefill(self, tokens):
+        self.chunks.append((len(self.state), len(tokens)))
+        self.state = self.state + list(tokens)
+        return ("logits", len(self.state))
+
+    def snapshot(self):
+        tensors, meta = {"state": np.array(self.state, dtype=np.uint8)}, {"n": len(self.state)}
+        if not self.snapshots:
+            return tensors, meta
+        tensors["kv"] = np.zeros((len(self.state), 16), dtype=np.float32)
+        tensors["window"] = np.zeros(2, dtype=np.float32)
+        return tensors, meta, {"state": 0, "kv": 0}
+
+    def restore(self, tensors, meta):
+        self.state = [int(x) for x in tensors["state"]]
+        assert meta["n"] == len(self.state)
+
+    def trim(self, n):
+        self.state = self.state[:-n]
+        return True
+

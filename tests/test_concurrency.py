@@ -342,7 +342,7 @@ def _replacement_file(tmp_path, text, seed):
 
 
 def _run_once_inside(monkeypatch, step):
-    real = kvstore.store.trailer_mod.parse_trailer
+    real = kvstore.trailers.parse_trailer
     done = []
 
     def parse(*a, **kw):
@@ -350,7 +350,7 @@ def _run_once_inside(monkeypatch, step):
             done.append(True)
             step()
         return real(*a, **kw)
-    monkeypatch.setattr(kvstore.store.trailer_mod, "parse_trailer", parse)
+    monkeypatch.setattr(kvstore.trailers, "parse_trailer", parse)
     return done
 
 

@@ -24,18 +24,25 @@ LAYERS = [
     # envelope and names; a file's bytes; which temporaries are debris; the
     # counters; the background writer.
     ["kvstore.format", "kvstore.names", "kvstore.sources", "kvstore.temps", "kvstore.counters", "kvstore.writer"],
-    # Model identities, the journal, the lookup forest, the payload, the
-    # pure rules, the trailers.
-    ["kvstore.identity", "kvstore.journal", "kvstore.forest", "kvstore.payload", "kvstore.policy",
+    # Model identities, the index snapshot, the journal, the lookup forest,
+    # the payload, the pure rules, the trailers.
+    ["kvstore.identity", "kvstore.index_snapshot", "kvstore.journal", "kvstore.forest", "kvstore.payload", "kvstore.policy",
      "kvstore.trailers"],
-    # The lookup index, and the eviction plan over its entries.
-    ["kvstore.index", "kvstore.evictor"],
+    # The lookup index.
+    ["kvstore.index"],
     # Writing and checking files; chains of blocks.
     ["kvstore.files", "kvstore.chain"],
-    # What is written with them: the model registry, sealed files.
-    ["kvstore.registry", "kvstore.seal"],
+    # What is written with them: the model registry.
+    ["kvstore.registry"],
+    # The store's parts: the open directory and the codec (how a file's
+    # bytes are read and written) below the reader, the saver and the
+    # evictor; KVStore wires them.
+    ["kvstore.codec", "kvstore.directory"],
+    ["kvstore.reader", "kvstore.saver", "kvstore.evictor"],
     ["kvstore.store"],
-    ["kvstore.remote", "kvstore.mlx", "kvstore.prompt_cache", "kvstore.sessions", "kvstore.exchange"],
+    # Above the store: sealing (a codec it registers), the remote tier (an
+    # opener it registers), the MLX adapter, the prompt cache, sessions.
+    ["kvstore.seal", "kvstore.remote", "kvstore.mlx", "kvstore.prompt_cache", "kvstore.sessions", "kvstore.exchange"],
     ["kvstore"],
     ["kvstore.serve", "kvstore.demo"],
     ["kvstore.cli", "kvstore.__main__"],
@@ -188,9 +195,65 @@ def test_no_private_name_across_modules():
     ("kvstore.format", "kvstore.names", "same room"),
     ("kvstore.format", "kvstore.policy", "upward"),
     ("kvstore.seal", "kvstore.files", "downward"),
+    ("kvstore.seal", "kvstore.store", "downward"),
+    ("kvstore.saver", "kvstore.seal", "upward"),
     ("kvstore.cli.local", "kvstore.store", "downward"),
 ])
 def test_rooms_rank_as_documented(importer, target, expect):
     # The check itself: a store importing the remote tier would be upward.
     a, b = room(importer), room(target)
     assert {"upward": b > a, "same room": a == b, "downward": b < a}[expect]
+
+
+README = PACKAGE.parent / "README.md"
+
+
+def readme_rows():
+    """Module or package name -> its row in the README's layout table (lowest first)."""
+    text = README.read_text()
+    table = text[text.index("## Layout"):]
+    rows, i = {}, 0
+    for line in table.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cell = line.split("|")[1]
+        for path in cell.split("`")[1::2]:
+            path = path if "/" in path or not path.endswith((".py", ".pyx")) else "kvstore/" + path
+            if path.startswith("kvstore/"):
+                name = path.rstrip("/").removesuffix(".py").removesuffix(".pyx").replace("/", ".")
+                rows[name] = i
+        i += 1
+    return rows
+
+
+ROWS = readme_rows()
+
+
+def readme_row(name):
+    best = max((r for r in ROWS if name == r or name.startswith(r + ".")), key=len, default=None)
+    return None if best is None else ROWS[best]
+
+
+def test_every_module_is_in_the_readme_layout():
+    missing = [m for m in MODULES if m not in ("kvstore", "kvstore.__main__") and readme_row(m) is None]
+    assert not missing, f"modules the README's layout table does not list: {missing}"
+
+
+def test_imports_follow_the_readme_order():
+    # Finer than LAYERS: inside a room too, a module imports only the rows
+    # the README lists before its own (or its own row).
+    bad = []
+    for importer, edges in GRAPH.items():
+        a = readme_row(importer)
+        for mod, _, line in edges:
+            b = readme_row(mod)
+            if a is not None and b is not None and b > a:
+                bad.append(f"{MODULES[importer].relative_to(PACKAGE.parent)}:{line} imports {mod}, "
+                           f"which the README lists after it")
+    assert not bad, "imports against the README's order:\n" + "\n".join(bad)
+
+
+def test_readme_order_agrees_with_layers():
+    order = sorted(ROWS, key=ROWS.get)
+    rooms = [room(m) for m in order]
+    assert rooms == sorted(rooms), [(m, room(m)) for m in order]

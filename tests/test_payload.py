@@ -345,14 +345,15 @@ def test_payload_larger_than_one_io_slice(store):
 def _force_route(monkeypatch, route):
     """Makes read_tensors_mlx take one of its three routes; returns a list of the defer flags used."""
     from kvstore import payload
+    from kvstore.payload import mlx_io
     used = []
-    load = payload._mx_load_blob
+    load = mlx_io.load_blob
 
     def spy(fd, entry, tensors, lo, hi, verify, defer):
         defer = defer and route != "sync"
         used.append(defer)
         return load(fd, entry, tensors, lo, hi, verify, defer=defer)
-    monkeypatch.setattr(payload, "_mx_load_blob", spy)
+    monkeypatch.setattr(mlx_io, "load_blob", spy)
     if route == "address_mismatch":
         queue = payload._VirtualBlob._queue_all
 

@@ -12,7 +12,7 @@ import pytest
 import kvstore
 from kvstore import policy
 from kvstore.prompt_cache import PromptCache
-from kvhelpers import stored
+from kvhelpers import ToyEngine, stored
 
 USER, ASSISTANT = 1, 2
 
@@ -22,43 +22,6 @@ STEP = 64          # prefill step == alignment, as ds4 uses 2048 for both
 
 # The store fixture (conftest.py), with this file's options and a 64 MB budget.
 pytestmark = pytest.mark.store_args(options=OPTS, budget_mb=64)
-
-
-class ToyEngine:
-    model_id = 0
-    quant_bits = 16
-    ctx_size = 100_000
-    user_id = USER
-    assistant_id = ASSISTANT
-
-    def __init__(self):
-        self.state = []
-        self.chunks = []          # sizes of prefill calls, to check alignment
-
-    def tokenize(self, text):
-        return list(text)
-
-    def token_bytes(self, tokens):
-        return bytes(tokens)
-
-    def reset(self):
-        self.state = []
-
-    def prefill(self, tokens):
-        self.chunks.append((len(self.state), len(tokens)))
-        self.state = self.state + list(tokens)
-        return ("logits", len(self.state))
-
-    def snapshot(self):
-        return {"state": np.array(self.state, dtype=np.uint8)}, {"n": len(self.state)}
-
-    def restore(self, tensors, meta):
-        self.state = [int(x) for x in tensors["state"]]
-        assert meta["n"] == len(self.state)
-
-    def trim(self, n):
-        self.state = self.state[:-n]
-        return True
 
 
 def chat(system, *turns):

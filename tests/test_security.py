@@ -28,7 +28,6 @@
   by its file's mtime (test_eviction.py checks the open and the save pass).
 """
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -254,7 +253,7 @@ def test_no_path_is_built_from_file_contents(tmp_path):
         other = os.path.join(s.path, "0" * 40 + ".kv")
         shutil.copyfile(e.path, other)
         assert verify_file(other).startswith("text_hash")
-        assert s.load(dataclasses.replace(kvstore.read_entry(other), query=None)) is None
+        assert s.load(kvstore.read_entry(other)) is None
         flip(e.path, e.trailer_offset - 1)
         s.load(s.find(evil + "!"))                                 # corrupt: quarantined by its own name
         s.evict()

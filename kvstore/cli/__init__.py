@@ -12,9 +12,12 @@
     kvstore demo [--dir DIR] [--model PATH]
     kvstore serve --model PATH [...]
 
-Rooms: text (formatting, the progress bar, usage errors), local (the
-directory commands), remote (the bucket commands); this module holds the
-parser, the demo command and main().
+Rooms: text (formatting, the progress bar, usage errors); local (what the
+directory commands share) and one module per group of them, each
+registering its own sub-commands: listing (ls), inspection (inspect),
+verify, evict, stats, wipe, exchange (export, import), sessions (session
+list), keys (--key, key new); remote (the bucket commands).  This module
+holds the parser, the demo command and main().
 
 Exit status: 0 success; 1 a corrupt checkpoint was found (verify, inspect) or
 the disk failed; 2 a usage error (missing directory, unknown or ambiguous
@@ -30,7 +33,7 @@ import os
 import sys
 
 from kvstore import __version__
-from kvstore.cli import local, remote, text
+from kvstore.cli import evict, exchange, inspection, keys, listing, remote, sessions, stats, text, verify, wipe
 from kvstore.cli.text import PROG, UsageError
 from kvstore.errors import KVStoreError
 
@@ -77,7 +80,9 @@ def build_parser():
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log every store event (key=value lines)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    local.add_parsers(sub)
+    # The directory commands, in the order --help lists them.
+    for group in (listing, inspection, verify, evict, stats, wipe, exchange, sessions, keys):
+        group.add_parsers(sub)
     remote.add_parsers(sub)
     _add_demo(sub)
     # `kvstore serve` takes mlx_lm.server's options as well as its own, so
@@ -96,7 +101,11 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         # mlx-lm's server sets up logging (its --log-level) itself.
-        from kvstore import serve
+        try:
+            from kvstore import serve
+        except ImportError as e:         # mlx-lm missing, or a release outside SUPPORTED_MLX_LM
+            _error(f"kvstore serve: {e}")
+            return 2
         return serve.main(argv[1:])
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))

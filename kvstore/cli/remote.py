@@ -83,7 +83,7 @@ def cmd_remote_gc(args):
 
 
 def add_parsers(sub):
-    """`kvstore remote ls` and `kvstore remote gc` (`ls --remote` is wired in local.py)."""
+    """`kvstore remote ls` and `kvstore remote gc` (`ls --remote` is wired in listing.py)."""
     s = sub.add_parser("remote", help="the shared bucket of the remote tier: ls, gc")
     rs = s.add_subparsers(dest="remote_command", metavar="SUBCOMMAND", required=True)
     s = rs.add_parser("ls", help="list the bucket's checkpoints, newest first")

@@ -1,9 +1,9 @@
 """Text helpers of the command line: sizes, times, tables, one progress bar, usage errors.
 
-Nothing here reads a checkpoint: the commands (local.py, remote.py) hand
-in values and get lines back.  Prompt text never passes through here;
-session titles, labels a person gave, are shown with control characters
-replaced.
+Nothing here reads a checkpoint: the commands (one module per group of
+directory commands, remote.py) hand in values and get lines back.  Prompt
+text never passes through here; session titles, labels a person gave, are
+shown with control characters replaced.
 """
 
 import argparse
@@ -135,6 +135,12 @@ def table(rows, header, right=()):
                  for i, (c, w) in enumerate(zip(r, widths))]
         out.append("  ".join(cells).rstrip())
     return "\n".join(out)
+
+
+def pairs(rows, indent=""):
+    """(label, value) rows as ``label  value`` lines, the values in one column."""
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{indent}{k.ljust(w)}  {v}" for k, v in rows)
 
 
 def budget_line(total, budget):

@@ -43,6 +43,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlc
 
 from kvstore.errors import CorruptCheckpoint
+from kvstore.mlx.mlxlm import rotating_write_index, set_rotating_write_index
 
 log = logging.getLogger("kvstore")
 
@@ -159,13 +160,13 @@ def _build_quantized(cls, slots, ms, offset, what):
 
 
 def _dump_rotating(c):
-    ms = {"keep": int(c.keep), "max_size": int(c.max_size), "idx": int(c._idx)}
+    ms = {"keep": int(c.keep), "max_size": int(c.max_size), "idx": int(rotating_write_index(c))}
     if c.keys is None:
         return [None, None], ms
     # Before the window wraps, a buffer grown in place is filled up to offset
     # and the rest is spare; once it wraps (or after a prompt longer than the
     # window went in at once) every position is live and the order of the
-    # positions (the write index _idx, the `keep` prefix) is kept as is.
+    # positions (the write index, the `keep` prefix) is kept as is.
     n = min(c.offset, c.keys.shape[2])
     return [_filled(c.keys, n), _filled(c.values, n)], ms
 
@@ -179,7 +180,8 @@ def _build_rotating(cls, slots, ms, offset, what):
     if length > offset or ms["idx"] > length:
         raise _bad(f"{what}: idx={ms['idx']} length={length} offset={offset}")
     c = cls(max_size=ms["max_size"], keep=ms["keep"])
-    c.keys, c.values, c.offset, c._idx = keys, values, offset, ms["idx"]
+    c.keys, c.values, c.offset = keys, values, offset
+    set_rotating_write_index(c, ms["idx"])
     return c
 
 

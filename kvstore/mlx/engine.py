@@ -18,6 +18,7 @@ from kvstore.identity import ModelIdentity
 from kvstore.mlx import canary
 from kvstore.mlx.codecs import cache_state, tensors_to_cache
 from kvstore.mlx.fingerprint import model_fingerprint, model_label
+from kvstore.mlx.mlxlm import hf_tokenizer
 
 __all__ = ["MLXEngine", "token_bytes_function", "text_offsets_function", "bytes_to_unicode", "DEFAULT_CTX_SIZE"]
 
@@ -49,7 +50,7 @@ def token_bytes_function(tokenizer):
     own = getattr(tokenizer, "token_bytes", None)
     if callable(own):
         return own
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     convert = getattr(hf, "convert_ids_to_tokens", None)
     if convert is not None:
         byte_of = {c: b for b, c in bytes_to_unicode().items()}

@@ -67,14 +67,14 @@ def read_header(bucket, obj):
                  ext_flags=h.ext_flags, model_id=h.model_id, tokens=h.tokens, hits=h.hits,
                  ctx_size=h.ctx_size, payload_abi=h.payload_abi, created_at=h.created_at,
                  last_used=h.last_used, payload_bytes=h.payload_bytes, text_bytes=text_len,
-                 file_size=obj.size, remote=obj.key, parent=obj.parent or "")
+                 file_size=obj.size, parent=obj.parent or "")
 
 
 def _unreadable(obj):
     """An Entry for an object whose header cannot be read: no tokens, no times, so it scores 0."""
     return Entry(sha=obj.sha, path=obj.key, quant_bits=16, reason=Reason.UNKNOWN, ext_flags=ExtFlag(0),
                  model_id=0, tokens=0, hits=0, ctx_size=0, payload_abi=0, created_at=0, last_used=0,
-                 payload_bytes=0, text_bytes=obj.text_bytes, file_size=obj.size, remote=obj.key,
+                 payload_bytes=0, text_bytes=obj.text_bytes, file_size=obj.size,
                  parent=obj.parent or "")
 
 
@@ -115,7 +115,7 @@ def gc(bucket, budget_bytes, now=None, dry_run=False, max_age_s=None, min_age_s=
         # The young objects count for the budget but are never chosen.
         chosen = policy.select_victims([e if e is not None else _unreadable(o) for o, e in cands],
                                        budget_bytes, now, kept_bytes=young)
-        victims += [by_key[e.remote] for e in chosen]
+        victims += [by_key[e.path] for e in chosen]
     if victims and not dry_run:
         failed = set(bucket.delete([o.key for o, _ in victims]))
         if failed:

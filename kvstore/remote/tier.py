@@ -28,8 +28,9 @@ import time
 from kvstore import _native, policy
 from kvstore.errors import CheckpointOSError, KVStoreError
 from kvstore.files import TempFile, short_name, verify_file
-from kvstore.format import (CHAIN_RESTORABLE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Entry, ExtFlag,
+from kvstore.format import (CHAIN_RESTORABLE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, ExtFlag,
                             Reason, entry_from_fd)
+from kvstore.reader import Match
 from kvstore.remote.breaker import CircuitBreaker, Health
 from kvstore.remote.index import RemoteIndex
 from kvstore.remote.options import parse_key
@@ -175,7 +176,7 @@ class RemoteTier:
         return self.index if self.breaker.closed() and len(self.index) else None
 
     def entry(self, sha):
-        """The Entry of a remote lookup hit: ``path`` where it will land, ``remote`` its key.
+        """The kvstore.reader.Match of a remote lookup hit: ``path`` where it will land, ``remote`` its key.
 
         Only sha, text_bytes, file_size and (for a chain block) the parent are
         known until fetch() reads the header.
@@ -183,7 +184,7 @@ class RemoteTier:
         n, size = self.index.get(sha)
         info = self.index.info(sha)
         block = info is not None and info.is_block
-        return Entry(sha=sha, path=os.path.join(self.local_dir, sha + ".kv"), quant_bits=0,
+        return Match(sha=sha, path=os.path.join(self.local_dir, sha + ".kv"), quant_bits=0,
                      reason=Reason.UNKNOWN, ext_flags=ExtFlag(0), model_id=0, tokens=0, hits=0,
                      ctx_size=0, payload_abi=PAYLOAD_ABI_CHAIN if block else PAYLOAD_ABI_TENSORS,
                      created_at=0, last_used=0, payload_bytes=0, text_bytes=n, file_size=size,

@@ -22,6 +22,10 @@ from kvstore.remote.s3 import CONFLICT, UNAVAILABLE, classify
 
 log = logging.getLogger("kvstore")
 
+# The shortest wait of the upload thread while the breaker holds it back:
+# a breaker that reports no wait left must not make the thread spin.
+BREAKER_POLL_S = 0.05
+
 
 @dataclasses.dataclass
 class Upload:
@@ -126,7 +130,7 @@ class UploadQueue:
                     with self._cond:
                         self._busy = False
                         self._cond.notify_all()
-                        self._cond.wait(max(0.05, self.breaker.wait_s()))
+                        self._wait_for_breaker()
                     continue
                 done = self.upload(item)
             except Exception as e:          # noqa: BLE001 - a bug must not kill the thread
@@ -142,7 +146,12 @@ class UploadQueue:
                     self._queued.discard(item.sha)
                 self._cond.notify_all()
                 if not done and not self._stop.is_set():
-                    self._cond.wait(max(0.05, self.breaker.wait_s()))
+                    self._wait_for_breaker()
+
+    def _wait_for_breaker(self):
+        """Waits on the queue (its lock held) until the breaker may let a call
+        through again, or an enqueue or stop wakes the thread."""
+        self._cond.wait(max(BREAKER_POLL_S, self.breaker.wait_s()))
 
     def upload(self, item):
         """Uploads one queued checkpoint now.
@@ -174,16 +183,8 @@ class UploadQueue:
                             reason.split(":")[0], short_name(item.sha))
                 return True
             size = os.fstat(fd).st_size
-            part = self.part_size
             try:
-                if size <= part:
-                    self.bucket.put_if_absent(key, _pread_all(fd, size, 0))
-                    parts = 1
-                else:
-                    if self.bucket.exists(key):
-                        raise _Exists()
-                    self.bucket.multipart_if_absent(key, size, lambda off, n: _pread_all(fd, n, off), part)
-                    parts = -(-size // part)
+                parts = self._put(key, fd, size)
             except _Exists:
                 return self._uploaded(item, size, exists=True)
             except _LocalChanged as e:
@@ -191,13 +192,7 @@ class UploadQueue:
                          short_name(item.sha))
                 return True
             except Exception as e:          # noqa: BLE001 - classified
-                if classify(e).kind == CONFLICT:     # If-None-Match: the same checkpoint is there
-                    return self._uploaded(item, size, exists=True)
-                f = self.health.failed("upload", e, item.sha)
-                if f.kind == UNAVAILABLE:
-                    return False
-                self.health.count(upload_errors=1)
-                return True
+                return self._failed(item, size, e)
         finally:
             os.close(fd)
         dt = time.perf_counter() - t0
@@ -205,6 +200,37 @@ class UploadQueue:
         log.info("kvstore: remote_uploaded bytes=%d parts=%d upload_ms=%.1f file=%s", size, parts, dt * 1e3,
                  short_name(item.sha))
         return self._uploaded(item, size, exists=False)
+
+    def _put(self, key, fd, size):
+        """Puts the size bytes of fd at key if no object is there: one PUT, or
+        multipart parts of part_size for a bigger file.
+
+        Returns:
+            the number of parts sent.
+
+        Raises:
+            _Exists: found in the bucket before a multipart upload.
+            _LocalChanged: the file got shorter meanwhile.
+        """
+        part = self.part_size
+        if size <= part:
+            self.bucket.put_if_absent(key, _pread_all(fd, size, 0))
+            return 1
+        if self.bucket.exists(key):
+            raise _Exists()
+        self.bucket.multipart_if_absent(key, size, lambda off, n: _pread_all(fd, n, off), part)
+        return -(-size // part)
+
+    def _failed(self, item, size, e):
+        """What upload returns when putting item failed with e: True when done
+        with it, False to keep it queued (the remote is down)."""
+        if classify(e).kind == CONFLICT:     # If-None-Match: the same checkpoint is there
+            return self._uploaded(item, size, exists=True)
+        f = self.health.failed("upload", e, item.sha)
+        if f.kind == UNAVAILABLE:
+            return False
+        self.health.count(upload_errors=1)
+        return True
 
     def _uploaded(self, item, size, exists):
         self.breaker.success()

@@ -41,12 +41,14 @@ Modules: tier (the RAM + disk cache, admission), generator (prefetch on the
 HTTP thread, waypoints), http (cache_salt, GET /metrics), metrics
 (Prometheus), tenants (salts), server (options, start and stop).
 
-Integration.  Only mlx-lm's public classes are used: LRUPromptCache (and its
-CacheOrder, replaced by a subclass that reports the entries the LRU drops),
-ResponseGenerator (its generate() and prompt tokenizer are extended),
-ModelProvider, APIHandler.  `kvstore serve` parses its own options, hands
-every other option to mlx-lm's own argument parser and runs the server in
-this process.  Tested with mlx-lm 0.32 (SUPPORTED_MLX_LM).
+Integration.  Every use of mlx-lm's internals (LRUPromptCache's order and
+trie, ResponseGenerator's tokenizer and request loop, APIHandler's headers,
+ModelProvider's maps) goes through kvstore.mlx.mlxlm, which subclasses them
+behind public hooks and checks the installed mlx-lm against
+SUPPORTED_MLX_LM when imported: an unsupported release fails there, naming
+the installed version and the supported range.  `kvstore serve` parses its
+own options, hands every other option to mlx-lm's own argument parser and
+runs the server in this process.
 """
 
 from kvstore.serve.generator import TieredResponseGenerator, split_at_waypoints

@@ -14,8 +14,7 @@ import logging
 import threading
 import time
 
-from mlx_lm import server as mlx_server
-
+from kvstore.mlx.mlxlm import HookedResponseGenerator, requested_model_key
 from kvstore.payload import lower_thread_priority
 from kvstore.serve.tier import WAYPOINT_TYPE, Ticket
 
@@ -44,7 +43,7 @@ class ClientGone(Exception):
     """The client disconnected while its request was being prepared."""
 
 
-class TieredResponseGenerator(mlx_server.ResponseGenerator):
+class TieredResponseGenerator(HookedResponseGenerator):
     """mlx-lm's ResponseGenerator: prefetch on the HTTP thread, waypoints in the prompt segments.
 
     mlx-lm hands the cache to insert_cache at the end of each prompt
@@ -74,10 +73,7 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
         still gets its disk hit.
         """
         provider = self.model_provider
-        m = args.model
-        key = (provider._model_map.get(m.model, m.model),
-               provider._adapter_map.get(m.model, m.adapter),
-               provider._draft_model_map.get(m.draft, m.draft))
+        key = requested_model_key(provider, args.model)
         if key != self.tier.model_key:
             return False
         deadline = time.monotonic() + MODEL_WAIT_S
@@ -113,7 +109,7 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
             tokenizer = self.model_provider.tokenizer
             try:
                 with self._tokenizer_lock:
-                    ticket.tokenized = (tokenizer, super()._tokenize(tokenizer, request, generation_args))
+                    ticket.tokenized = (tokenizer, self.stock_tokenize(tokenizer, request, generation_args))
             except Exception as e:            # the generation thread reports it, as mlx-lm does
                 ticket.tokenized = (tokenizer, e)
             else:
@@ -128,10 +124,10 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
 
     # -- the generation thread ------------------------------------------------
 
-    def _next_request(self, timeout=None):
+    def next_request(self, timeout=None):
         """mlx-lm's next queued request; after one, also the requests that
         arrived with it and are still being prepared (ADMIT_WAIT_S)."""
-        request = super()._next_request(timeout)
+        request = self.stock_next_request(timeout)
         now = time.monotonic()
         if request is not None:
             if now >= self._gather_until:
@@ -146,11 +142,13 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
                 self._admission.wait(self._gather_until - time.monotonic())
         if not waited:
             # Nobody was being prepared: the batch's next step must not wait.
-            return super()._next_request(None)
+            return self.stock_next_request(None)
         # A request whose preparation has just ended is put on the queue next.
-        return super()._next_request(0.005)
+        return self.stock_next_request(0.005)
 
-    def _tokenize(self, tokenizer, request, args):
+    def tokenize(self, tokenizer, request, args):
+        """mlx-lm's tokenization, done already on the HTTP thread when it could; the
+        segments cut at the waypoints."""
         ticket = getattr(request, "kvstore_ticket", None)
         done = ticket.tokenized if ticket is not None else None
         if done is not None and done[0] is tokenizer:
@@ -161,14 +159,14 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
             prompt, segments, types = list(prompt), [list(s) for s in segments], list(types)
         else:
             with self._tokenizer_lock:
-                prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+                prompt, segments, types, state, vision = self.stock_tokenize(tokenizer, request, args)
         self.tier.begin(ticket, prompt)
         step = self.tier.waypoint_step
         if vision is None and 0 < step < len(prompt):
             segments, types = split_at_waypoints(segments, types, step)
         return prompt, segments, types, state, vision
 
-    def _generate(self):
+    def generation_loop(self):
         try:
             # mlx-lm's loop loads the default model first; here that load
             # comes before it, so that the model's store opens (its identity
@@ -177,7 +175,7 @@ class TieredResponseGenerator(mlx_server.ResponseGenerator):
             self.model_provider.load_default()
             if self.model_provider.model_key == self.tier.model_key:
                 self.tier.open()
-            super()._generate()
+            self.stock_generation_loop()
         finally:
             self.tier.persist_all()
 

@@ -2,6 +2,7 @@
 
 import argparse
 import faulthandler
+import functools
 import json
 import logging
 import os
@@ -13,12 +14,12 @@ import time
 from http.server import ThreadingHTTPServer
 
 import mlx.core as mx
-import mlx_lm
 from mlx_lm import server as mlx_server
 
 from kvstore import payload, remote, seal
 from kvstore.chain import DEFAULT_BLOCK_TOKENS
-from kvstore.mlx import DEFAULT_CTX_SIZE
+# SUPPORTED_MLX_LM (kvstore.serve shows it): an mlx-lm release outside it fails the import of kvstore.mlx.
+from kvstore.mlx import DEFAULT_CTX_SIZE, SUPPORTED_MLX_LM  # noqa: F401
 from kvstore.identity import tag_hex
 from kvstore.policy import DEFAULT_STALE_AFTER_S, Options
 from kvstore.serve import metrics as metrics_mod
@@ -30,9 +31,6 @@ from kvstore.store import DEFAULT_BUDGET_MB, LAYOUTS, KVStore
 
 log = logging.getLogger("kvstore")
 
-# The mlx-lm releases this module was tested with (pyproject pins the same).
-SUPPORTED_MLX_LM = ((0, 32), (0, 33))
-
 # Where checkpoints go when --cache-dir is not given: one directory, and one
 # budget, for every model served from this machine; each file names its
 # model (docs/format.md §17), so models never load each other's state.
@@ -41,14 +39,6 @@ DEFAULT_CACHE_ROOT = os.path.join("~", ".cache", "kvstore", "serve")
 # The mlx_lm.server options that change the KV state (kv quantisation): part
 # of the model's identity, as its weights are.
 CACHE_OPTIONS = ("kv_bits", "kv_group_size", "quantized_kv_start")
-
-
-def _check_mlx_lm():
-    version = tuple(int(p) for p in mlx_lm.__version__.split(".")[:2] if p.isdigit())
-    lo, hi = SUPPORTED_MLX_LM
-    if not lo <= version < hi:
-        log.warning("kvstore: untested mlx_lm=%s supported=%s..%s", mlx_lm.__version__,
-                    ".".join(map(str, lo)), ".".join(map(str, hi)))
 
 
 def _config(path):
@@ -68,6 +58,54 @@ def _quant_bits(config):
     return int(q["bits"]) if isinstance(q, dict) and q.get("bits") in (2, 3, 4, 5, 6, 8) else 16
 
 
+def _store_options(opts):
+    """The store's Options from the command line (an option not given keeps its default)."""
+    return Options(**{k: v for k, v in (("min_tokens", opts.min_tokens),
+                                         ("continued_interval_tokens", opts.waypoint_tokens),
+                                         ("stale_after_s", opts.stale_after_days * 86400 or None))
+                      if v is not None})
+
+
+def _cache_options(cli):
+    """The mlx_lm.server options that are part of the model's identity (CACHE_OPTIONS)."""
+    # Without kv_bits the group size and start change nothing: the
+    # identity is then the model's own, as an MLXEngine's is.
+    if getattr(cli, "kv_bits", None) is None:
+        return {}
+    return {k: getattr(cli, k, None) for k in CACHE_OPTIONS}
+
+
+def _server_metrics(store):
+    """The server's Metrics over store() (the open KVStore or None), or None
+    without prometheus_client."""
+    if metrics_mod.available():
+        return metrics_mod.Metrics(store)
+    log.warning("kvstore: metrics_disabled reason=no_prometheus_client "
+                "(pip install 'kvstore[serve]' for GET /metrics)")
+    return None
+
+
+def _open_store(cache_dir, opts, config, options, identity):
+    """The KVStore of one model's checkpoints under cache_dir.
+
+    Called on the generation thread, once the model has loaded: its
+    identity names the store's files (docs/format.md §17).
+    """
+    store = KVStore(cache_dir, budget_mb=opts.budget_mb, model_identity=identity,
+                    quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
+                    options=options, layout=opts.layout, block_tokens=opts.block_tokens,
+                    max_write_mb_per_hour=opts.max_write_mb_per_hour,
+                    key=opts.cache_key_file, **remote.store_kwargs(opts))
+    if store.remote is not None:
+        # The bucket's index before the first request (later refreshes
+        # run in the background); a remote that is down costs one
+        # connect timeout here and nothing afterwards.
+        store.remote.refresh()
+    log.info("kvstore: store_open cache_dir=%s model=%s tag=%s entries=%d", cache_dir,
+             identity.label, tag_hex(identity.tag), len(store.entries()))
+    return store
+
+
 class _Server:
     """The HTTP server, the generation thread and the tier, stopped in that order."""
 
@@ -76,46 +114,17 @@ class _Server:
         path = cli.model
         config = _config(path) if os.path.isdir(path) else {}
         self.cache_dir = cache_dir = opts.cache_dir or os.path.expanduser(DEFAULT_CACHE_ROOT)
-        options = Options(**{k: v for k, v in (("min_tokens", opts.min_tokens),
-                                                ("continued_interval_tokens", opts.waypoint_tokens),
-                                                ("stale_after_s", opts.stale_after_days * 86400 or None))
-                             if v is not None})
+        options = _store_options(opts)
         # Loads and saves run beside the generation thread: at a lower CPU
         # priority they take the time decoding leaves (docs/format.md §7).
         payload.set_io_priority(LOAD_NICE)
         # The HTTP threads load into MLX while the generation thread runs it:
         # no MLX task may call back into Python (kvstore.payload.set_mlx_threaded).
         payload.set_mlx_threaded(True)
-
-        def open_store(identity):
-            # On the generation thread, once the model has loaded: its
-            # identity names the store's files (docs/format.md §17).
-            store = KVStore(cache_dir, budget_mb=opts.budget_mb, model_identity=identity,
-                            quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
-                            options=options, layout=opts.layout, block_tokens=opts.block_tokens,
-                            max_write_mb_per_hour=opts.max_write_mb_per_hour,
-                            key=opts.cache_key_file, **remote.store_kwargs(opts))
-            if store.remote is not None:
-                # The bucket's index before the first request (later refreshes
-                # run in the background); a remote that is down costs one
-                # connect timeout here and nothing afterwards.
-                store.remote.refresh()
-            log.info("kvstore: store_open cache_dir=%s model=%s tag=%s entries=%d", cache_dir,
-                     identity.label, tag_hex(identity.tag), len(store.entries()))
-            return store
-
+        open_store = functools.partial(_open_store, cache_dir, opts, config, options)
         model_key = (path, cli.adapter_path, cli.draft_model)
-        if metrics_mod.available():
-            self.metrics = metrics_mod.Metrics(lambda: self.tier.store)
-        else:
-            self.metrics = None
-            log.warning("kvstore: metrics_disabled reason=no_prometheus_client "
-                        "(pip install 'kvstore[serve]' for GET /metrics)")
-        # Without kv_bits the group size and start change nothing: the
-        # identity is then the model's own, as an MLXEngine's is.
-        cache_options = {} if getattr(cli, "kv_bits", None) is None else {k: getattr(cli, k, None)
-                                                                         for k in CACHE_OPTIONS}
-        self.tier = TieredPromptCache(open_store, model_provider, model_key, options, cache_options,
+        self.metrics = _server_metrics(lambda: self.tier.store)
+        self.tier = TieredPromptCache(open_store, model_provider, model_key, options, _cache_options(cli),
                                       label=os.path.basename(os.path.normpath(path)),
                                       max_size=cli.prompt_cache_size, metrics=self.metrics,
                                       admit_after=opts.admit_after)
@@ -223,6 +232,12 @@ def build_parser():
     return p
 
 
+def _usage_error(message):
+    """Prints one `kvstore serve: error: ...` line to stderr; returns the exit status 2."""
+    print(f"kvstore serve: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None):
     """Runs `kvstore serve`; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -235,34 +250,26 @@ def main(argv=None):
         return 0
     if not opts.model:
         parser.print_usage(sys.stderr)
-        print("kvstore serve: error: --model PATH is required", file=sys.stderr)
-        return 2
+        return _usage_error("--model PATH is required")
     local = os.path.isabs(opts.model) or opts.model.startswith((".", "~"))
     if local and not os.path.isdir(os.path.expanduser(opts.model)):
         # (Anything else may be a hub repository id, which mlx-lm resolves.)
-        print(f"kvstore serve: error: --model {opts.model}: no such model directory", file=sys.stderr)
-        return 2
+        return _usage_error(f"--model {opts.model}: no such model directory")
     for name in ("block_tokens", "admit_after"):
         value = getattr(opts, name)
         if value < 1:
-            print(f"kvstore serve: error: --{name.replace('_', '-')} {value} must be >= 1", file=sys.stderr)
-            return 2
+            return _usage_error(f"--{name.replace('_', '-')} {value} must be >= 1")
     if opts.max_write_mb_per_hour is not None and not opts.max_write_mb_per_hour > 0:
-        print(f"kvstore serve: error: --max-write-mb-per-hour {opts.max_write_mb_per_hour} must be > 0",
-              file=sys.stderr)
-        return 2
+        return _usage_error(f"--max-write-mb-per-hour {opts.max_write_mb_per_hour} must be > 0")
     for name in ("budget_mb", "min_tokens", "waypoint_tokens", "stale_after_days", "drain_timeout"):
         value = getattr(opts, name)
         if value is not None and value < 0:
-            print(f"kvstore serve: error: --{name.replace('_', '-')} {value} must be >= 0", file=sys.stderr)
-            return 2
+            return _usage_error(f"--{name.replace('_', '-')} {value} must be >= 0")
     if opts.cache_key_file is not None:
         try:
             seal.load_key(opts.cache_key_file)
         except (ValueError, OSError) as e:
-            print(f"kvstore serve: error: --cache-key-file: {e}", file=sys.stderr)
-            return 2
-    _check_mlx_lm()
+            return _usage_error(f"--cache-key-file: {e}")
     if hasattr(signal, "SIGUSR1"):
         # `kill -USR1 PID` writes every thread's Python stack to stderr: what
         # a server that stopped answering is waiting for (no prompt text).

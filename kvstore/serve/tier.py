@@ -46,15 +46,16 @@ import threading
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
+from kvstore import policy
 from kvstore.chain import DEFAULT_BLOCK_TOKENS, slice_along
 from kvstore.format import Reason
 from kvstore.identity import ModelIdentity
 from kvstore.mlx import (cache_from_checkpoint, checked_state, model_fingerprint, model_label, text_offsets_function,
                          token_bytes_function)
 from kvstore.mlx import canary
-from kvstore.policy import continued_step
+from kvstore.mlx.mlxlm import ReportingPromptCache
 from kvstore.serve import tenants
 from kvstore.serve.admission import Ledger
 
@@ -88,30 +89,9 @@ class Prefetched:
 class Ticket:
     """What the HTTP thread learned about a request before queueing it."""
     tenant: str = None        # tenants.tag() of its cache_salt, or None
-    tokenized: object = None  # ResponseGenerator._tokenize's result, or the exception it raised
+    tokenized: object = None  # the generator's tokenize() result, or the exception it raised
     prefetched: Prefetched = None
     gone: object = None       # callable: True once the client has disconnected
-
-
-class _ReportingOrder(LRUPromptCache.CacheOrder):
-    """mlx-lm's LRU order that tells its owner which entries come and go."""
-
-    def __init__(self, owner, ordering=None):
-        super().__init__(ordering)
-        self._owner = owner
-
-    def push(self, model, tokens, cache_type="assistant"):
-        super().push(model, tokens, cache_type)
-        self._owner._pushed(model, tokens)
-
-    def remove(self, model, tokens):
-        super().remove(model, tokens)
-        self._owner._removed(model, tokens)
-
-    def pop(self):
-        model, tokens = super().pop()
-        self._owner._dropped(model, tokens)
-        return model, tokens
 
 
 def _ns(model, tenant):
@@ -141,7 +121,7 @@ def _arrays(cache):
     return out
 
 
-class TieredPromptCache(LRUPromptCache):
+class TieredPromptCache(ReportingPromptCache):
     """mlx-lm's RAM prompt cache with a kvstore directory behind it.
 
     Args:
@@ -162,7 +142,6 @@ class TieredPromptCache(LRUPromptCache):
     def __init__(self, open_store, provider, model_key, options, cache_options=None, label="", max_size=10,
                  max_bytes=1 << 63, metrics=None, admit_after=1):
         super().__init__(max_size, max_bytes)
-        self._lru = _ReportingOrder(self, self._lru._ordering)
         self._open_store = open_store
         self.store = None                        # open() opens it once the model has loaded
         self.ready = threading.Event()
@@ -171,7 +150,7 @@ class TieredPromptCache(LRUPromptCache):
         self.cache_options = dict(cache_options or {})
         self.label = label
         self.options = options
-        self.waypoint_step = continued_step(self.options)
+        self.waypoint_step = policy.continued_step(self.options)
         self.metrics = metrics
         self.admit_after = admit_after
         self._lock = threading.RLock()           # mlx-lm's trie and LRU, and the tables below
@@ -239,7 +218,7 @@ class TieredPromptCache(LRUPromptCache):
             if self.admit_after > 1:
                 self.ledger.count_uses(tokens[:-1], tenant, self.key_bytes(tokens[:-1], tenant))
             with self._lock:
-                ram = self._ram_reuse(_ns(self.model_key, tenant), tokens)
+                ram = self.ram_reuse(_ns(self.model_key, tenant), tokens)
             # Keep at least one token to prefill: the server needs its logits.
             # A RAM hit within MIN_DISK_GAIN of that is not worth a lookup: the
             # disk could save only those tokens' prefill.
@@ -261,18 +240,6 @@ class TieredPromptCache(LRUPromptCache):
         except Exception as e:            # noqa: BLE001 - the disk tier must never fail a request
             log.warning("kvstore: disk_lookup_failed error=%s", type(e).__name__)
             return None
-
-    def _ram_reuse(self, ns, tokens):
-        """How many tokens mlx-lm's fetch_nearest_cache would reuse now (the lock held)."""
-        result = self._trie.search(ns, tokens)
-        if result.exact is not None:
-            return len(tokens)
-        short = len(result.shorter) if result.shorter is not None else 0
-        if result.longer is not None and result.common_prefix > short:
-            entry = self._trie.get(result.model, result.longer)
-            if can_trim_prompt_cache(entry.prompt_cache):
-                return min(len(tokens) - 1, result.common_prefix)
-        return short
 
     def _load_longest(self, tokens, reused, key, tenant):
         """(checkpoint, n, source) of the longest stored prefix of key beyond reused tokens; else None.
@@ -411,29 +378,39 @@ class TieredPromptCache(LRUPromptCache):
                     super().insert_cache(_ns(model, tenant), tokens, prompt_cache, cache_type=cache_type)
                 finally:
                     self._incoming = None
+        targets = self._targets(tokens, cache_type)
         for tenant in owners:
-            if cache_type == "system":
-                self._persist(model, tenant, tokens, prompt_cache, Reason.COLD)
-            elif cache_type == WAYPOINT_TYPE and self.waypoint_step and len(tokens) % self.waypoint_step == 0:
-                self._persist(model, tenant, tokens, prompt_cache, Reason.CONTINUED)
-            elif cache_type == "assistant" and self.store.layout == "chain":
-                # A finished request: its prompt and answer, whole blocks only.
-                self._persist(model, tenant, tokens, prompt_cache, Reason.CONTINUED, whole_blocks=True)
+            for target in targets:
+                if self._persist(model, tenant, tokens, prompt_cache, target) is not None:
+                    break
+
+    def _targets(self, tokens, cache_type):
+        """What to store of a cache mlx-lm inserts (kvstore.policy; the first that stores ends the list).
+
+        mlx-lm's system segment is the cold anchor; a segment that ends on
+        the waypoint grid (generator.split_at_waypoints cuts them there) is
+        a waypoint; a finished request (its prompt and answer) keeps its
+        whole blocks in a chained store.
+        """
+        if cache_type == "assistant":
+            return policy.finished_stores(self.store.block_tokens if self.store.layout == "chain" else 0)
+        anchor = len(tokens) if cache_type == "system" else 0
+        return policy.prefill_stores(len(tokens), self.options, cold_target=anchor)
 
     def trim_to(self, *, n_sequences=None, n_bytes=None):
         with self._lock:
             super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
 
-    def _pushed(self, ns, tokens):
+    def entry_pushed(self, ns, tokens):
         if self._incoming is not None:
             self._held[(ns, tuple(tokens))] = self._incoming
 
-    def _removed(self, ns, tokens):
+    def entry_removed(self, ns, tokens):
         # Replaced by a newer cache for the same tokens, or a prefix of a
         # longer trimmable entry: nothing is lost.
         self._held.pop((ns, tuple(tokens)), None)
 
-    def _dropped(self, ns, tokens):
+    def entry_dropped(self, ns, tokens):
         held = self._held.pop((ns, tuple(tokens)), None)
         if held is not None:
             self._persist_held(ns, tokens, held, Reason.EVICT)
@@ -442,32 +419,30 @@ class TieredPromptCache(LRUPromptCache):
         """Stores a RAM entry mlx-lm lets go (evicted, or at shutdown).
 
         For the entry of a finished request, the state at its prompt's last
-        token but one: a request that repeats the prompt, or continues the
-        conversation (whatever text its answer is rendered as), reuses
-        everything up to there after a restart, not only the whole blocks
-        (the server prefills at least the last token).  The answer's whole
-        blocks were stored when the request finished; the rest of it (less
-        than a block) is not worth a second tail of the same block.  It is a
-        tail of the chain, one block at most, and goes when a later save of
-        the sequence grows past it (KVStore's replaced tails, docs/format.md
-        §14).  A state that cannot be cut there (recurrent, windowed), and
-        an entry of no finished request, is stored whole.
+        token but one (kvstore.policy.finished_tail), not only the whole
+        blocks stored when the request finished; the rest of its answer
+        (less than a block) is not worth a second tail of the same block.  It
+        is a tail of the chain, one block at most, and goes when a later save
+        of the sequence grows past it (KVStore's replaced tails,
+        docs/format.md §14).  A state that cannot be cut there (recurrent,
+        windowed), and an entry of no finished request, is stored whole.
         """
         model, tenant = _split(ns)
         cache, prompt_len = held
-        upto = prompt_len - 1 if 0 < prompt_len - 1 < len(tokens) else None
-        return self._persist(model, tenant, tokens, cache, reason, upto=upto)
+        for target in policy.leaving_stores(reason, len(tokens), prompt_len):
+            result = self._persist(model, tenant, tokens, cache, target)
+            if result is not None:
+                return result
+        return None
 
-    def _persist(self, model, tenant, tokens, cache, reason, whole_blocks=False, upto=None):
-        """Stores cache under its tokens' key, in the background.
+    def _persist(self, model, tenant, tokens, cache, target):
+        """Stores cache under its tokens' key for a kvstore.policy.StoreTarget, in the background.
 
-        Nothing is stored for another model than the store's, for fewer than
-        min_tokens tokens, when the same text is stored already, or beyond
-        what admission allows.  With whole_blocks, only the tokens up to the
-        last block boundary are stored, and only when the state is all
-        positional (a recurrent or windowed state would be a link without
-        its snapshot); with upto, only its first upto tokens, or all of
-        them when the state cannot be cut (recurrent, windowed).
+        Nothing is stored for another model than the store's, when the same
+        text is stored already, or beyond what admission allows; how many
+        tokens, and whether any are worth a file, is kvstore.policy.store_cut
+        (a target's grid or preferred cut; a recurrent or windowed state is
+        never cut: it would be a link without its snapshot).
 
         On the generation thread the key is made and judged (_worth_storing:
         microseconds) and the state captured (the arrays it must copy on its
@@ -477,17 +452,16 @@ class TieredPromptCache(LRUPromptCache):
         """
         if model != self.model_key:
             return None
-        why = Reason(reason).name.lower()
+        reason = target.reason
+        why = reason.name.lower()
         try:
             n = cache[0].offset if cache and hasattr(cache[0], "offset") else len(tokens)
-            if n > len(tokens) or n < self.options.min_tokens:
+            if n > len(tokens) or not policy.store_cut(n, self.options):
                 return None
             tensors, meta, positional = checked_state(cache, n)
             all_positional = len(positional) == len(tensors)
-            cut = n if upto is None or not all_positional else min(n, upto)
-            if whole_blocks:
-                cut = n // self.store.block_tokens * self.store.block_tokens
-            if (cut < n and not all_positional) or cut < self.options.min_tokens:
+            cut = policy.store_cut(n, self.options, all_positional, prefer=target.prefer, grid=target.grid)
+            if not cut:
                 return None
             cut, key = self._worth_storing(tokens, tenant, cut, all_positional, why)
             if not cut:
@@ -515,7 +489,8 @@ class TieredPromptCache(LRUPromptCache):
             return 0, None
         admitted = self.ledger.admitted(tokens[:cut], tenant, key)
         if admitted < cut:
-            if admitted < self.options.min_tokens or not all_positional:
+            admitted = policy.store_cut(cut, self.options, all_positional, limit=admitted)
+            if not admitted:
                 log.info("kvstore: store_skipped reason=%s why=admission tokens=%d", why, cut)
                 if self.metrics is not None:
                     self.metrics.skipped("admission")

@@ -47,6 +47,7 @@ with _instrumented:
     from kvstore import files
     from kvstore.errors import CorruptCheckpoint, KVStoreError
     from kvstore.format import PREFIX_SIZE, Entry, Header, read_entry
+    from kvstore.reader import Match
 
 PAYLOAD_HEAD = struct.Struct("<4sIQII")
 
@@ -236,7 +237,7 @@ def _check_path(target, path, blob, text, expect_original):
         return "not_eligible"
     # Straight to load, as find() would hand it over (the lookup itself is
     # test_lookup.py's): the prompt continues the stored text.
-    found = dataclasses.replace(entry, query=text + b"+")
+    found = Match.of(entry, text + b"+")
     ck = target.store.load(found)
     if ck is None:
         assert verdict is not None, "verify_file accepts a file that load refuses"

@@ -1,0 +1,203 @@
+"""The one module that reaches into mlx-lm's internals, and the mlx-lm releases kvstore supports.
+
+kvstore needs a few things from mlx-lm that it offers no public way to do:
+the write index of a RotatingKVCache, the Hugging Face tokenizer inside a
+TokenizerWrapper, how the server's ModelProvider resolves a requested model,
+hooks into the server's ResponseGenerator steps (tokenize, take the next
+request, the generation loop) and APIHandler headers, and a view of
+LRUPromptCache's trie and LRU order.  Every private attribute or method of
+mlx-lm that kvstore uses is named here and nowhere else (the tests parse the
+package to hold that): the rest of kvstore calls the public functions below,
+and subclasses the classes below, whose hooks are public methods.
+
+A new mlx-lm release that renames one of these internals is then one module
+to check, not a search.  Importing this module (and so kvstore.mlx or
+kvstore.serve) with an mlx-lm outside SUPPORTED_MLX_LM raises ImportError
+naming the installed release and the supported range; `import kvstore` alone
+never imports mlx-lm.
+"""
+
+import mlx_lm
+
+# The mlx-lm releases kvstore is tested with, as (major, minor): from the
+# first, inclusive, to the second, exclusive (pyproject pins the same).
+SUPPORTED_MLX_LM = ((0, 32), (0, 33))
+
+
+def version_tuple(version):
+    """(major, minor) of a release string: "0.32.2" -> (0, 32)."""
+    return tuple(int(p) for p in str(version).split(".")[:2] if p.isdigit())
+
+
+def check_version(version=None):
+    """Refuses an mlx-lm release outside SUPPORTED_MLX_LM.
+
+    Args:
+        version: a release string; None for the installed mlx_lm.__version__.
+
+    Raises:
+        ImportError: the release is not supported; the message names it and
+            the supported range.
+    """
+    version = mlx_lm.__version__ if version is None else version
+    lo, hi = SUPPORTED_MLX_LM
+    if not lo <= version_tuple(version) < hi:
+        lo_s, hi_s = ".".join(map(str, lo)), ".".join(map(str, hi))
+        raise ImportError(f"kvstore.mlx supports mlx-lm >= {lo_s}, < {hi_s}; installed: mlx-lm {version} "
+                          f"(pip install 'mlx-lm>={lo_s},<{hi_s}')")
+
+
+check_version()
+
+# After the check: an unsupported release fails with the message above, not
+# with whatever these imports would raise.
+from mlx_lm import server as mlx_server                                   # noqa: E402
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache     # noqa: E402
+
+
+# ---- caches and tokenizers ----------------------------------------------------
+
+def rotating_write_index(cache):
+    """Where a RotatingKVCache writes its next token (its buffer's write index)."""
+    return cache._idx
+
+
+def set_rotating_write_index(cache, idx):
+    """Sets a rebuilt RotatingKVCache's write index (see rotating_write_index)."""
+    cache._idx = idx
+
+
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper; any other tokenizer as is."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+# ---- the server ---------------------------------------------------------------
+
+def requested_model_key(provider, model):
+    """The (model, adapter, draft model) key the server's ModelProvider loads for a request.
+
+    Args:
+        provider: mlx-lm's ModelProvider.
+        model: the request's model description (GenerationArguments.model:
+            model, adapter and draft names as the client sent them).
+
+    Returns:
+        a tuple comparable with provider.model_key.
+    """
+    return (provider._model_map.get(model.model, model.model),
+            provider._adapter_map.get(model.model, model.adapter),
+            provider._draft_model_map.get(model.draft, model.draft))
+
+
+class HookedResponseGenerator(mlx_server.ResponseGenerator):
+    """mlx-lm's ResponseGenerator with its private steps behind public hooks.
+
+    mlx-lm's generation thread tokenizes each request, takes the next queued
+    request and runs its loop in private methods; each of them here calls a
+    public hook a subclass overrides.  stock_* run mlx-lm's own step.
+    """
+
+    def _tokenize(self, tokenizer, request, args):
+        return self.tokenize(tokenizer, request, args)
+
+    def _next_request(self, timeout=None):
+        return self.next_request(timeout)
+
+    def _generate(self):
+        return self.generation_loop()
+
+    def tokenize(self, tokenizer, request, args):
+        """(prompt, segments, segment types, initial state, vision) of a request."""
+        return self.stock_tokenize(tokenizer, request, args)
+
+    def next_request(self, timeout=None):
+        """The next queued request, waiting at most timeout seconds (None: not at all), or None."""
+        return self.stock_next_request(timeout)
+
+    def generation_loop(self):
+        """The generation thread's body."""
+        return self.stock_generation_loop()
+
+    def stock_tokenize(self, tokenizer, request, args):
+        """mlx-lm's own tokenize step."""
+        return super()._tokenize(tokenizer, request, args)
+
+    def stock_next_request(self, timeout=None):
+        """mlx-lm's own next-request step."""
+        return super()._next_request(timeout)
+
+    def stock_generation_loop(self):
+        """mlx-lm's own generation loop."""
+        return super()._generate()
+
+
+class HookedAPIHandler(mlx_server.APIHandler):
+    """mlx-lm's APIHandler with its header helpers behind public methods."""
+
+    def _set_stream_headers(self, status_code=200):
+        self.on_stream_headers(status_code)
+        super()._set_stream_headers(status_code)
+
+    def on_stream_headers(self, status_code):
+        """Called before a streamed answer's headers go out (200: the stream starts)."""
+
+    def send_json_headers(self, status_code):
+        """mlx-lm's headers of a JSON answer (status, content type, CORS); the caller ends them."""
+        self._set_completion_headers(status_code)
+
+
+class _ReportingOrder(LRUPromptCache.CacheOrder):
+    """mlx-lm's LRU order that tells its owner which entries come and go."""
+
+    def __init__(self, owner, ordering=None):
+        super().__init__(ordering)
+        self._owner = owner
+
+    def push(self, model, tokens, cache_type="assistant"):
+        super().push(model, tokens, cache_type)
+        self._owner.entry_pushed(model, tokens)
+
+    def remove(self, model, tokens):
+        super().remove(model, tokens)
+        self._owner.entry_removed(model, tokens)
+
+    def pop(self):
+        model, tokens = super().pop()
+        self._owner.entry_dropped(model, tokens)
+        return model, tokens
+
+
+class ReportingPromptCache(LRUPromptCache):
+    """mlx-lm's LRUPromptCache that reports its LRU's entries and answers RAM reuse.
+
+    Hooks a subclass overrides, called under whatever lock holds the insert:
+    entry_pushed (an entry joins the LRU), entry_removed (replaced, or a
+    prefix of a longer trimmable entry: nothing is lost), entry_dropped (the
+    LRU lets it go).
+    """
+
+    def __init__(self, max_size=10, max_bytes=1 << 63):
+        super().__init__(max_size, max_bytes)
+        self._lru = _ReportingOrder(self, self._lru._ordering)
+
+    def entry_pushed(self, model, tokens):
+        """An entry for tokens under model joined the LRU."""
+
+    def entry_removed(self, model, tokens):
+        """The entry for tokens under model left the LRU with nothing lost."""
+
+    def entry_dropped(self, model, tokens):
+        """The LRU let the entry for tokens under model go (over its size or bytes)."""
+
+    def ram_reuse(self, model, tokens):
+        """How many tokens fetch_nearest_cache(model, tokens) would reuse now (the caller holds its lock)."""
+        result = self._trie.search(model, tokens)
+        if result.exact is not None:
+            return len(tokens)
+        short = len(result.shorter) if result.shorter is not None else 0
+        if result.longer is not None and result.common_prefix > short:
+            entry = self._trie.get(result.model, result.longer)
+            if can_trim_prompt_cache(entry.prompt_cache):
+                return min(len(tokens) - 1, result.common_prefix)
+        return short

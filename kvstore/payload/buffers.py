@@ -1,0 +1,38 @@
+"""A payload's byte sources: flat views of arrays, and positioned reads and writes.
+
+A source is a file descriptor, or an object with the same methods (a sealed
+file's authenticated plain view, kvstore.seal.SealedSource; the in-memory
+image kvstore.seal encrypts before anything reaches the disk);
+kvstore.sources.as_source tells them apart.
+"""
+
+from kvstore.sources import as_source
+
+
+def bytes_view(buf):
+    """buf's bytes as one flat memoryview (format "B", 1-D) of its memory."""
+    mv = memoryview(buf)
+    if mv.nbytes == 0:
+        # cast() refuses a shape with a zero in it (an MLX array of shape
+        # (0, 4)); an empty block has no bytes to move either way.
+        return memoryview(bytearray())
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def pread_into(src, buf, offset, path=None, crc=None):
+    """Fills buf from src at offset: src is a file descriptor, or an object
+    with the same pread_into method (a sealed file's authenticated plain
+    view, kvstore.seal.SealedSource).  Returns the CRC as _native.pread_into."""
+    return as_source(src).pread_into(buf, offset, path, crc)
+
+
+def pwrite_from(dst, buf, offset, path=None):
+    """Writes buf to dst at offset: dst is a file descriptor, or an object
+    with the same pwrite_from method (the in-memory image kvstore.seal
+    encrypts before anything reaches the disk)."""
+    return as_source(dst).pwrite_from(buf, offset, path)
+
+
+def pread(src, n, offset):
+    """os.pread for a file descriptor or a source with pread_into."""
+    return as_source(src).pread(n, offset)

@@ -1,0 +1,384 @@
+"""Chain reads (ABI 17): a chain of blocks, root first, read into one set of tensors (docs/format.md §14).
+
+A tensor that grows along the sequence ("axis" in the manifest) holds only
+each block's own positions; a chain load allocates each such tensor once at
+the chain's full length and reads every block's slice straight into place
+(strided reads, one CRC per block and tensor).  Any other tensor is a
+snapshot, read from the target block alone.
+"""
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+
+from kvstore import _native
+from kvstore.errors import CorruptCheckpoint
+from kvstore.payload.buffers import bytes_view
+from kvstore.payload.manifest import BLOCK_ALIGN, DTYPES, align, numpy_dtype, read_manifest
+from kvstore.payload.pool import IO_THREADS, MIN_SLICE, QUEUE_BYTES, check_crc, io_pool
+from kvstore.payload.whole import VirtualBlob, safetensors_head
+from kvstore.sources import as_source
+
+
+class Piece:
+    """One read of a chain load: count runs of run bytes, consecutive in the
+    file from file_offset, landing every stride bytes from dst in a tensor.
+    label names it in errors: "tokens", or (tensor name, block name)."""
+
+    __slots__ = ("fd", "path", "file_offset", "run", "count", "stride", "dst", "crc", "label")
+
+    def __init__(self, fd, path, file_offset, run, count, stride, dst, crc, label):
+        self.fd, self.path, self.file_offset = fd, path, file_offset
+        self.run, self.count, self.stride, self.dst = run, count, stride, dst
+        self.crc, self.label = crc, label
+
+    @property
+    def nbytes(self):
+        return self.run * self.count
+
+    @property
+    def what(self):
+        if isinstance(self.label, tuple):
+            return f"tensor {self.label[0]!r} of {self.label[1][:12]}"
+        return f"{self.label} of {os.path.basename(self.path)[:12]}"
+
+    def __repr__(self):
+        return (f"Piece({self.what}, at {self.file_offset}: {self.count} x {self.run} B "
+                f"every {self.stride} from {self.dst})")
+
+
+@dataclasses.dataclass
+class ChainTensor:
+    """A tensor of a chain load: its full dtype and shape."""
+    name: str
+    dtype: str
+    shape: tuple
+    nbytes: int
+
+
+def _growing(m):
+    """What a chain's blocks must agree on: the model that made them, each
+    growing tensor's dtype, the dimensions before and after its axis, and
+    the axis (kept on the manifest)."""
+    g = m.__dict__.get("_growing")
+    if g is None:
+        g = m._growing = (m.model, {r[0]: (r[1], r[2][:m.axes[r[0]]], r[2][m.axes[r[0]] + 1:], m.axes[r[0]])
+                                    for r in m.tensors if r[0] in m.axes})
+    return g
+
+
+class ChainLayout:
+    """The read plan of a chain of blocks, root first, target last.
+
+    A tensor with an "axis" in the target's manifest grows along the
+    sequence: every block holds its own positions of it, and the whole
+    tensor is the blocks' slices end to end along that axis.  Any other
+    tensor of the target is a snapshot, read from the target alone.
+
+    Only the root's and the target's manifests are read here (they give
+    every tensor's full shape); pieces() reads the others one block at a
+    time, so a load reads block k while the manifest of block k + 1 is
+    parsed.
+
+    Args:
+        blocks: [(fd, Entry)], root first; the caller has checked that each
+            block starts where its parent ends.
+
+    Raises:
+        CorruptCheckpoint: from read_manifest, or "chain_mismatch" naming the
+            first block that grows other tensors (names, dtypes, the other
+            dimensions, the axes) than the root, so the consistent chain
+            above it survives.
+    """
+
+    def __init__(self, blocks):
+        self.blocks = list(blocks)
+        fd_t, target = self.blocks[-1]
+        self.target = target
+        m_t = read_manifest(fd_t, target)
+        m_0 = m_t if len(self.blocks) == 1 else read_manifest(*self.blocks[0])
+        self._known = {0: m_0, len(self.blocks) - 1: m_t}
+        self._reference = _growing(m_0)
+        if _growing(m_t) != self._reference:
+            for i in range(1, len(self.blocks)):        # blame the first that differs
+                self._manifest(i)
+        self.tokens = target.tokens
+        self.meta = m_t.meta
+        self.model = m_t.model
+        self.axes = dict(m_t.axes)
+        self.tensors = []
+        for name, dtype, shape, off, n, crc in m_t.tensors:
+            if name in m_t.axes:
+                a = m_t.axes[name]
+                shape = shape[:a] + (self.tokens,) + shape[a + 1:]
+            self.tensors.append(ChainTensor(name, dtype, tuple(shape), math.prod(shape) * DTYPES[dtype][0]))
+
+    def _manifest(self, i):
+        """Block i's manifest, checked against the root's growing tensors."""
+        m = self._known.get(i)
+        if m is None:
+            fd, e = self.blocks[i]
+            m = read_manifest(fd, e, cached=True)
+        if i and _growing(m) != self._reference:
+            raise CorruptCheckpoint("chain_mismatch", self.blocks[i][1].path,
+                                    "block grows other tensors (names, dtypes, shapes or axes) than its chain, "
+                                    "or names another model")
+        return m
+
+    def pieces(self):
+        """Yields every block's reads, root first: [(slot, Piece)], slot the
+        tensor's index in self.tensors or -1 for the token ids (a uint32
+        array of self.tokens).
+
+        Raises:
+            CorruptCheckpoint: from a block's manifest (see the class), when
+                that block's turn comes.
+        """
+        last = len(self.blocks) - 1
+        growing = []            # (slot, name, bytes per position, positions before the axis)
+        for slot, t in enumerate(self.tensors):
+            if t.name in self.axes:
+                a = self.axes[t.name]
+                growing.append((slot, t.name, math.prod(t.shape[a + 1:]) * DTYPES[t.dtype][0],
+                                math.prod(t.shape[:a])))
+        for i, (fd, e) in enumerate(self.blocks):
+            m = self._manifest(i)
+            rows = m.rows
+            at, start, stored, name = e.tensors_offset, e.token_start, e.stored_tokens, e.name
+            off, n, crc = m.tokens
+            out = [(-1, Piece(fd, e.path, at + off, n, 1, n, 4 * start, crc, "tokens"))]
+            if stored:
+                for slot, t_name, inner, outer in growing:
+                    if inner and outer:
+                        row = rows[t_name]
+                        out.append((slot, Piece(fd, e.path, at + row[3], stored * inner, outer, self.tokens * inner,
+                                                start * inner, row[5], (t_name, name))))
+            if i == last:
+                for slot, (t_name, dtype, shape, off, n, crc) in enumerate(m.tensors):
+                    if t_name not in self.axes and n:
+                        out.append((slot, Piece(fd, e.path, at + off, n, 1, n, 0, crc, (t_name, name))))
+            yield out
+
+
+class Batch:
+    """The reads of a chain load, handed to the I/O threads as they come.
+
+    Each add() cuts its pieces (by runs) into parts of at most an even share
+    of their bytes and deals the parts, in file order, into at most
+    IO_THREADS jobs of about equal size: each job reads its parts in one
+    native call with the GIL released.  wait() joins the parts' CRCs per
+    piece (in file order) and checks them, first piece first.
+    """
+
+    def __init__(self, buffers, verify):
+        """Args:
+            buffers: writable byte views the pieces land in.
+            verify: check every piece's CRC32C.
+        """
+        self.buffers = buffers
+        self.verify = verify
+        self.pieces = []            # Piece, in the order added
+        self.jobs = []              # (future, [(piece index, bytes)])
+
+    def add(self, pieces, last=False):
+        """Queues [(buffer index, Piece)].  last: no more will come; a first
+        and last add that fits one job runs at once, on the calling thread."""
+        first = len(self.pieces)
+        self.pieces.extend(p for _, p in pieces)
+        total = sum(p.nbytes for _, p in pieces)
+        jobs = max(1, min(IO_THREADS, total // MIN_SLICE))
+        share = max(1, -(-total // jobs))
+        src = pieces[0][1].fd if pieces else 0
+        if type(src) is not int and jobs > 1:
+            # A sealed chain's blocks are kvstore.seal.SealedSource objects,
+            # which decrypt and authenticate the chunks they read: the work
+            # is planned once, chunk by chunk, and each job takes an equal
+            # run of whole chunks (no per-piece results: the tags vouch).
+            work = src.chunk_work(self.buffers, [(b, p.fd, p.file_offset, p.run, p.count, p.stride, p.dst)
+                                                 for b, p in pieces])
+            pool = io_pool()
+            for j in range(jobs):
+                share = work[len(work) * j // jobs:len(work) * (j + 1) // jobs]
+                self.jobs.append((pool.submit(src.read_chunks, self.buffers, share), []))
+            return
+        groups, size = [[]], 0
+        for i, (b, p) in enumerate(pieces, first):
+            step = max(1, p.count if p.nbytes <= share else share // p.run)
+            for run0 in range(0, p.count, step):
+                if size >= share and len(groups) < jobs:
+                    groups.append([])
+                    size = 0
+                k = min(step, p.count - run0)
+                groups[-1].append((i, k * p.run, (b, p.fd, p.file_offset + run0 * p.run, p.run, k, p.stride,
+                                                  p.dst + run0 * p.stride)))
+                size += k * p.run
+        groups = [g for g in groups if g]
+        read = as_source(src).read_pieces
+        if last and not self.jobs and len(groups) == 1:
+            g = groups[0]
+            self.jobs.append((_Done(read, self.buffers, [part[2] for part in g], self.verify),
+                              [part[:2] for part in g]))
+            return
+        pool = io_pool()
+        for g in groups:
+            self.jobs.append((pool.submit(read, self.buffers, [part[2] for part in g],
+                                          self.verify), [part[:2] for part in g]))
+
+    def wait(self):
+        """Waits for every read; raises for the first piece that failed
+        (CorruptCheckpoint for a short file or a CRC mismatch, OSError)."""
+        status = [0] * len(self.pieces)
+        crcs = [None] * len(self.pieces)
+        error = None
+        for fut, parts in self.jobs:
+            try:
+                results = fut.result()
+            except Exception as e:      # every job joined, even after a failure
+                error = error or e
+                continue
+            for (i, n), (rc, crc) in zip(parts, results):
+                if rc:
+                    status[i] = status[i] or rc
+                elif crcs[i] is None:
+                    crcs[i] = crc
+                else:
+                    crcs[i] = _native.crc32c_combine(crcs[i], crc, n)
+        self.jobs = []
+        if error is not None:
+            raise error
+        for p, rc, crc in zip(self.pieces, status, crcs):
+            if rc:
+                _native.raise_status(rc, p.path, p.what)
+            if self.verify:
+                if (crc or 0) != p.crc:
+                    check_crc(crc or 0, p.crc, p.path, p.what)
+
+
+class _Done:
+    """A job run at once, in the caller's thread (a load too small to share out)."""
+
+    def __init__(self, fn, *args):
+        try:
+            self.value, self.error = fn(*args), None
+        except Exception as e:
+            self.value, self.error = None, e
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def read_stream(layout, buffers, slots, verify):
+    """Reads layout.pieces() into buffers (slots[slot] is the index in
+    buffers of a tensor slot, slots[-1] the tokens'), block by block: a
+    block's reads start before the next block's manifest is read.  A bad
+    manifest stops the queueing; the reads queued are joined, a failed one
+    (an earlier block) raised first."""
+    batch = Batch(buffers, verify)
+    late = queue_pieces(layout, batch, slots)
+    batch.wait()
+    if late is not None:
+        raise late
+
+
+def queue_pieces(layout, batch, slots):
+    """Adds layout.pieces() to batch as the blocks come, at least QUEUE_BYTES
+    at a time (small blocks are gathered: a pool job costs about as much as
+    reading a small block).  Returns the exception of a bad manifest (which
+    stops the queueing after the blocks before it are queued), or None."""
+    pending, size, late = [], 0, None
+    try:
+        for pieces in layout.pieces():
+            for s, p in pieces:
+                if slots[s] is not None:
+                    pending.append((slots[s], p))
+                    size += p.nbytes
+            if size >= QUEUE_BYTES:
+                batch.add(pending)
+                pending, size = [], 0
+    except Exception as e:
+        late = e
+    if pending:
+        batch.add(pending, last=True)
+    return late
+
+
+def tokens_view(layout):
+    """(an empty uint32 array for the chain's token ids, a byte view of it)."""
+    out = np.empty(layout.tokens, dtype="<u4")
+    return out, bytes_view(out.view(np.uint8))
+
+
+def read_chain_numpy(layout, verify=True):
+    """A chain load into NumPy.
+
+    Returns:
+        (token ids as uint32, {name: array}) (bfloat16 as uint16 bits).
+    """
+    tokens, tok_mv = tokens_view(layout)
+    out = {t.name: np.empty(t.shape, dtype=numpy_dtype(t.dtype)) for t in layout.tensors}
+    buffers = [bytes_view(out[t.name].reshape(-1).view(np.uint8)) for t in layout.tensors] + [tok_mv]
+    read_stream(layout, buffers, list(range(len(layout.tensors))) + [len(layout.tensors)], verify)
+    return tokens.astype(np.uint32, copy=False), out
+
+
+class ChainBlob(VirtualBlob):
+    """The tensors of a chain load MLX reads directly, as one safetensors blob
+    for mx.load: each at a 64-byte aligned place.  When MLX hands over the
+    blob's memory, the load's reads start (block by block, see
+    read_stream) into it and into the other buffers (the token ids, the
+    float64 tensors read through NumPy)."""
+
+    def __init__(self, layout, direct, others, verify):
+        """Args:
+            direct: the slots of the tensors in the blob.
+            others: {slot: byte view} of the other non-empty tensors
+                (slot -1 the tokens).
+        """
+        self.layout, self.direct, self.others, self.verify = layout, direct, others, verify
+        self.places, at = [], 0
+        for s in direct:
+            at = align(at, BLOCK_ALIGN)
+            self.places.append(at)
+            at += layout.tensors[s].nbytes
+        self.head = safetensors_head(at)
+        self.size = len(self.head) + at
+        self.defer = True
+        self.pos = 0
+        self.partial = False
+        self.address = None
+        self.error = None
+        self.late = None
+        self.batch = None
+
+    def _queue_all(self, mv):
+        buffers = [mv[at:at + self.layout.tensors[s].nbytes] for s, at in zip(self.direct, self.places)]
+        slots = [None] * (len(self.layout.tensors) + 1)
+        for i, s in enumerate(self.direct):
+            slots[s] = i
+        for s, view in self.others.items():
+            slots[s] = len(buffers)
+            buffers.append(view)
+        self.batch = Batch(buffers, self.verify)
+        self.address = _native.buffer_address(mv)
+        self.late = queue_pieces(self.layout, self.batch, slots)     # raised by wait(), after the reads
+        return mv.nbytes
+
+    def _read_now(self, mv, rel):
+        # MLX asked for the blob in parts: the caller reads through NumPy instead.
+        self.partial = True
+        return min(mv.nbytes, self.size - len(self.head) - rel)
+
+    def wait(self):
+        if self.batch is not None:
+            batch, self.batch = self.batch, None
+            try:
+                batch.wait()
+            except Exception as e:
+                self.error = self.error or e
+        self.error = self.error or self.late
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,234 @@
+"""Every MLX call of the payload: MLX arrays as sources of a write, and loads into MLX memory.
+
+The only module of kvstore.payload that imports MLX, and only inside the
+functions that need it: a process that never touches an MLX array never
+imports MLX.
+
+A load into MLX presents the payload to mx.load as a virtual safetensors
+file (kvstore.payload.whole.VirtualBlob, chains.ChainBlob) whose readinto()
+lands the parallel reads in the arrays mx.load allocates.  That readinto()
+is Python called from inside an MLX task, which is safe only while no other
+thread runs MLX: a process where several do (kvstore serve) calls
+set_mlx_threaded(True), and the memory then comes from mx.zeros, an MLX op
+that never enters Python, before the same reads fill it.
+"""
+
+import copy
+
+import numpy as np
+
+from kvstore import _native
+from kvstore.errors import CorruptCheckpoint
+from kvstore.payload.buffers import bytes_view
+from kvstore.payload.chains import ChainBlob, read_chain_numpy, read_stream, tokens_view
+from kvstore.payload.pool import check_crc
+from kvstore.payload.whole import VirtualBlob, read_tensors_numpy
+
+# Whether other threads may run MLX while a load into MLX runs (set_mlx_threaded).
+_mlx_threaded = False
+
+
+def host_views(arrays):
+    """{name: (a NumPy view of an MLX array's memory, strides and all, the
+    dtype to record for it or None)} of a dict of MLX arrays, evaluated on
+    the calling thread in one mx.eval.  NumPy has no bfloat16: such an array
+    comes back as its uint16 bit patterns (an MLX view, no copy), and
+    "bfloat16" is the dtype to record (Plan's dtypes).  No copy: a view
+    keeps the array's buffer alive, so an in-place update of the array's
+    owner (cache[..., i:j] = x) cannot reuse it."""
+    import mlx.core as mx
+    names = {k: str(a.dtype).rsplit(".", 1)[-1] for k, a in arrays.items()}
+    out = {k: a.view(mx.uint16) if names[k] == "bfloat16" else a for k, a in arrays.items()}
+    mx.eval(list(out.values()))
+    return {k: (np.asarray(a), names[k] if names[k] == "bfloat16" else None) for k, a in out.items()}
+
+
+def mlx_source(a):
+    """An MLX array described for the writer, evaluated (kvstore.payload.plan.tensor_source).
+
+    Returns:
+        (dtype name, shape, nbytes, materialize): materialize() returns the
+        array's bytes, a contiguous copy only when the array is strided.
+    """
+    import mlx.core as mx
+    mx.eval(a)
+    dtype = str(a.dtype).rsplit(".", 1)[-1]
+    shape = tuple(int(d) for d in a.shape)
+    nbytes = int(a.nbytes)
+
+    def materialize(a=a):
+        view = memoryview(a)
+        if not view.c_contiguous:
+            a = mx.contiguous(a)
+            mx.eval(a)
+            view = memoryview(a)
+        return view
+    return dtype, shape, nbytes, materialize
+
+
+def set_mlx_threaded(on):
+    """Says whether more than one thread of this process runs MLX (default: no).
+
+    mx.load, which allocates the arrays of a load into MLX, calls the
+    reader's readinto() from inside an MLX task, so that task waits for the
+    GIL; a thread that waits for MLX while it holds the GIL (mlx-lm reading
+    a token back, for one) then deadlocks with it.  With on=True the memory
+    comes from mx.zeros instead, an op that never enters Python, and the same
+    parallel reads fill it afterwards: a load costs the zero-fill more
+    (bench/README.md), and no MLX task waits for Python.  kvstore serve turns
+    it on: its HTTP threads load while the generation thread decodes.
+
+    Returns:
+        the previous setting.
+    """
+    global _mlx_threaded
+    old, _mlx_threaded = _mlx_threaded, bool(on)
+    return old
+
+
+def _fill_blob(src):
+    """MLX memory for src's blob (a VirtualBlob) with src's reads started
+    into it, evaluated; src.wait() joins the reads."""
+    import mlx.core as mx
+    if _mlx_threaded:
+        # Filled 8 bytes at a time (MLX fills a uint8 array a byte at a
+        # time, about twice as slow), then seen as the bytes asked for.
+        n = src.size - len(src.head)
+        blob = mx.zeros((-(-n // 8),), dtype=mx.uint64).view(mx.uint8)[:n]
+        mx.eval(blob)
+        src.seek(len(src.head))
+        src.readinto(memoryview(blob))
+    else:
+        blob = mx.load(src, format="safetensors")["blob"]
+        mx.eval(blob)
+    return blob
+
+
+def _filled(src, path):
+    """src's blob in MLX memory (_fill_blob); every read joined and checked on return."""
+    try:
+        blob = _fill_blob(src)
+    except Exception as e:
+        try:
+            src.wait()          # never leave reads running into freed memory
+        except Exception:
+            pass
+        if src.error is not None:
+            raise src.error from None
+        raise CorruptCheckpoint("bad_payload", path, f"mx.load failed: {type(e).__name__}") from None
+    src.wait()
+    return blob
+
+
+def load_blob(fd, entry, tensors, lo, hi, verify, defer):
+    """The blob of tensors [lo, hi) in MLX memory; every read joined and checked on return."""
+    src = VirtualBlob(fd, entry, tensors, lo, hi, verify, defer)
+    return _filled(src, entry.path), src
+
+
+def _mx_dtype(mx, name):
+    return mx.bool_ if name == "bool" else getattr(mx, name)
+
+
+def _numpy_to_mlx(arrays, dtypes):
+    """MLX copies of tensors a NumPy load returned (bfloat16 as uint16 bits).
+
+    Args:
+        arrays: {name: numpy array}.
+        dtypes: {name: the stored dtype name} (Checkpoint.dtypes).
+    """
+    import mlx.core as mx
+    out = {}
+    for name, a in arrays.items():
+        dtype = dtypes.get(name)
+        if dtype == "float64":
+            out[name] = mx.array(a, dtype=mx.float64)
+        elif dtype == "bfloat16":
+            out[name] = mx.array(a).view(mx.bfloat16)
+        else:
+            out[name] = mx.array(a)
+    return out
+
+
+def read_tensors_mlx(fd, entry, manifest, verify=True):
+    """Every tensor as an MLX array: views of one blob read straight into MLX's memory.
+
+    The tensors share that one buffer: it is freed when the last of them is.
+    """
+    import mlx.core as mx
+    out = {}
+    # mx.load's safetensors reader has no float64 (MLX keeps float64 on the
+    # CPU only): those tensors are read through NumPy and copied into MLX.
+    wide = copy.copy(manifest)
+    wide.tensors = [t for t in manifest.tensors if t[1] == "float64"]
+    direct = [t for t in manifest.tensors if t[1] != "float64" and t[4]]
+    if direct:
+        lo = min(t[3] for t in direct)
+        hi = max(t[3] + t[4] for t in direct)
+        blob, src = load_blob(fd, entry, direct, lo, hi, verify, defer=True)
+        if src.address is not None and _native.buffer_address(memoryview(blob)) != src.address:
+            # MLX did not read into the blob's own memory: no deferring.
+            blob, src = load_blob(fd, entry, direct, lo, hi, verify, defer=False)
+        for name, dtype, shape, off, n, crc in direct:
+            a = blob[off - lo:off - lo + n]
+            if src.partial and verify:
+                check_crc(_native.crc32c(memoryview(a)), crc, entry.path, f"tensor {name!r}")
+            out[name] = a.view(_mx_dtype(mx, dtype)).reshape(shape)
+    for name, dtype, shape, off, n, crc in manifest.tensors:
+        if not n and dtype != "float64":
+            out[name] = mx.zeros(shape, dtype=_mx_dtype(mx, dtype))
+    for name, a in read_tensors_numpy(fd, entry, wide, verify).items():
+        out[name] = mx.array(a, dtype=mx.float64)
+    if out:
+        mx.eval(list(out.values()))
+    return {t[0]: out[t[0]] for t in manifest.tensors}
+
+
+def read_chain_mlx(layout, verify=True):
+    """A chain load into MLX: the tensors are views of one blob that mx.load
+    (or mx.zeros, see set_mlx_threaded) allocates and every block's slices
+    fill in place.
+
+    Returns:
+        (token ids as a numpy uint32 array, {name: mx.array}).
+    """
+    import mlx.core as mx
+    n = len(layout.tensors)
+    direct = [s for s, t in enumerate(layout.tensors) if t.dtype != "float64" and t.nbytes]
+    tokens, tok_mv = tokens_view(layout)
+    # mx.load's safetensors reader has no float64 (MLX keeps float64 on the
+    # CPU only): those tensors are read through NumPy and copied into MLX.
+    wide = {s: np.empty(t.shape, dtype=np.float64) for s, t in enumerate(layout.tensors)
+            if t.dtype == "float64" and t.nbytes}
+    others = {s: bytes_view(a.reshape(-1).view(np.uint8)) for s, a in wide.items()}
+    others[-1] = tok_mv
+    out = {}
+    if direct:
+        src = ChainBlob(layout, direct, others, verify)
+        blob = _filled(src, layout.target.path)
+        if src.partial or src.address is None or _native.buffer_address(memoryview(blob)) != src.address:
+            # MLX did not hand over the blob's own memory in one call.
+            tokens, arrays = read_chain_numpy(layout, verify)
+            out.update(_numpy_to_mlx({t.name: arrays[t.name] for t in layout.tensors if t.nbytes},
+                                     {t.name: t.dtype for t in layout.tensors}))
+        else:
+            for s, at in zip(direct, src.places):
+                t = layout.tensors[s]
+                out[t.name] = blob[at:at + t.nbytes].view(_mx_dtype(mx, t.dtype)).reshape(t.shape)
+            for s, a in wide.items():
+                out[layout.tensors[s].name] = mx.array(a, dtype=mx.float64)
+    else:
+        slots = [None] * (n + 1)
+        buffers = []
+        for s, view in others.items():
+            slots[s] = len(buffers)
+            buffers.append(view)
+        read_stream(layout, buffers, slots, verify)
+        for s, a in wide.items():
+            out[layout.tensors[s].name] = mx.array(a, dtype=mx.float64)
+    for t in layout.tensors:
+        if not t.nbytes:
+            out[t.name] = mx.zeros(t.shape, dtype=_mx_dtype(mx, t.dtype))
+    if out:
+        mx.eval(list(out.values()))
+    return tokens.astype(np.uint32, copy=False), {t.name: out[t.name] for t in layout.tensors}

@@ -1,0 +1,172 @@
+"""Writing a payload: the Plan of where every block goes, and the one pass that writes it.
+
+Writing is one pass over the arrays: one thread writes the blocks in order
+while the I/O pool computes each block's CRC32C alongside, and the manifest,
+written first with fixed-width placeholder CRCs, is rewritten in place with
+the real values at the end (JSON allows the trailing spaces that keep its
+length).  The same Plan writes a whole file (ABI 16) and a chain block
+(ABI 17, after its 64-byte chain header).
+"""
+
+import json
+
+import numpy as np
+
+from kvstore import _native
+from kvstore.format import PREFIX_SIZE
+from kvstore.payload.buffers import bytes_view, pwrite_from
+from kvstore.payload.manifest import (BLOCK_ALIGN, DATA_ALIGN, DTYPES, MAGIC, PAYLOAD_HEADER, VERSION,
+                                      align)
+from kvstore.payload.mlx_io import mlx_source
+from kvstore.payload.pool import io_pool, slices
+
+_CRC_PLACEHOLDER = 0xFFFFFFFF                 # widest u32 in decimal (10 digits)
+
+
+def is_mlx_array(a):
+    """True for an MLX array (told apart by its module, so MLX need not be imported)."""
+    return type(a).__module__.startswith("mlx")
+
+
+def tensor_source(name, a):
+    """Describes an array for the writer without copying it.
+
+    Returns:
+        (dtype name, shape, nbytes, materialize) where materialize() returns
+        the flat contiguous little-endian byte buffer.  The buffer shares
+        memory with the array when it can; a strided view (a KV buffer sliced
+        to its filled length, say) is copied only when materialize() is
+        called, so the writer holds at most a couple of such copies at once.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tensor name {name!r} must be a non-empty str")
+    if is_mlx_array(a):
+        dtype, shape, nbytes, materialize = mlx_source(a)
+    else:
+        a = np.asarray(a)
+        dtype = a.dtype.name
+        # The shape before any reshaping: np.ascontiguousarray makes a 0-d
+        # array 1-d, and a scalar must come back with shape ().
+        shape = tuple(int(d) for d in a.shape)
+        nbytes = int(a.nbytes)
+
+        def materialize(a=a):
+            # The file is little-endian: a big-endian array is byte-swapped here.
+            return np.ascontiguousarray(a.reshape(-1), dtype=a.dtype.newbyteorder("<")).view(np.uint8)
+    if dtype not in DTYPES:
+        raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return dtype, shape, nbytes, materialize
+
+
+class Plan:
+    """Where every block of one payload goes; built before anything is written.
+
+    Args:
+        text_len: the text bytes stored before the payload.
+        tokens, tensors, meta: what the payload holds.
+        axes: name -> the axis along which a tensor grows with the sequence
+            (recorded in the manifest as "axis"); others are snapshots.
+        head: bytes before the tensor payload within the payload (a chain
+            block's 64-byte header).
+        model: the identity of the model that made the state (recorded as
+            "model"; docs/format.md §17), or None.
+    """
+
+    def __init__(self, text_len, tokens, tensors, meta, axes=None, head=0, cuts=None, dtypes=None, model=None):
+        self.payload_start = PREFIX_SIZE + text_len + head
+        self.head = head
+        self.tokens = np.ascontiguousarray(tokens, dtype="<u4").reshape(-1)
+        self.sources = [(name,) + tensor_source(name, a) for name, a in tensors.items()]
+        # A NumPy array of uint16 holds bfloat16 bits: dtypes names what to record.
+        for i, (name, dtype, shape, nbytes, mat) in enumerate(self.sources):
+            want = (dtypes or {}).get(name, dtype)
+            if want != dtype:
+                if not (want == "bfloat16" and dtype == "uint16"):
+                    raise ValueError(f"tensor {name!r}: cannot record dtype {want!r} for {dtype!r} data")
+                self.sources[i] = (name, want, shape, nbytes, mat)
+        if meta is None:
+            meta = {}
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta must be a dict, not {type(meta).__name__}")
+        self.meta = meta
+        axes = axes or {}
+
+        # Manifest with placeholder CRCs: its length is final from here on.
+        self.manifest = {
+            "version": VERSION,
+            "tokens": {"offset": 0, "count": int(self.tokens.size), "crc32c": _CRC_PLACEHOLDER},
+            "tensors": [],
+            "meta": meta,
+        }
+        if cuts:
+            self.manifest["cuts"] = [[int(t), int(n)] for t, n in sorted(cuts.items())]
+        if model is not None:
+            self.manifest["model"] = str(model)
+        for name, dtype, shape, nbytes, _ in self.sources:
+            row = {"name": name, "dtype": dtype, "shape": list(shape),
+                   "offset": 0, "nbytes": nbytes, "crc32c": _CRC_PLACEHOLDER}
+            if name in axes:
+                if not 0 <= axes[name] < len(shape) or shape[axes[name]] != self.tokens.size:
+                    raise ValueError(f"tensor {name!r}: axis {axes[name]} of shape {shape} does not "
+                                     f"hold the {self.tokens.size} tokens of this payload")
+                row["axis"] = int(axes[name])
+            self.manifest["tensors"].append(row)
+        # Offsets need M and M needs offsets: offsets have at most 20 digits,
+        # so reserve that width, lay out, then serialise for real.
+        for t in [self.manifest["tokens"]] + self.manifest["tensors"]:
+            t["offset"] = 10**19
+        try:
+            self.manifest_len = len(self._encode())
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"meta is not JSON-serialisable: {e}") from None
+        P = self.payload_start
+        self.data_offset = align(P + PAYLOAD_HEADER.size + self.manifest_len, DATA_ALIGN) - P
+        at = self.data_offset
+        self.manifest["tokens"]["offset"] = at
+        at += self.tokens.nbytes
+        for t in self.manifest["tensors"]:
+            at = align(P + at, BLOCK_ALIGN) - P
+            t["offset"] = at
+            at += t["nbytes"]
+        self.payload_bytes = head + at           # the chain header counts as payload
+
+    def _encode(self):
+        return json.dumps(self.manifest, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False).encode("utf-8")
+
+    def manifest_bytes(self):
+        raw = self._encode()
+        assert len(raw) <= self.manifest_len
+        return raw + b" " * (self.manifest_len - len(raw))
+
+    def write(self, fd, path, crc=True):
+        """Writes the payload at its place in fd, CRC'ing every block as it goes.
+
+        A file takes one writer at a time in the kernel, so this thread does
+        all the writing, in order, while the pool computes the CRC32C of each
+        block's slices (GIL released): the CRC costs no wall time.  Blocks
+        that need a contiguous copy are materialised one at a time, just
+        before they are written.
+
+        Args:
+            crc: False writes 0 as every block's CRC (a sealed file's body,
+                whose GCM tags check every byte: kvstore.seal).
+        """
+        P = self.payload_start
+        m = self.manifest
+        blocks = [(m["tokens"], lambda: self.tokens)] + \
+            [(t, src[4]) for t, src in zip(m["tensors"], self.sources)]
+        pool = io_pool()
+        for t, materialize in blocks:
+            mv = bytes_view(materialize())
+            parts = slices(mv.nbytes) if crc else []
+            crcs = [pool.submit(_native.crc32c, mv[a:b]) for a, b in parts]
+            pwrite_from(fd, mv, P + t["offset"], path)
+            value = 0
+            for i, ((a, b), fut) in enumerate(zip(parts, crcs)):
+                c = fut.result()
+                value = c if i == 0 else _native.crc32c_combine(value, c, b - a)
+            t["crc32c"] = value
+        raw = self.manifest_bytes()
+        head = PAYLOAD_HEADER.pack(MAGIC, len(raw), self.data_offset, _native.crc32c(raw), 0)
+        pwrite_from(fd, head + raw, P, path)

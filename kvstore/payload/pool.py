@@ -1,0 +1,134 @@
+"""The I/O pool: a block's reads and writes cut into slices that threads run in parallel.
+
+Each slice is read (or CRC'd) by its own thread with the GIL released, and
+the slices' CRC32Cs are combined into the block's.  The threads may run at
+a lower CPU priority (set_io_priority), and a forked child starts its own.
+"""
+
+import atexit
+import concurrent.futures
+import os
+import sys
+import threading
+
+from kvstore import _native
+from kvstore.errors import CorruptCheckpoint
+from kvstore.payload.buffers import bytes_view, pread_into
+
+# Parallel I/O: a block of at least 2 MiB is split into up to IO_THREADS
+# slices of at least 1 MiB, each read (or written) and CRC'd by its own
+# thread with the GIL released.  Most of the cost of a load is the kernel
+# touching fresh pages of the destination arrays, and that parallelises;
+# a KV block of a 7B-class model is 4 MiB per layer and tensor, so the split
+# happens within a tensor.  The pool is small: the work is memory-bound.
+MIN_SLICE = 1 << 20
+IO_THREADS = max(1, min(4, os.cpu_count() or 1))
+# A chain load hands blocks to the I/O threads at least this many bytes at a time.
+QUEUE_BYTES = MIN_SLICE * IO_THREADS
+
+_pool = None
+_pool_lock = threading.Lock()
+_io_nice = 0
+
+
+def lower_thread_priority(nice):
+    """Gives the calling thread CPU niceness `nice` (0-19; higher yields more).
+
+    Linux only (there a thread is its own schedulable task); elsewhere, or
+    when the kernel refuses, nothing changes.
+
+    Returns:
+        True when the thread's niceness is now `nice`.
+    """
+    if nice <= 0 or not sys.platform.startswith("linux") or not hasattr(os, "setpriority"):
+        return False
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError:
+        return False
+    return True
+
+
+def set_io_priority(nice):
+    """Runs the payload I/O threads at CPU niceness `nice` (0: the process's own).
+
+    kvstore serve loads checkpoints while its generation thread decodes: at a
+    lower priority the loads' copies and CRCs take the CPU time decoding
+    leaves, not the other way round.  Threads already started are replaced.
+    """
+    global _pool, _io_nice
+    if not 0 <= nice <= 19:
+        raise ValueError(f"I/O thread niceness {nice!r} is not in 0..19")
+    with _pool_lock:
+        old, _pool, _io_nice = _pool, None, nice
+    if old is not None:
+        old.shutdown(wait=True)
+
+
+def io_pool():
+    """The I/O threads' executor (IO_THREADS threads), shared with kvstore.seal's chunk jobs."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-io",
+                                                          initializer=lower_thread_priority,
+                                                          initargs=(_io_nice,))
+            atexit.register(_pool.shutdown, wait=True)
+        return _pool
+
+
+def _forget_pool_after_fork():
+    # A forked child inherits the pool object but none of its threads: work
+    # submitted to it would wait forever.  The child starts its own.
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def slices(n):
+    """[(start, end)] of the parallel slices of an n-byte block (page-aligned starts)."""
+    parts = min(IO_THREADS, n // MIN_SLICE)
+    if parts < 2:
+        return [(0, n)]
+    step = -(-n // parts) + 4095 & ~4095
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def submit_slices(fn, fd, mv, offset, path, crc0):
+    """Queues fn(fd, slice, offset, path, crc0) for every slice of mv."""
+    pool = io_pool()
+    return [(b - a, pool.submit(fn, fd, mv[a:b], offset + a, path, crc0)) for a, b in slices(mv.nbytes)]
+
+
+def join_slices(jobs, crc0):
+    """Waits for submit_slices's jobs; returns the CRC of the whole (None without crc0)."""
+    crc = None
+    for n, fut in jobs:
+        c = fut.result()
+        crc = c if crc is None else None if crc0 is None else _native.crc32c_combine(crc, c, n)
+    return crc
+
+
+def _parallel(fn, fd, mv, offset, path, crc0):
+    """Runs fn(fd, slice, offset, path, crc0) over the slices of mv; joins the CRCs."""
+    if len(slices(mv.nbytes)) == 1:
+        return fn(fd, mv, offset, path, crc0)
+    return join_slices(submit_slices(fn, fd, mv, offset, path, crc0), crc0)
+
+
+def read_block(fd, buf, offset, path, verify):
+    """Fills the writable byte buffer buf from fd at offset, in parallel slices.
+
+    Returns the CRC32C of the bytes (None when verify is false).
+    """
+    return _parallel(pread_into, fd, bytes_view(buf), offset, path, 0 if verify else None)
+
+
+def check_crc(crc, want, path, what):
+    """Raises CorruptCheckpoint("crc") when a computed CRC (None: not computed) is not the manifest's."""
+    if crc is not None and crc != want:
+        raise CorruptCheckpoint("crc", path, f"{what} CRC mismatch")
