@@ -29,11 +29,17 @@ the medians:
    the ABI 16 file and against mlx-lm.
 3. Save (docs/format.md §6) of the same state, durable and not, against mlx-lm's
    ``save_prompt_cache``, ``mx.save_safetensors`` and ``np.save``; the file
-   sizes against mlx-lm's.
+   sizes against mlx-lm's.  The default path too: a save with KVStore's
+   defaults (layout "chain", block_tokens 256, durable=True: every block
+   written to a temporary file, fsync'ed, put in place, the directory
+   fsync'ed) against
+   ``save_prompt_cache`` followed by an fsync of its file and of the
+   directory (the same promise), and against ``save_prompt_cache`` alone.
 
-Every store here that writes passes its layout explicitly: KVStore's default
-is now "chain" (docs/format.md §14), and the lookup, ABI 16 load and save rows
-are about one whole ABI 16 file per checkpoint (layout="whole").
+Every store here that writes passes its layout explicitly, except the one
+that measures the defaults: KVStore's default is "chain" (docs/format.md
+§14), and the lookup, ABI 16 load and other save rows are about one whole
+ABI 16 file per checkpoint (layout="whole").
 
 The JSON (--json) also holds the lookup curve and the GB/s of every load and
 save method, which ``python -m bench`` plots (bench/plots.py).
@@ -112,6 +118,10 @@ CHAIN_BLOCKS = CONTEXT_TOKENS // CHAIN_BLOCK_TOKENS
 LOAD_CHAIN_MIN_SPEED = 0.95      # chain load speed vs the ABI 16 file's: time ratio ≤ 1 / 0.95
 LOAD_CHAIN_MAX_TIME_RATIO = 1.0  # chain first load vs mlx-lm load_prompt_cache
 SAVE_MAX_TIME_RATIO = 1.0        # kvstore save (durable=False) vs mlx-lm save_prompt_cache
+# A save with KVStore's defaults (a durable chain) against save_prompt_cache
+# made durable the same way (an fsync of the file and of its directory): no
+# slower than the peer for the same promise.
+SAVE_DURABLE_MAX_TIME_RATIO = 1.0
 # Sealed checkpoints (docs/format.md §16): a sealed load and save at least
 # 0.7x as fast as the plain ones, a sealed lookup within 10 % of a plain one.
 SEALED_MIN_SPEED = 0.7
@@ -626,6 +636,37 @@ def np_save_all(path, tensors):
             np.save(f, np.asarray(a))
 
 
+def fsync_path(path, flags=os.O_RDONLY):
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_prompt_cache_durable(path, caches):
+    """Peer: mlx_lm's save_prompt_cache, then an fsync of the file and of its
+    directory: what a durable=True save promises (file and name survive a
+    power cut once the call returns)."""
+    from mlx_lm.models.cache import save_prompt_cache
+    save_prompt_cache(path, caches)
+    fsync_path(path)
+    fsync_path(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+
+
+def remove_saved(path):
+    """Removes what one timed save wrote (a file, or a store directory's
+    checkpoint files); returns (files, bytes) removed."""
+    paths = [path]
+    if os.path.isdir(path):
+        paths = [os.path.join(path, n) for n in os.listdir(path) if kvstore.format.is_checkpoint_name(n)]
+    nbytes = 0
+    for p in paths:
+        nbytes += os.path.getsize(p)
+        os.unlink(p)
+    return len(paths), nbytes
+
+
 @dataclasses.dataclass
 class ChildRun:
     variant: str
@@ -915,7 +956,8 @@ def bench_load(report, tmp, rng, tensors, quick):
         (warm, "mx.load(safetensors)", times("mx_load", "warm_s")),
         (warm, "np.load(.npy)", times("np_load", "warm_s")),
         ("raw sequential read of the .kv", "os.preadv, 16 MiB buffer", raw["raw"]))]
-    for path in (kv_path, st_path, npy_path, text_path, sealed.path, *chain_paths, *sealed_chain_paths):
+    for path in (kv_path, st_path, npy_path, text_path, sealed.path, *chain_paths, *small_paths,
+                 *sealed_chain_paths):
         os.unlink(path)
     return children, {"kv_bytes": kv_size, "chain_bytes": chain_size, "safetensors_bytes": st_size}, throughput
 
@@ -938,7 +980,16 @@ def bench_save(report, tmp, rng, tensors, quick):
                                       durable=True, layout="whole"),
         "kv_sealed": kvstore.KVStore(os.path.join(tmp, "save-sealed"), budget_mb=UNLIMITED_BUDGET_MB,
                                      durable=False, layout="whole", key=os.urandom(32)),
+        # KVStore's defaults: layout "chain", block_tokens 256, durable=True.
+        "kv_chain": kvstore.KVStore(os.path.join(tmp, "save-chain"), budget_mb=UNLIMITED_BUDGET_MB),
     }
+    chain_store = stores["kv_chain"]
+    assert (chain_store.layout, chain_store.block_tokens, chain_store.durable) == ("chain", CHAIN_BLOCK_TOKENS, True)
+    # The cut points of the chain: every tensor grows along axis 2, one row a
+    # token; the text is the same number of bytes per token.
+    positional = {k: 2 for k in tensors}
+    per_token = len(text) // CONTEXT_TOKENS
+    offsets = [per_token * i for i in range(CONTEXT_TOKENS + 1)]
     st_path = os.path.join(tmp, "save-peer.safetensors")
     npy_path = os.path.join(tmp, "save-peer.npy")
     sizes = {}
@@ -950,6 +1001,11 @@ def bench_save(report, tmp, rng, tensors, quick):
         sizes[name] = e.file_size
         return e.path
 
+    def kv_chain_save():
+        last = chain_store.save(text, tokens, tensors, meta=meta, positional=positional, text_offsets=offsets)
+        assert last is not None and last.is_block and last.tokens == CONTEXT_TOKENS, last
+        return chain_store.path            # its blocks are counted and removed untimed
+
     def peer_save(name, path, save):
         save(path)
         sizes[name] = os.path.getsize(path)
@@ -957,6 +1013,8 @@ def bench_save(report, tmp, rng, tensors, quick):
 
     fns = {"kv_fast": lambda: kv_save("kv_fast"),
            "peer": lambda: peer_save("peer", st_path, lambda p: save_prompt_cache(p, caches)),
+           "kv_chain": kv_chain_save,
+           "peer_fsync": lambda: peer_save("peer_fsync", st_path, lambda p: save_prompt_cache_durable(p, caches)),
            "kv_durable": lambda: kv_save("kv_durable"),
            "kv_sealed": lambda: kv_save("kv_sealed"),
            "mx_save": lambda: peer_save("mx_save", st_path, lambda p: mx.save_safetensors(p, tensors)),
@@ -972,7 +1030,10 @@ def bench_save(report, tmp, rng, tensors, quick):
                 t0 = time.perf_counter_ns()
                 path = fns[v]()
                 dt = time.perf_counter_ns() - t0
-                os.unlink(path)               # untimed: the next save writes a new file
+                files, nbytes = remove_saved(path)   # untimed: the next save writes new files
+                if v == "kv_chain":
+                    assert files == CHAIN_BLOCKS, files   # every block written again, none kept
+                    sizes[v] = nbytes
                 if i >= 0:
                     samples[v].append(dt)
     finally:
@@ -991,6 +1052,20 @@ def bench_save(report, tmp, rng, tensors, quick):
                     f"ratios {paired_ratio(samples['kv_sealed'], samples['kv_fast']):.2f}")
     report.add(f"save {KV_BYTES // MiB} MiB, durable=True (fsync file + dir) vs mlx_lm save_prompt_cache "
                "(no fsync)", stats(samples["kv_durable"], KV_BYTES), peer, None, note=f"{n} samples")
+    chain = stats(samples["kv_chain"], KV_BYTES)
+    chain_note = (f"{n} samples; KVStore's defaults: {CHAIN_BLOCKS} blocks of {CHAIN_BLOCK_TOKENS} tokens (payload "
+                  "ABI 17), each published durably (temporary file, fsync, linked into place, directory fsync); "
+                  f"chain files {sizes['kv_chain']:,} B vs safetensors {sizes['peer']:,} B; median of per-round "
+                  "ratios ")
+    report.add(f"save {KV_BYTES // MiB} MiB chain ({CHAIN_BLOCKS} blocks), durable=True (KVStore defaults) vs mlx_lm "
+               "save_prompt_cache + fsync of the file and its directory", chain,
+               stats(samples["peer_fsync"], KV_BYTES), SAVE_DURABLE_MAX_TIME_RATIO,
+               note=chain_note + f"{paired_ratio(samples['kv_chain'], samples['peer_fsync']):.2f}; the peer's "
+                                 "fsyncs make it as durable")
+    report.add(f"save {KV_BYTES // MiB} MiB chain ({CHAIN_BLOCKS} blocks), durable=True (KVStore defaults) vs mlx_lm "
+               "save_prompt_cache (no fsync)", chain, peer, None,
+               note=chain_note + f"{paired_ratio(samples['kv_chain'], samples['peer']):.2f}; the peer's file may "
+                                 "still be lost to a power cut when its call returns")
     report.add(f"save {KV_BYTES // MiB} MiB, durable=False vs mx.save_safetensors of the tensors",
                stats(samples["kv_fast"], KV_BYTES), stats(samples["mx_save"], KV_BYTES), None,
                note=f"{n} samples")
@@ -999,7 +1074,9 @@ def bench_save(report, tmp, rng, tensors, quick):
                note=f"{n} samples")
     throughput = [bar("save", method, KV_BYTES, samples[v]) for method, v in (
         ("kvstore durable=False", "kv_fast"), ("kvstore durable=True (fsync)", "kv_durable"),
-        ("mlx_lm save_prompt_cache", "peer"), ("mx.save_safetensors", "mx_save"), ("np.save", "np_save"))]
+        (f"kvstore chain ({CHAIN_BLOCKS} blocks), durable=True (defaults)", "kv_chain"),
+        ("mlx_lm save_prompt_cache", "peer"), ("mlx_lm save_prompt_cache + fsync", "peer_fsync"),
+        ("mx.save_safetensors", "mx_save"), ("np.save", "np_save"))]
     return sizes, throughput
 
 

@@ -5,7 +5,11 @@
  * n.  kvs_sha1_prefixes() gets all of them in one pass over the prompt by
  * finishing a copy of the running state at each length, so a lookup costs
  * one hash of the prompt plus one or two blocks per length, whatever the
- * number of stored checkpoints.
+ * number of stored checkpoints.  Those finishing blocks are independent of
+ * one another and of the pass, which is one chain of dependent blocks: they
+ * are compressed beside it, two messages at a time on SHA-NI, sixteen at a
+ * time with AVX-512 where the lengths are dense, so that they add little
+ * to the pass itself.
  *
  * The block function is chosen at run time (dispatch.h).  Nothing here
  * allocates; the caller owns every buffer.
@@ -36,9 +40,9 @@ void kvs_sha1(const uint8_t *data, size_t len, uint8_t out[KVS_SHA1_DIGEST]);
 
 /* Digest of data[:lengths[i]] into out + 20*i for every i < n, in one pass.
  * order is scratch space for n indices, and out doubles as scratch for
- * the sort before the digests land in it (the caller's memory, so nothing
- * here allocates).  Returns 0, or the index + 1 of the first length > len (out is
- * then unspecified). */
+ * the sort and for each length's state until its digest lands there (the
+ * caller's memory, so nothing here allocates).  Returns 0, or the index + 1
+ * of the first length > len (out is then unspecified). */
 size_t kvs_sha1_prefixes(const uint8_t *data, size_t len,
                          const uint64_t *lengths, size_t n,
                          size_t *order, uint8_t *out);

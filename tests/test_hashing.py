@@ -412,6 +412,81 @@ def test_empty_hmac_key_is_refused(impl):
         kvstore.sha1(b"abc", b"")
 
 
+# ---- many lengths: digests finished many at a time ------------------------------
+#
+# With more stored lengths than blocks of data, the x86-64 path on a CPU with
+# AVX-512 finishes the digests sixteen at a time beside the pass over the data
+# (csrc/sha1.c, the wide pass); with fewer, and on the other paths, a digest
+# at a time beside it.  Each must give the reference's digests for every
+# remainder mod 64 (one padding block or two) and for the data's last bytes.
+
+def dense_lengths(size, per_block, seed):
+    """Random lengths in 0..size, about per_block per 64-byte block (at least
+    16), in random order, a tenth of them repeated, the ends included."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(0, size) for _ in range(max(16, per_block * (size // 64 + 1)))]
+    lengths += rng.sample(lengths, len(lengths) // 10) + [size, 0]
+    rng.shuffle(lengths)
+    return lengths
+
+
+def hmac_prefixes(key, data, lengths):
+    """(inner hashes, HMAC-SHA1s) of data[:n] for n in lengths, on _reference
+    (a key of <= 64 bytes): the inner hash of data[:n] is the SHA1 of the
+    first 64 + n bytes of (key ^ ipad) || data."""
+    pad = key.ljust(64, b"\0")
+    inner = _reference.sha1_prefixes(bytes(b ^ 0x36 for b in pad) + data, [64 + n for n in lengths])
+    opad = bytes(b ^ 0x5C for b in pad)
+    return inner, [hashlib.sha1(opad + x).digest() for x in inner]
+
+
+def without(n, i):
+    return [k for k in range(n) if k != i]
+
+
+@pytest.mark.parametrize("size,per_block", [(50, 1), (64 * 40, 2), (64 * 40 + 17, 3), (100_003, 2),
+                                            (100_003, 1), (300, 40)])
+def test_prefixes_many_lengths(impl, size, per_block):
+    data = rand_bytes(size, seed=size)
+    lengths = dense_lengths(size, per_block, seed=size + per_block)
+    assert kvstore.sha1_prefixes(data, lengths) == _reference.sha1_prefixes(data, lengths)
+    asc = sorted(set(lengths))
+    names = bytearray(b"".join(_reference.sha1_prefixes(data, asc)))
+    assert _native.sha1_prefix_matches(data, np.array(asc, np.uint64), bytes(names)) == list(range(len(asc)))
+    wrong = len(asc) // 2
+    names[20 * wrong + 19] ^= 1
+    assert _native.sha1_prefix_matches(data, np.array(asc, np.uint64), bytes(names)) == without(len(asc), wrong)
+
+
+@pytest.mark.parametrize("rems", [(0, 55), (55, 56), (56, 63), (63, 1)])
+def test_prefixes_many_lengths_two_remainders(impl, rems):
+    # Two lengths in every block, each a fixed remainder: whole steps of
+    # jobs that need one padding block, or two, or a mix.
+    data = rand_bytes(64 * 300 + 30, seed=sum(rems))
+    lengths = [64 * b + r for b in range(301) for r in rems if 64 * b + r <= len(data)]
+    assert kvstore.sha1_prefixes(data, lengths) == _reference.sha1_prefixes(data, lengths)
+
+
+@pytest.mark.parametrize("per_block", [1, 3])
+def test_keyed_prefixes_many_lengths(impl, per_block):
+    key = bytes(range(7, 47))
+    data = rand_bytes(64 * 300 + 9, seed=5)
+    lengths = dense_lengths(len(data), per_block, seed=6)
+    inner, names = hmac_prefixes(key, data, lengths)
+    assert names[:3] == [hmac.new(key, data[:n], "sha1").digest() for n in lengths[:3]]
+    assert kvstore.sha1_prefixes(data, lengths, key, inner=True) == inner
+    assert kvstore.sha1_prefixes(data, lengths, key) == names
+    asc = sorted(set(lengths))
+    inner, names = hmac_prefixes(key, data, asc)
+    lens, joined = np.array(asc, np.uint64), b"".join(names)
+    assert _native.sha1_prefix_matches(data, lens, joined, key) == list(range(len(asc)))
+    assert _native.sha1_prefix_matches(data, lens, b"".join(inner), key, inner=True) == list(range(len(asc)))
+    T = _native.LOOKUP_TAG
+    tags = bytearray(b"".join(x[:T] for x in inner))
+    tags[T * 5] ^= 1
+    assert _native.sha1_prefix_matches(data, lens, joined, key, bytes(tags)) == without(len(asc), 5)
+
+
 # ---- crc32c ---------------------------------------------------------------
 
 CRC_VECTORS = [  # RFC 3720 B.4 and the common check value

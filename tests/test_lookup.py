@@ -82,6 +82,24 @@ def test_longest_prefix_among_many_lengths(store):
         assert e.sha == hashlib.sha1(base[:want]).hexdigest()
 
 
+@pytest.mark.store_args(layout="whole")
+def test_longest_prefix_among_dense_lengths(store):
+    # More stored lengths than 64-byte blocks of the prompt, some a block or
+    # two apart and some inside one block: the flat lookup finishes their
+    # digests many at a time where the CPU allows (csrc/sha1.c).
+    base = hashlib.shake_256(b"dense lookup").digest(1500)
+    lengths = sorted({*range(3, len(base), 11), *range(56, len(base), 64), *range(63, len(base), 64)})
+    for n in lengths:
+        put(store, base[:n])
+    for cut in (3, 4, 56, 63, 64, 700, 1447, 1499, 1500):
+        e = store.find(base[:cut] + b"\x00tail")
+        want = max(n for n in lengths if n <= cut)
+        assert e is not None and e.text_bytes == want, cut
+        assert e.sha == hashlib.sha1(base[:want]).hexdigest()
+    assert store.find(bytes([base[0] ^ 1]) + base[1:]) is None      # differs from every text at once
+    assert store.find(base[:2]) is None
+
+
 def test_non_prefix_misses(store):
     put(store, b"The quick brown fox")
     assert store.find(b"The quick brown cat jumps") is None
