@@ -890,8 +890,8 @@ def bench_load(report, tmp, rng, tensors, quick):
                "MLX vs the same chain plain", stats(times("kv_chain_sealed", "first_s"), KV_BYTES), first_chain,
                1 / SEALED_MIN_SPEED,
                note=f"{len(runs['kv_chain_sealed'])}/{len(runs['kv_chain'])} samples; KVStore's default layout; "
-                    "each chunk read into a scratch chunk, decrypted there and its rows copied into MLX's "
-                    "blob once its tag checks, each I/O thread a run of whole chunks; target: "
+                    "each chunk's ciphertext read straight into its rows in MLX's blob and decrypted there in "
+                    "one GCM pass (zeroed if its tag fails), each I/O thread a run of whole chunks; target: "
                     f"≥ {SEALED_MIN_SPEED}× the plain load's speed; median of "
                     "per-round ratios "
                     f"{paired_ratio(times('kv_chain_sealed', 'first_s'), times('kv_chain', 'first_s')):.2f}")

@@ -15,16 +15,21 @@ write (same_block), and opens a chain for a load (open_chain).  The store
 decides which blocks to write, holds the directory lock, and evicts.
 """
 
+import collections
 import dataclasses
 import os
+import struct
+import threading
+import time
 
 import numpy as np
 
-from kvstore import _native, payload
-from kvstore.errors import CorruptCheckpoint
-from kvstore.format import (CHAIN_END, CHAIN_RESTORABLE, NO_PARENT, PREFIX_SIZE, TOKEN_DIGEST,
-                            entry_from_fd, open_checkpoint)
-from kvstore.index import chain_link_ok
+from kvstore import _native, files, payload
+from kvstore.errors import CheckpointMissing, CorruptCheckpoint, KVStoreError
+from kvstore.files import RDWR_FLAGS
+from kvstore.format import (CHAIN_END, CHAIN_HEAD_SIZE, CHAIN_RESTORABLE, HEAD_READ, HEADER_SIZE, NO_PARENT,
+                            PREFIX_SIZE, TOKEN_DIGEST, entry_from_fd, open_checkpoint)
+from kvstore.forest import chain_link_ok
 from kvstore.names import names_of
 from kvstore.sources import as_source
 
@@ -158,6 +163,74 @@ def same_block(entry, block, parent_ok=True):
             and entry.parent_token_digest == block.parent_token_digest)
 
 
+# A block's envelope parsed once: the parse (entry_from_fd) is a function of
+# the bytes it reads, the file's size and its path, so a block read again
+# with the same bytes is not parsed again.  The hit count and last-used time
+# (header bytes 12..16 and 32..40, which kvs_touch_fd changes in place on
+# every load) are left out of the key and taken from the bytes read now.
+# The parse costs about 10 us a block; the keys hold the bytes read (at most
+# HEAD_READ each: 4 MiB for _ENVELOPES_MAX of them, 64 chains of 16 blocks).
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_ENVELOPES = collections.OrderedDict()
+_ENVELOPES_MAX = 1024
+_envelopes_lock = threading.Lock()
+
+
+def block_entry(fd, st, path):
+    """(Entry of an open checkpoint, the first bytes of the file):
+    entry_from_fd, parsed again only when the envelope's bytes change.
+
+    The bytes returned hold the envelope, and for a plain block with a
+    short text segment its text and payload header too (HEAD_READ).
+
+    Raises:
+        CorruptCheckpoint: as entry_from_fd.
+    """
+    head = os.pread(fd, HEAD_READ, 0)
+    if len(head) < PREFIX_SIZE or PREFIX_SIZE + _U32.unpack_from(head, HEADER_SIZE)[0] + CHAIN_HEAD_SIZE > len(head):
+        # Short (entry_from_fd says why), or a chain header past the bytes
+        # read (entry_from_fd reads it): parsed as it is.
+        return entry_from_fd(fd, st, path), head
+    key = (path, st.st_dev, st.st_ino, st.st_size, head[:12], head[16:32], head[40:])
+    with _envelopes_lock:
+        e = _ENVELOPES.get(key)
+        if e is not None:
+            _ENVELOPES.move_to_end(key)
+    if e is None:
+        e = entry_from_fd(fd, st, path)
+        with _envelopes_lock:
+            _ENVELOPES[key] = e
+            while len(_ENVELOPES) > _ENVELOPES_MAX:
+                _ENVELOPES.popitem(last=False)
+    # A frozen Entry with the fields that change in place taken from now
+    # (dataclasses.replace costs several times the copy).
+    out = object.__new__(type(e))
+    out.__dict__.update(e.__dict__, hits=_U32.unpack_from(head, 12)[0],
+                        last_used=_U64.unpack_from(head, 32)[0], mtime_ns=st.st_mtime_ns)
+    return out, head
+
+
+def open_block(path):
+    """(fd, stat, writable) of a checkpoint: opened read-write when the file
+    allows it, so that the load's hit is recorded through the same
+    descriptor (the file just read, never a newer one renamed over its
+    name), else read-only.
+
+    Raises:
+        as open_checkpoint (of a read-only open).
+    """
+    try:
+        fd, st = open_checkpoint(path, RDWR_FLAGS)
+        return fd, st, True
+    except CheckpointMissing:
+        raise
+    except KVStoreError:
+        pass                # read-only (a file or mount we may not write): the read-only open says why else
+    fd, st = open_checkpoint(path)
+    return fd, st, False
+
+
 class OpenChain:
     """The files of a chain, open, their envelopes re-read and their links checked.
 
@@ -180,13 +253,16 @@ class OpenChain:
     def __init__(self, chain, opener=None, name_key=None):
         self.blocks = []
         self._held = []
+        self._files = []        # (the file's own descriptor, opened read-write), per block
+        self._heads = []        # a plain block's first bytes (block_entry), b"" for a sealed one
         self._name_key = name_key
         try:
             prev = None
             for e in chain:
-                fd, st = open_checkpoint(e.path)
+                fd, st, writable = open_block(e.path)
                 self.blocks.append((fd, st, None))
-                cur = entry_from_fd(fd, st, e.path)
+                self._files.append((fd, writable))
+                cur, head = block_entry(fd, st, e.path)
                 if opener is not None:
                     # The sealed file stays open (its inode is not reused
                     # before its hit is recorded); reads go through the source.
@@ -194,6 +270,8 @@ class OpenChain:
                     self.blocks.pop()
                     fd, cur = opener(fd, st, cur)
                     self.blocks.append((fd, st, cur))
+                    head = b""
+                self._heads.append(head)
                 if not cur.is_block or (prev is None and cur.parent) or \
                         (prev is not None and not chain_link_ok(cur, prev)):
                     raise CorruptCheckpoint("broken_chain", e.path, "block does not continue its parent")
@@ -210,8 +288,9 @@ class OpenChain:
     def text(self):
         """The whole text: every block's segment, checked against its name."""
         parts = []
-        for fd, _, e in self.blocks:
-            seg = payload.pread(fd, e.segment_bytes, PREFIX_SIZE)
+        for (fd, _, e), head in zip(self.blocks, self._heads):
+            end = PREFIX_SIZE + e.segment_bytes
+            seg = head[PREFIX_SIZE:end] if end <= len(head) else payload.pread(fd, e.segment_bytes, PREFIX_SIZE)
             if len(seg) != e.segment_bytes:
                 raise CorruptCheckpoint("truncated", e.path, "text cut short")
             parts.append(seg)
@@ -224,7 +303,31 @@ class OpenChain:
 
     def layout(self):
         """The read plan of every token and tensor (kvstore.payload.ChainLayout)."""
-        return payload.ChainLayout([(fd, e) for fd, _, e in self.blocks])
+        return payload.ChainLayout([(fd, e) for fd, _, e in self.blocks], self._heads)
+
+    def record_hits(self):
+        """Adds one hit and sets the last-used time in place on every block
+        whose name still holds the file read (kvstore.files.record_hit,
+        through the descriptors held open).
+
+        Returns:
+            the new hit counts, first block first (a block whose name is
+            gone or holds another file, or whose hit could not be recorded,
+            keeps its count: the load stands, uncounted).
+        """
+        now = int(time.time())
+        hits = []
+        for (fd, writable), (_, st, e) in zip(self._files, self.blocks):
+            if not writable:
+                hits.append(files.record_hit(e.path, st, e.hits))
+                continue
+            try:
+                named = os.lstat(e.path)
+                same = (named.st_dev, named.st_ino) == (st.st_dev, st.st_ino)
+                hits.append(_native.touch_fd(fd, now, e.path) if same else e.hits)
+            except (OSError, KVStoreError):
+                hits.append(e.hits)
+        return hits
 
     def close(self):
         for fd, _, _ in self.blocks:
@@ -233,6 +336,8 @@ class OpenChain:
             os.close(fd)
         self.blocks = []
         self._held = []
+        self._files = []
+        self._heads = []
 
     def __enter__(self):
         return self
@@ -242,4 +347,4 @@ class OpenChain:
 
 
 __all__ = ["DEFAULT_BLOCK_TOKENS", "BlockPlan", "cut_points", "plan_blocks", "slice_along", "block_tensors",
-           "same_block", "OpenChain"]
+           "same_block", "block_entry", "open_block", "OpenChain"]

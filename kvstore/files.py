@@ -27,7 +27,7 @@ import time
 
 from kvstore import _native, names, payload, temps
 from kvstore.identity import ModelIdentity
-from kvstore.index import chain_link_ok
+from kvstore.forest import chain_link_ok
 from kvstore.sources import as_source
 from kvstore.errors import CheckpointMissing, CheckpointOSError, CorruptCheckpoint, KVStoreError, UnsafePath
 from kvstore.format import PREFIX_SIZE, entry_from_fd, is_checkpoint_name, open_checkpoint, read_entry
@@ -527,7 +527,7 @@ class BrokenChain(Exception):
 
 def ancestors(entry, directory, limit=1 << 20, linked=True):
     """The blocks entry's chain continues from, read from directory, nearest
-    first, each checked to link to its child (index.chain_link_ok; with
+    first, each checked to link to its child (forest.chain_link_ok; with
     linked=False not: a sealed file's envelope hides the token digests the
     check compares): the one walk up a chain on disk.
 

@@ -291,7 +291,7 @@ class Reader:
             trailer_values = read_trailer(fd, target, target.path)
             # Every block read counts a hit: a block's score then holds
             # the loads that passed through it (docs/format.md §14).
-            hits = [files.record_hit(b.path, bst, b.hits) for _, bst, b in opened.blocks]
+            hits = opened.record_hits()
             nbytes = sum(b.file_size for b in opened.entries)
         return (dataclasses.replace(judged[-1], hits=hits[-1]), text, layout, tokens, tensors, trailer_values,
                 nbytes)

@@ -85,6 +85,8 @@ class ChainLayout:
     Args:
         blocks: [(fd, Entry)], root first; the caller has checked that each
             block starts where its parent ends.
+        heads: the first bytes of each block's file, read already (b"" for
+            none; kvstore.chain.block_entry), or None.
 
     Raises:
         CorruptCheckpoint: from read_manifest, or "chain_mismatch" naming the
@@ -93,12 +95,13 @@ class ChainLayout:
             above it survives.
     """
 
-    def __init__(self, blocks):
+    def __init__(self, blocks, heads=None):
         self.blocks = list(blocks)
+        self.heads = list(heads) if heads is not None else [b""] * len(self.blocks)
         fd_t, target = self.blocks[-1]
         self.target = target
-        m_t = read_manifest(fd_t, target)
-        m_0 = m_t if len(self.blocks) == 1 else read_manifest(*self.blocks[0])
+        m_t = read_manifest(fd_t, target, first=self.heads[-1])
+        m_0 = m_t if len(self.blocks) == 1 else read_manifest(*self.blocks[0], first=self.heads[0])
         self._known = {0: m_0, len(self.blocks) - 1: m_t}
         self._reference = _growing(m_0)
         if _growing(m_t) != self._reference:
@@ -120,7 +123,7 @@ class ChainLayout:
         m = self._known.get(i)
         if m is None:
             fd, e = self.blocks[i]
-            m = read_manifest(fd, e, cached=True)
+            m = read_manifest(fd, e, cached=True, first=self.heads[i])
         if i and _growing(m) != self._reference:
             raise CorruptCheckpoint("chain_mismatch", self.blocks[i][1].path,
                                     "block grows other tensors (names, dtypes, shapes or axes) than its chain, "
@@ -143,22 +146,23 @@ class ChainLayout:
                 a = self.axes[t.name]
                 growing.append((slot, t.name, math.prod(t.shape[a + 1:]) * DTYPES[t.dtype][0],
                                 math.prod(t.shape[:a])))
+        growing = [g for g in growing if g[2] and g[3]]
         for i, (fd, e) in enumerate(self.blocks):
             m = self._manifest(i)
             rows = m.rows
-            at, start, stored, name = e.tensors_offset, e.token_start, e.stored_tokens, e.name
+            path, at, start, stored = e.path, e.tensors_offset, e.token_start, e.stored_tokens
+            name = os.path.basename(path)
             off, n, crc = m.tokens
-            out = [(-1, Piece(fd, e.path, at + off, n, 1, n, 4 * start, crc, "tokens"))]
+            out = [(-1, Piece(fd, path, at + off, n, 1, n, 4 * start, crc, "tokens"))]
             if stored:
                 for slot, t_name, inner, outer in growing:
-                    if inner and outer:
-                        row = rows[t_name]
-                        out.append((slot, Piece(fd, e.path, at + row[3], stored * inner, outer, self.tokens * inner,
-                                                start * inner, row[5], (t_name, name))))
+                    row = rows[t_name]
+                    out.append((slot, Piece(fd, path, at + row[3], stored * inner, outer, self.tokens * inner,
+                                            start * inner, row[5], (t_name, name))))
             if i == last:
                 for slot, (t_name, dtype, shape, off, n, crc) in enumerate(m.tensors):
                     if t_name not in self.axes and n:
-                        out.append((slot, Piece(fd, e.path, at + off, n, 1, n, 0, crc, (t_name, name))))
+                        out.append((slot, Piece(fd, path, at + off, n, 1, n, 0, crc, (t_name, name))))
             yield out
 
 
@@ -187,7 +191,7 @@ class Batch:
         and last add that fits one job runs at once, on the calling thread."""
         first = len(self.pieces)
         self.pieces.extend(p for _, p in pieces)
-        total = sum(p.nbytes for _, p in pieces)
+        total = sum(p.run * p.count for _, p in pieces)
         jobs = max(1, min(IO_THREADS, total // MIN_SLICE))
         share = max(1, -(-total // jobs))
         src = pieces[0][1].fd if pieces else 0
@@ -203,17 +207,12 @@ class Batch:
                 share = work[len(work) * j // jobs:len(work) * (j + 1) // jobs]
                 self.jobs.append((pool.submit(src.read_chunks, self.buffers, share), []))
             return
-        groups, size = [[]], 0
-        for i, (b, p) in enumerate(pieces, first):
-            step = max(1, p.count if p.nbytes <= share else share // p.run)
-            for run0 in range(0, p.count, step):
-                if size >= share and len(groups) < jobs:
-                    groups.append([])
-                    size = 0
-                k = min(step, p.count - run0)
-                groups[-1].append((i, k * p.run, (b, p.fd, p.file_offset + run0 * p.run, p.run, k, p.stride,
-                                                  p.dst + run0 * p.stride)))
-                size += k * p.run
+        if jobs == 1:
+            # One job (a small load): every piece whole, as it came.
+            groups = [[(i, p.run * p.count, (b, p.fd, p.file_offset, p.run, p.count, p.stride, p.dst))
+                       for i, (b, p) in enumerate(pieces, first)]]
+        else:
+            groups = _deal(pieces, first, jobs, share)
         groups = [g for g in groups if g]
         read = as_source(src).read_pieces
         if last and not self.jobs and len(groups) == 1:
@@ -256,6 +255,23 @@ class Batch:
                     check_crc(crc or 0, p.crc, p.path, p.what)
 
 
+def _deal(pieces, first, jobs, share):
+    """Batch.add's jobs: [(piece index, bytes, the native read's part)] per
+    job, pieces cut by runs into parts of at most share bytes, in file order."""
+    groups, size = [[]], 0
+    for i, (b, p) in enumerate(pieces, first):
+        step = max(1, p.count if p.nbytes <= share else share // p.run)
+        for run0 in range(0, p.count, step):
+            if size >= share and len(groups) < jobs:
+                groups.append([])
+                size = 0
+            k = min(step, p.count - run0)
+            groups[-1].append((i, k * p.run, (b, p.fd, p.file_offset + run0 * p.run, p.run, k, p.stride,
+                                              p.dst + run0 * p.stride)))
+            size += k * p.run
+    return groups
+
+
 class _Done:
     """A job run at once, in the caller's thread (a load too small to share out)."""
 
@@ -288,15 +304,22 @@ def queue_pieces(layout, batch, slots):
     """Adds layout.pieces() to batch as the blocks come, at least QUEUE_BYTES
     at a time (small blocks are gathered: a pool job costs about as much as
     reading a small block).  Returns the exception of a bad manifest (which
-    stops the queueing after the blocks before it are queued), or None."""
+    stops the queueing after the blocks before it are queued), or None.
+
+    A sealed chain (kvstore.seal.SealedSource blocks) is planned whole
+    before any of it is read: its plan is Python, and an I/O thread that
+    needs the GIL between two chunks would wait for the planning thread to
+    let it go (up to the interpreter's switch interval, 5 ms) while it plans.
+    """
     pending, size, late = [], 0, None
+    step = QUEUE_BYTES if not layout.blocks or type(layout.blocks[0][0]) is int else float("inf")
     try:
         for pieces in layout.pieces():
             for s, p in pieces:
                 if slots[s] is not None:
                     pending.append((slots[s], p))
                     size += p.nbytes
-            if size >= QUEUE_BYTES:
+            if size >= step:
                 batch.add(pending)
                 pending, size = [], 0
     except Exception as e:

@@ -242,36 +242,45 @@ _MANIFESTS_MAX = 4096
 _manifests_lock = threading.Lock()
 
 
-def read_manifest(fd, entry, cached=False):
+def _pread(src, n, offset, first):
+    """n bytes of src at offset: sliced from first (the file's first bytes) when it holds them."""
+    if offset + n <= len(first):
+        return first[offset:offset + n]
+    return pread(src, n, offset)
+
+
+def read_manifest(fd, entry, cached=False, first=b""):
     """Reads and validates the payload header and manifest of an open checkpoint.
 
     cached: a manifest with the same bytes, checked against the same file
     geometry before, is not parsed again (its CRC is checked as always).
     For a chain's middle blocks, whose tensors and tokens only are read:
     the Manifest returned may be shared, and must not be changed.
+    first: the file's first bytes, read already (a plain file's, never a
+    sealed one's): what they hold is not read again.
     """
-    path, P = entry.path, entry.tensors_offset
-    if entry.tensors_bytes < PAYLOAD_HEADER.size:
+    path, P, size = entry.path, entry.tensors_offset, entry.tensors_bytes
+    if size < PAYLOAD_HEADER.size:
         raise CorruptCheckpoint("bad_payload", path, "payload shorter than its header")
-    head = pread(fd, PAYLOAD_HEADER.size, P)
+    head = _pread(fd, PAYLOAD_HEADER.size, P, first)
     if len(head) < PAYLOAD_HEADER.size:
         raise CorruptCheckpoint("truncated", path, "payload header cut short")
     magic, mlen, data_offset, mcrc, _ = PAYLOAD_HEADER.unpack(head)
     if magic != MAGIC:
         raise CorruptCheckpoint("bad_payload_magic", path, "payload is not KVTP")
-    if mlen > MAX_MANIFEST_BYTES or PAYLOAD_HEADER.size + mlen > entry.tensors_bytes:
+    if mlen > MAX_MANIFEST_BYTES or PAYLOAD_HEADER.size + mlen > size:
         raise CorruptCheckpoint("bad_payload", path, f"manifest length {mlen} exceeds the payload")
-    if data_offset < PAYLOAD_HEADER.size + mlen or data_offset > entry.tensors_bytes \
+    if data_offset < PAYLOAD_HEADER.size + mlen or data_offset > size \
             or (P + data_offset) % DATA_ALIGN:
         raise CorruptCheckpoint("bad_payload", path, f"data offset {data_offset} is invalid")
-    raw = pread(fd, mlen, P + PAYLOAD_HEADER.size)
+    raw = _pread(fd, mlen, P + PAYLOAD_HEADER.size, first)
     if len(raw) != mlen:
         raise CorruptCheckpoint("truncated", path, "manifest cut short")
     if _native.crc32c(raw) != mcrc:
         raise CorruptCheckpoint("crc", path, "manifest CRC mismatch")
     if not cached:
         return Manifest(raw, entry, data_offset)
-    key = (raw, data_offset, P, entry.tensors_bytes, entry.stored_tokens)
+    key = (raw, data_offset, P, size, entry.stored_tokens)
     with _manifests_lock:
         m = _MANIFESTS.get(key)
         if m is not None:

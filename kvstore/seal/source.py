@@ -15,6 +15,7 @@ from kvstore import _native, payload
 from kvstore.errors import CorruptCheckpoint
 from kvstore.format import CHAIN_HEAD_SIZE, HEADER_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, \
     parse_chain_head
+from kvstore.seal import cipher
 from kvstore.seal.cipher import decrypt_in_place
 from kvstore.seal.layout import BODY_OFFSET, TAG_BYTES, chunk_aad, chunk_nonce, parse_seal_head, read_tags
 
@@ -150,21 +151,36 @@ class SealedSource:
         return part
 
     def decrypt_chunk(self, i, buffers, rows, scratch):
-        """Reads chunk i into scratch, decrypts it there and checks its tag
-        (decrypt), then copies rows out: [(body offset, buffer index,
+        """Reads chunk i straight to where its plain bytes go, decrypts it
+        there and checks its tag.  rows: [(body offset, buffer index,
         destination offset, run, count, stride)], count runs of run bytes,
-        consecutive in the body, landing every stride bytes in buffers[b].
+        consecutive in the body, landing every stride bytes in buffers[b];
+        the bytes no row takes (padding) are read into scratch.
 
-        The chunk is decrypted where it was read, still in cache, and no
-        byte of it reaches a destination before its tag has checked.
+        Each byte is read once, into its place, and decrypted there while
+        still in cache (no copy after the decryption), the chunk's parts in
+        order through one GCM pass.  The places hold the plain bytes before
+        the tag has checked: they are the load's own, and a chunk that does
+        not authenticate wipes every byte it wrote before the load fails.
+        Rows that overlap (no plan makes them) go through scratch instead.
 
         Raises:
-            CorruptCheckpoint: ``auth_failed`` (nothing copied).
+            CorruptCheckpoint: ``auth_failed`` (nothing of the chunk left).
         """
-        lo = self.grid.span(i)[0]
-        plain = self.decrypt(i, scratch)
-        for off, b, dst, run, count, stride in rows:
-            _native.copy_runs(buffers[b], dst, plain, off - lo, run, count, stride)
+        lo, hi = self.grid.span(i)
+        places = _places(self.fd, lo, hi, buffers, sorted(rows), scratch)
+        if places is None:
+            plain = self.decrypt(i, scratch)
+            for off, b, dst, run, count, stride in rows:
+                _native.copy_runs(buffers[b], dst, plain, off - lo, run, count, stride)
+            return
+        views, reads, parts = places
+        for rc, _ in _native.pread_pieces(views, reads, False):
+            if rc:
+                _native.raise_status(rc, self.path, f"chunk {i}")
+        if not decrypt_parts(self.key, chunk_nonce(i), self.tags[TAG_BYTES * i:TAG_BYTES * (i + 1)],
+                             chunk_aad(self.aad, i, self.chunks), parts):
+            raise CorruptCheckpoint("auth_failed", self.path, f"chunk {i} does not authenticate")
 
     def authenticate(self, lo, hi):
         """Reads and authenticates chunks [lo, hi), through one scratch chunk
@@ -198,17 +214,27 @@ class SealedSource:
         decrypt_chunk takes them.  A run of the list is a share of the work
         for one I/O thread (whole chunks: a chunk cut between two threads
         would be read and decrypted by both).
-
-        Also asks the kernel to read the pieces' ciphertext ahead.
         """
-        _read_ahead(pieces)
-        work = {}
+        work, sizes = {}, {}
         for b, src, off, run, count, stride, dst in pieces:
             n = run * count
-            if count and dst + (count - 1) * stride + run > memoryview(buffers[b]).nbytes:
+            size = sizes.get(b)
+            if size is None:
+                size = sizes[b] = memoryview(buffers[b]).nbytes
+            if count and dst + (count - 1) * stride + run > size:
                 raise ValueError("piece does not fit its buffer")
             b0 = src.body_range(off, n)
-            for i in src.grid.covering(b0, b0 + n):
+            grid = src.grid
+            i = grid.of(b0)
+            if n and grid.of(b0 + n - 1) == i:
+                # The common case (a tensor's share of a block within one
+                # chunk): the piece's rows as they are.
+                rows = work.get((src, i))
+                if rows is None:
+                    rows = work[(src, i)] = []
+                rows.append((b0, b, dst, run, count, stride))
+                continue
+            for i in grid.covering(b0, b0 + n):
                 lo, hi = src.grid.span(i)
                 a, z = max(lo, b0), min(hi, b0 + n)
                 rows = work.setdefault((src, i), [])
@@ -219,35 +245,86 @@ class SealedSource:
     @staticmethod
     def read_chunks(buffers, work):
         """Reads, decrypts and authenticates the chunks of work (chunk_work's,
-        or a run of it) through one scratch chunk, each chunk's rows copied
-        to their places once it has authenticated (decrypt_chunk).
+        or a run of it), each where its plain bytes go (decrypt_chunk).
+
+        First asks the kernel to read the work's ciphertext ahead, so that
+        a cold file streams in while the chunks before are decrypted (each
+        I/O thread asks for its own share: the asking costs a walk of the
+        page cache, which the threads then share).
 
         Returns [] (a job of kvstore.payload.chains.Batch: no per-piece results).
         """
+        _read_ahead(work)
         views = [payload.bytes_view(x) for x in buffers]
-        scratch = bytearray(max((src.grid.size for (src, _), _ in work), default=0))
+        scratch = memoryview(bytearray(max((src.grid.size for (src, _), _ in work), default=0)))
         for (src, i), rows in work:
             src.decrypt_chunk(i, views, rows, scratch)
         return []
 
 
-def _read_ahead(pieces):
-    """Asks the kernel to read every piece's ciphertext in the background
-    (POSIX_FADV_WILLNEED, where the platform has it), so that a cold file
-    streams in while the chunks before are decrypted."""
+def _places(fd, lo, hi, buffers, rows, scratch):
+    """Where the bytes of the chunk at body [lo, hi) go, for decrypt_chunk:
+    (the buffers the reads name, pread_pieces' reads, the chunk's parts in
+    body order as writable views), or None when rows (sorted) overlap."""
+    views, index, reads, parts, at = [scratch], {}, [], [], lo
+
+    def gap(a, z):
+        reads.append((0, fd, BODY_OFFSET + a, z - a, 1, z - a, a - lo))
+        parts.append(scratch[a - lo:z - lo])
+    for off, b, dst, run, count, stride in rows:
+        if off < at:
+            return None
+        if off > at:
+            gap(at, off)
+        k = index.get(b)
+        if k is None:
+            k = index[b] = len(views)
+            views.append(buffers[b])
+        reads.append((k, fd, BODY_OFFSET + off, run, count, stride, dst))
+        view = buffers[b]
+        parts.extend(view[dst + r * stride:dst + r * stride + run] for r in range(count))
+        at = off + run * count
+    if at < hi:
+        gap(at, hi)
+    return views, reads, parts
+
+
+def decrypt_parts(key, nonce, tag, aad, parts):
+    """kvstore.seal.cipher.decrypt_in_place over a chunk whose ciphertext
+    lies in parts (writable views, in order): one GCM pass, each part
+    decrypted in place.
+
+    Returns:
+        True when the chunk authenticates; False when it does not, every
+        part then wiped (no plain bytes of a forged chunk are left behind).
+    """
+    dec = cipher.Cipher(cipher.algorithms.AES(key), cipher.modes.GCM(nonce, tag)).decryptor()
+    dec.authenticate_additional_data(aad)
+    for part in parts:
+        dec.update_into(part, part)
+    try:
+        dec.finalize()
+    except cipher.InvalidTag:
+        for part in parts:
+            part[:] = bytes(part.nbytes)
+        return False
+    return True
+
+
+def _read_ahead(work):
+    """Asks the kernel to read the ciphertext of work's chunks (chunk_work's)
+    in the background (POSIX_FADV_WILLNEED, where the platform has it): one
+    request per source, from its first chunk in work to its last."""
     if not hasattr(os, "posix_fadvise"):
         return
     spans = {}
-    for _, src, off, run, count, _, _ in pieces:
-        lo, hi = spans.get(src, (off, off))
-        spans[src] = (min(lo, off), max(hi, off + run * count))
-    for src, (lo, hi) in spans.items():
-        chunks = src.grid.covering(lo - PREFIX_SIZE, hi - PREFIX_SIZE)
-        if not chunks:
-            continue
-        a, z = src.grid.span(chunks[0])[0], src.grid.span(chunks[-1])[1]
+    for src, i in (key for key, _ in work):
+        a, z = spans.get(src, (i, i))
+        spans[src] = (min(a, i), max(z, i))
+    for src, (a, z) in spans.items():
+        lo, hi = src.grid.span(a)[0], src.grid.span(z)[1]
         try:
-            os.posix_fadvise(src.fd, BODY_OFFSET + a, z - a, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(src.fd, BODY_OFFSET + lo, hi - lo, os.POSIX_FADV_WILLNEED)
         except OSError:
             return
 
