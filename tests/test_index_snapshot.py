@@ -225,8 +225,9 @@ def test_a_writer_killed_while_it_writes_the_snapshot_hides_no_file(tmp_path):
         for j in range(150):                        # a snapshot that takes a while to write
             save_chain(s, j)
     for attempt in range(5):
+        # Run from tmp_path: the repository's kvstore/ must not shadow the installed package.
         child = subprocess.Popen([sys.executable, "-c", _WRITER, str(d), os.path.dirname(__file__)],
-                                 stdout=subprocess.PIPE, text=True)
+                                 stdout=subprocess.PIPE, text=True, cwd=tmp_path)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(n.startswith(SNAPSHOT_NAME + ".tmp.") for n in os.listdir(d)):
             pass

@@ -288,18 +288,18 @@ print(kvstore.KVStore.__name__, "mlx_lm" in sys.modules and sys.modules["mlx_lm"
 """
 
 
-def test_importing_kvstore_mlx_or_serve_with_an_unsupported_mlx_lm_raises():
+def test_importing_kvstore_mlx_or_serve_with_an_unsupported_mlx_lm_raises(tmp_path):
     pytest.importorskip("mlx_lm")
     p = subprocess.run([sys.executable, "-c", IMPORTS, "0.99.1"], capture_output=True, text=True, timeout=300,
-                       cwd=PACKAGE.parent)
+                       cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     for name in ("kvstore.mlx", "kvstore.serve"):
         assert out[name] is not None and "installed: mlx-lm 0.99.1" in out[name] and "0.32" in out[name], out
 
 
-def test_import_kvstore_needs_no_mlx_lm():
+def test_import_kvstore_needs_no_mlx_lm(tmp_path):
     p = subprocess.run([sys.executable, "-c", WITHOUT_MLX_LM], capture_output=True, text=True, timeout=300,
-                       cwd=PACKAGE.parent)
+                       cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["KVStore", "False"]
