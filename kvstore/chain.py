@@ -20,7 +20,6 @@ import dataclasses
 import os
 import struct
 import threading
-import time
 
 import numpy as np
 
@@ -203,12 +202,9 @@ def block_entry(fd, st, path):
             _ENVELOPES[key] = e
             while len(_ENVELOPES) > _ENVELOPES_MAX:
                 _ENVELOPES.popitem(last=False)
-    # A frozen Entry with the fields that change in place taken from now
-    # (dataclasses.replace costs several times the copy).
-    out = object.__new__(type(e))
-    out.__dict__.update(e.__dict__, hits=_U32.unpack_from(head, 12)[0],
-                        last_used=_U64.unpack_from(head, 32)[0], mtime_ns=st.st_mtime_ns)
-    return out, head
+    # The fields that change in place, from the bytes just read.
+    return e.but(hits=_U32.unpack_from(head, 12)[0], last_used=_U64.unpack_from(head, 32)[0],
+                 mtime_ns=st.st_mtime_ns), head
 
 
 def open_block(path):
@@ -315,19 +311,8 @@ class OpenChain:
             gone or holds another file, or whose hit could not be recorded,
             keeps its count: the load stands, uncounted).
         """
-        now = int(time.time())
-        hits = []
-        for (fd, writable), (_, st, e) in zip(self._files, self.blocks):
-            if not writable:
-                hits.append(files.record_hit(e.path, st, e.hits))
-                continue
-            try:
-                named = os.lstat(e.path)
-                same = (named.st_dev, named.st_ino) == (st.st_dev, st.st_ino)
-                hits.append(_native.touch_fd(fd, now, e.path) if same else e.hits)
-            except (OSError, KVStoreError):
-                hits.append(e.hits)
-        return hits
+        return [files.record_hit(e.path, st, e.hits, fd if writable else None)
+                for (fd, writable), (_, st, e) in zip(self._files, self.blocks)]
 
     def close(self):
         for fd, _, _ in self.blocks:

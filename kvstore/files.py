@@ -346,26 +346,25 @@ def quarantine(path, directory):
     move_aside(path, qdir)
 
 
-def record_hit(path, st, hits):
+def record_hit(path, st, hits, fd=None):
     """hits + 1 and last_used = now on the file at path if it is still the one
-    stat'ed as st (open by the caller, so its inode is not reused).
+    stat'ed as st (open by the caller, so its inode is not reused), through
+    fd when the caller holds it open for writing.
 
-    Returns:
-        the new hit count, or hits when the name is gone or holds another
-        file (deleted or replaced meanwhile: the load stands, uncounted).
+    Returns the new hit count, or hits when the name is gone or holds another
+    file (deleted or replaced meanwhile: the load stands, uncounted).
     """
+    own = fd is None
     try:
-        fd, now = open_checkpoint(path, RDWR_FLAGS)
-    except KVStoreError:
+        fd, now = open_checkpoint(path, RDWR_FLAGS) if own else (fd, os.lstat(path))
+        try:
+            same = (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+            return _native.touch_fd(fd, int(time.time()), path) if same else hits
+        finally:
+            if own:
+                os.close(fd)
+    except (OSError, KVStoreError):
         return hits
-    try:
-        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            return hits
-        return _native.touch_fd(fd, int(time.time()), path)
-    except KVStoreError:
-        return hits
-    finally:
-        os.close(fd)
 
 
 def overwrite(path):

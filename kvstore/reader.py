@@ -54,8 +54,7 @@ class Match(Entry):
     @classmethod
     def of(cls, entry, query=None, accept=None, remote=None):
         """entry (an Entry or a Match) with this lookup state."""
-        fields = {f.name: getattr(entry, f.name) for f in dataclasses.fields(Entry)}
-        return cls(**fields, query=query, accept=accept, remote=remote)
+        return entry.but(cls, query=query, accept=accept, remote=remote)
 
 
 def lookup_state(entry):

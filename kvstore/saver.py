@@ -44,15 +44,12 @@ class Saver:
             tier's upload queue), or None.
         after_write: called with (Entry, text) after a save wrote a file
             (the store applies its budget), or None.
-        delete: callable(Entry, why) removing a file as an eviction does
-            (under the directory's exclusive lock).
     """
 
-    def __init__(self, d, enqueue=None, after_write=None, delete=None):
+    def __init__(self, d, enqueue=None, after_write=None):
         self.d = d
         self.enqueue = enqueue or (lambda e: None)
         self.after_write = after_write or (lambda e, text: None)
-        self.delete = delete or d.delete
 
     def refuse(self, why, **kv):
         """Counts and logs a refused save; None."""
@@ -252,7 +249,7 @@ class Saver:
             cands = [e for e in cands if not d.index.kids_in_forest(e.sha)]
         for e in names.named_prefixes(cands, text, d.codec.key_of):
             with d.dir_lock(fcntl.LOCK_EX):
-                self.delete(e, "replaced_tail")
+                self.d.delete(e, "replaced_tail")
 
     # -- keeping what is there ----------------------------------------------
 
