@@ -7,7 +7,7 @@ the semantics; the README lists the rooms of this package.
 """
 
 from kvstore._native import crc32c, sha1, sha1_prefixes
-from kvstore.errors import (AmbiguousSession, BadKey, CheckpointMissing, CheckpointOSError,
+from kvstore.errors import (AmbiguousSession, BadKey, CheckpointMissing, CheckpointOSError, PinRefused,
                             CorruptCheckpoint, KVStoreError, SessionNotFound, StoreClosed,
                             UnsafePath)
 from kvstore.format import Entry, ExtFlag, Header, Reason, read_entry, touch
@@ -28,5 +28,5 @@ __all__ = [
     "KVStore", "Options", "Checkpoint", "PromptCache", "policy",
     "Header", "Reason", "ExtFlag", "Entry", "read_entry", "touch",
     "KVStoreError", "CorruptCheckpoint", "CheckpointOSError", "CheckpointMissing",
-    "UnsafePath", "StoreClosed", "SessionNotFound", "AmbiguousSession", "BadKey", "sessions",
+    "UnsafePath", "StoreClosed", "SessionNotFound", "AmbiguousSession", "BadKey", "PinRefused", "sessions",
 ]

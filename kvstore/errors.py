@@ -66,6 +66,20 @@ class AmbiguousSession(KVStoreError, LookupError):
         super().__init__(message)
 
 
+class PinRefused(KVStoreError, ValueError):
+    """A pin the store will not grant (kvstore.pins).
+
+    Attributes:
+        reason: "not_stored" (no checkpoint holds exactly that prefix),
+            "too_short" (the prefix is shorter than a checkpoint may be) or
+            "share" (pinned bytes would pass the budget's pinned share).
+    """
+
+    def __init__(self, reason, message):
+        self.reason = reason
+        super().__init__(message)
+
+
 class RemoteError(KVStoreError, OSError):
     """A remote-tier call failed in a way the caller must hear of (CLI, gc)."""
 

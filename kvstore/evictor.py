@@ -11,14 +11,17 @@ record hits in place.
 
 ``Evictor`` carries a plan out over one open directory: under the
 directory's exclusive lock, torn files first, then the plan's victims.
+It also grants and lifts pins (kvstore.pins): what a live pin keeps is
+never a victim of the budget or of a maximum age.
 """
 
 import dataclasses
 import fcntl
+import math
 import time
 
-from kvstore import names, policy
-from kvstore.errors import KVStoreError
+from kvstore import names, pins, policy
+from kvstore.errors import KVStoreError, PinRefused
 from kvstore.format import Reason, envelope_now
 
 # Orphaned blocks (a chain broken by a crash or another tool) are removed
@@ -40,7 +43,8 @@ def last_activity(e):
 
 
 def plan(entries, orphans, now, budget_bytes, *, max_age_s=None, protect=None, superseded=None,
-         half_life_s=policy.DEFAULT_HALF_LIFE, stale_after_s=policy.DEFAULT_STALE_AFTER_S, current=envelope_now):
+         half_life_s=policy.DEFAULT_HALF_LIFE, stale_after_s=policy.DEFAULT_STALE_AFTER_S, current=envelope_now,
+         pinned=frozenset()):
     """The victims of one eviction pass, the first to delete first.
 
     Args:
@@ -54,6 +58,8 @@ def plan(entries, orphans, now, budget_bytes, *, max_age_s=None, protect=None, s
             the incoming checkpoint supersedes; None: none.
         half_life_s, stale_after_s: as kvstore.policy.eviction_order.
         current: path -> the Entry there now or None (headers change in place).
+        pinned: shas that live pins keep (kvstore.pins.kept): never chosen
+            for age or budget; their bytes count for the budget.
 
     Returns:
         [Victim].
@@ -63,16 +69,18 @@ def plan(entries, orphans, now, budget_bytes, *, max_age_s=None, protect=None, s
         gone = {e.name for e in orphans}
         entries = [e for e in entries if e.name not in gone]
     if max_age_s is not None:
-        expired = _expired(entries, now, max_age_s, protect, current)
+        expired = _expired([e for e in entries if e.sha not in pinned], now, max_age_s, protect, current)
         out += [Victim(e, "max_age") for e in expired]
         gone = {e.name for e in expired}
         entries = [e for e in entries if e.name not in gone]
     if not budget_bytes or sum(e.file_size for e in entries) <= budget_bytes:
         return out
     fresh = [c for c in (current(e.path) for e in entries) if c is not None]
+    free = [e for e in fresh if e.sha not in pinned]
     protected = frozenset([protect.sha]) if protect is not None else frozenset()
-    chosen = policy.select_victims(fresh, budget_bytes, now, superseded(fresh) if superseded else frozenset(),
-                                   protected, half_life_s, stale_after_s=stale_after_s)
+    chosen = policy.select_victims(free, budget_bytes, now, superseded(fresh) if superseded else frozenset(),
+                                   protected, half_life_s, stale_after_s=stale_after_s,
+                                   kept_bytes=sum(e.file_size for e in fresh if e.sha in pinned))
     return out + [Victim(e, "budget") for e in chosen]
 
 
@@ -102,6 +110,11 @@ def _expired(entries, now, max_age_s, protect, current):
         left = [e for e in left if e.name not in gone]
 
 
+def pinned_now(directory, entries, now):
+    """The shas the directory's live pins keep among entries (plan's pinned)."""
+    return pins.kept(pins.read_pins(directory, now).values(), {e.sha: e for e in entries})[0]
+
+
 class Evictor:
     """Eviction, expiry, orphans and superseded waypoints over one open directory.
 
@@ -123,9 +136,11 @@ class Evictor:
                 orphans = list(d.index.orphans)
                 entries = list(d.index.entries.values())
             d.discard_torn()
-            victims = plan(entries, orphans, int(time.time()), d.budget_bytes, max_age_s=d.max_age_s,
+            now = int(time.time())
+            victims = plan(entries, orphans, now, d.budget_bytes, max_age_s=d.max_age_s,
                            protect=protect, superseded=lambda fresh: self.superseded(fresh, protect, incoming_text),
-                           half_life_s=d.options.hit_half_life_s, stale_after_s=d.options.stale_after_s)
+                           half_life_s=d.options.hit_half_life_s, stale_after_s=d.options.stale_after_s,
+                           pinned=pinned_now(d.path, entries, now))
             for v in victims:
                 if d.delete(v.entry, v.why):
                     evicted.append(v.entry)
@@ -175,3 +190,63 @@ class Evictor:
                  and policy.misfit(incoming, e.model_id, e.ctx_size, e.quant_bits, d.reject_different_quant,
                                    d.codec.abis, d.codec.key_id, e.model_tag) is None]
         return frozenset(e.sha for e in names.named_prefixes(cands, text, d.codec.key_of))
+
+    # -- pins -------------------------------------------------------------------
+
+    def pins(self):
+        """The live pins of files present, the latest lifetime first ([kvstore.pins.Pin])."""
+        d = self.d
+        with d.lock:
+            d.index.refresh()
+            present = set(e.sha for e in d.index.entries.values())
+        live = pins.read_pins(d.path, int(time.time()))
+        return sorted((p for p in live.values() if p.sha in present), key=lambda p: (-p.until, p.sha))
+
+    def pin(self, entry, ttl_s, tenant=""):
+        """KVStore.pin (see there) of the file entry names: the Pin granted.
+
+        Raises:
+            ValueError: a bad ttl_s (kvstore.pins.parse_ttl).
+            PinRefused: the file is gone, or the pin would pass the budget's pinned share.
+        """
+        d = self.d
+        ttl = pins.parse_ttl(ttl_s)
+        if d.options.max_pin_ttl_s is not None:
+            ttl = min(ttl, d.options.max_pin_ttl_s)
+        now = int(time.time())
+        with d.dir_lock(fcntl.LOCK_EX):
+            entries = self._listed()
+            if entry.sha not in entries:
+                raise PinRefused("not_stored", f"checkpoint {entry.sha[:12]} is no longer stored")
+            live = {s: p for s, p in pins.read_pins(d.path, now).items() if s in entries}
+            _, before = pins.kept(live.values(), entries)
+            old = live.get(entry.sha)
+            live[entry.sha] = pins.Pin(entry.sha, max(now + math.ceil(ttl), old.until if old else 0),
+                                       tenant or (old.tenant if old else ""), old.created if old else now,
+                                       entry.tokens, pins.kept([entry.sha], entries)[1])
+            _, after = pins.kept(live.values(), entries)
+            limit = int(d.options.max_pinned_share * d.budget_bytes)
+            if d.budget_bytes and after > before and after > limit:
+                raise PinRefused("share", f"pinning {entry.tokens} tokens would keep {after} pinned bytes, "
+                                          f"past the pinned share of the budget ({d.options.max_pinned_share:g} "
+                                          f"of {d.budget_bytes} bytes = {limit})")
+            pins.write_pins(d.path, live, d.durable)
+        return live[entry.sha]
+
+    def unpin(self, shas):
+        """Lifts the pins of these files; the number lifted."""
+        d = self.d
+        shas = set(shas)
+        with d.dir_lock(fcntl.LOCK_EX):
+            live = pins.read_pins(d.path, int(time.time()))
+            gone = shas & set(live)
+            if gone:
+                pins.write_pins(d.path, {s: p for s, p in live.items() if s not in gone}, d.durable)
+        return len(gone)
+
+    def _listed(self):
+        """{sha: Entry} of the directory, listed again (the caller holds its exclusive lock)."""
+        d = self.d
+        with d.lock:
+            d.index.refresh(force=True)
+            return {e.sha: e for e in d.index.entries.values()}

@@ -367,6 +367,31 @@ class Reader:
             return None
         return Match.of(local, query)
 
+    def text_head(self, entry, n):
+        """The first n bytes of entry's stored text (a chain block's: its sequence's, from its first
+        block), fewer when it is shorter, b"" when it cannot be read (gone, corrupt, another key's).
+        Prompt content: for comparing inside the process, never to show."""
+        try:
+            blocks = [entry] + (list(files.ancestors(entry, self.d.path, linked=False)) if entry.is_block else [])
+        except files.BrokenChain:
+            return b""
+        out = b""
+        for e in reversed(blocks):
+            if len(out) >= n:
+                break
+            try:
+                fd, st = open_checkpoint(e.path)
+            except KVStoreError:
+                return b""
+            try:
+                src, plain = self.d.codec.open(fd, st, entry_from_fd(fd, st, e.path))
+                out += payload.pread(src, min(n - len(out), plain.segment_bytes), plain.text_offset)
+            except (KVStoreError, OSError):
+                return b""
+            finally:
+                os.close(fd)
+        return out[:n]
+
     def has_block(self, sha):
         """True when the block named sha is here (for a remote fetch of its chain)."""
         with self.d.lock:

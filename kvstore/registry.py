@@ -9,12 +9,10 @@ once a day per model.  Nothing is matched through it: a lost or damaged
 registry only leaves the models unnamed.
 """
 
-import json
 import logging
-import os
 import time
 
-from kvstore import _native, files
+from kvstore import sidecars
 from kvstore.identity import TAG_MAX, tag_hex
 
 log = logging.getLogger("kvstore")
@@ -29,22 +27,9 @@ MAX_REGISTRY_BYTES = 1 << 20
 
 def read_registry(directory):
     """{tag: {"identity", "label", "seen"}} of a store directory ({} when none or unreadable)."""
-    path = os.path.join(directory, REGISTRY)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return {}
-    try:
-        raw = os.read(fd, MAX_REGISTRY_BYTES + 1)
-    except OSError:
-        return {}
-    finally:
-        os.close(fd)
-    try:
-        rows = json.loads(raw.decode("utf-8")) if len(raw) <= MAX_REGISTRY_BYTES else None
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        rows = None
-    if not isinstance(rows, dict):
+        rows = sidecars.read_json(directory, REGISTRY, MAX_REGISTRY_BYTES) or {}
+    except ValueError:
         log.warning("kvstore: model_registry_unreadable file=%s", REGISTRY)
         return {}
     out = {}
@@ -79,11 +64,8 @@ def record(directory, identity, durable=True, now=None):
         # and manifest; the registry names the latest.
         log.warning("kvstore: model_tag_shared tag=%s", tag_hex(identity.tag))
     rows[identity.tag] = {"identity": identity.fingerprint, "label": label, "seen": now}
-    body = json.dumps({tag_hex(t): r for t, r in sorted(rows.items())}, indent=1, sort_keys=True).encode()
     try:
-        with files.TempFile(os.path.join(directory, REGISTRY)) as tmp:
-            _native.pwrite_from(tmp.fd, body, 0, tmp.path)
-            tmp.publish(durable)
+        sidecars.write_json(directory, REGISTRY, {tag_hex(t): r for t, r in rows.items()}, durable)
     except OSError as e:
         log.warning("kvstore: model_registry_not_written errno=%s", e.errno)
         return False

@@ -21,14 +21,16 @@ moved aside) and the lookup is a miss.
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 
 from kvstore import chain, files, payload, registry
+from kvstore import pins as pins_mod
 from kvstore import identity as identity_mod
 from kvstore.codec import make_codec
 from kvstore.directory import LAYOUTS, LOCK_NAME, Directory
-from kvstore.errors import StoreClosed
+from kvstore.errors import PinRefused, StoreClosed
 from kvstore.files import short_name
 from kvstore.evictor import ORPHAN_SWEEP_INTERVAL_S, Evictor
 from kvstore.format import Reason
@@ -440,6 +442,47 @@ class KVStore:
 
     # -- listing, stats, wipe, close ---------------------------------------
 
+    def pin(self, text, ttl_s, tenant=""):
+        """Keeps the checkpoint stored for exactly text through eviction for ttl_s seconds.
+
+        While the pin lives, eviction (budget, stale, maximum age) never
+        chooses that file nor, for a chain block, a block before it; pinning
+        again extends the lifetime, never shortens it.  Pins are kept in the
+        directory (kvstore.pins), so they outlive this process.
+
+        Args:
+            text: str (UTF-8) or bytes: the whole prefix, as saved.
+            ttl_s: seconds, or "5m" / "1h"; cut to Options.max_pin_ttl_s.
+            tenant: the pinning tenant's tag as hex (kvstore serve), or "".
+
+        Returns:
+            the kvstore.pins.Pin granted.
+
+        Raises:
+            ValueError: ttl_s is not a lifetime.
+            PinRefused: no checkpoint holds exactly text ("not_stored"), or
+                pinned bytes would pass Options.max_pinned_share of the
+                budget ("share"); other pins are never removed to make room.
+        """
+        self._check_open()
+        pins_mod.parse_ttl(ttl_s)
+        data = as_bytes(text)
+        match = self.find(data)
+        if match is None or match.text_bytes != len(data):
+            raise PinRefused("not_stored", f"no checkpoint of this store holds exactly this {len(data)}-byte "
+                                           "prefix: save it first")
+        return self._evictor.pin(match, ttl_s, tenant)
+
+    def unpin(self, entry):
+        """Lifts the pin of a checkpoint (an Entry from find or entries()); True when it had one."""
+        self._check_open()
+        return self._evictor.unpin([entry.sha]) > 0
+
+    def pins(self):
+        """The live pins of this directory's files, the latest lifetime first ([kvstore.pins.Pin])."""
+        self._check_open()
+        return self._evictor.pins()
+
     def entries(self):
         """Every valid envelope in the directory (foreign payload ABIs included)."""
         self._check_open()
@@ -451,8 +494,9 @@ class KVStore:
         """Counters of this process plus the directory's current size.
 
         "models" lists the models whose files the directory holds
-        (kvstore.registry.summarize).  "write_budget" is None without
-        max_write_mb_per_hour, else
+        (kvstore.registry.summarize); "pins" and "pinned_bytes" count the
+        live pins of files present and the bytes they keep (kvstore.pins).
+        "write_budget" is None without max_write_mb_per_hour, else
         {"capacity_bytes", "available_bytes", "rate_bytes_per_s"} (the
         bucket every process on the directory draws from, as this store
         sees it).  The cumulative counters of every process are counters().
@@ -467,6 +511,9 @@ class KVStore:
             entries = list(self._dir.index.entries.values())
         # Every model's share of the directory and its one budget (docs/format.md §17).
         out["models"] = registry.summarize(entries, registry.read_registry(self.path))
+        live = pins_mod.read_pins(self.path, int(time.time()))
+        out["pins"] = sum(1 for e in entries if e.sha in live)
+        out["pinned_bytes"] = pins_mod.kept(live.values(), {e.sha: e for e in entries})[1]
         out["write_budget"] = (None if self.write_budget_bytes is None
                                else self._dir.counters.report(self.write_budget_bytes)["write_budget"])
         # How a durable save reaches the disk here (docs/format.md §11).
@@ -496,6 +543,12 @@ class KVStore:
         self._check_open()
         return self._dir.counters.report(self.write_budget_bytes)
 
+    def starts_with(self, entry, prefix):
+        """True when the stored text of entry (a chain block's whole sequence) starts with prefix bytes; the
+        text is compared here and never returned (kvstore serve's tenant delete compares a tenant's key prefix)."""
+        self._check_open()
+        return self._reader.text_head(entry, len(prefix)) == prefix
+
     def wipe(self, entry=None):
         """Overwrites then unlinks one checkpoint, or every checkpoint.
 
@@ -519,6 +572,7 @@ class KVStore:
             st = files.overwrite(e.path)
             if st is not None and self._dir.unlink_if_same(e.path, st):
                 n += 1
+        self._evictor.unpin(e.sha for e in targets)
         return n
 
     def close(self):

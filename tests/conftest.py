@@ -78,6 +78,33 @@ def store(request, tmp_path):
         yield s
 
 
+# The seed of the random-weight model a module's servers load; a module may
+# set its own MODEL_SEED.
+MODEL_SEED = 3
+
+
+def _module_name(request):
+    return request.module.__name__.rsplit(".", 1)[-1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, request):
+    """A random-weight mlx-lm model directory (config, weights, an offline
+    tokenizer and a chat template: kvstore.demo.model.write_model_dir), one
+    per test module, seeded by the module's MODEL_SEED."""
+    pytest.importorskip("mlx_lm")
+    from kvstore.demo.model import write_model_dir
+    path = tmp_path_factory.mktemp(_module_name(request) + "-model")
+    write_model_dir(path, seed=getattr(request.module, "MODEL_SEED", MODEL_SEED))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, request):
+    """A directory outside the repository for a module's server processes and their logs."""
+    return tmp_path_factory.mktemp(_module_name(request) + "-work")
+
+
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     """The offline demo tokenizer (kvstore.demo.model), trained once per module."""

@@ -32,8 +32,8 @@ LAYERS = [
     ["kvstore.index"],
     # Writing and checking files; chains of blocks.
     ["kvstore.files", "kvstore.chain"],
-    # What is written with them: the model registry.
-    ["kvstore.registry"],
+    # What is written with them: small JSON sidecars, the model registry, the pins.
+    ["kvstore.sidecars", "kvstore.registry", "kvstore.pins"],
     # The store's parts: the open directory and the codec (how a file's
     # bytes are read and written) below the reader, the saver and the
     # evictor; KVStore wires them.

@@ -34,18 +34,6 @@ SYSTEM_PROMPT = system_prompt()      # about 1600 tokens
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("serve-model")
-    write_model_dir(path, seed=3)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("serve-work")
-
-
-@pytest.fixture(scope="module")
 def stock(model_dir, workdir):
     """A stock mlx_lm.server that answered the four-turn conversation."""
     server = stock_server(model_dir, workdir, "stock")

@@ -28,7 +28,6 @@ pytest.importorskip("mlx_lm")
 prometheus = pytest.importorskip("prometheus_client.parser")
 
 from kvstore import KVStore
-from kvstore.demo.model import write_model_dir
 from kvstore.serve import tenants
 from kvhelpers import Server, flip, kvstore_server, system_prompt
 
@@ -74,16 +73,8 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("scale-model")
-    write_model_dir(path, seed=5)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("scale-work")
+# The model directory (tests/conftest.py model_dir) is seeded with this.
+MODEL_SEED = 5
 
 
 def gated_server(model_dir, cache_dir, workdir, name, gate, *extra):

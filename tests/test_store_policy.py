@@ -233,7 +233,7 @@ class Recorder:
     def capture(self, tensors):
         return tensors, {}
 
-    def submit(self, fn, tenant, tokens, key, tensors, dtypes, meta, positional, reason):
+    def submit(self, fn, tenant, tokens, key, tensors, dtypes, meta, positional, reason, pin=None):
         return self._record(reason, tokens)
 
     def at(self, tokens=None, reason=None):
@@ -322,7 +322,8 @@ def kv_cache(n, positional=True):
 def serve_tier(situation):
     """What kvstore serve's tier does in a situation: (its decision as the row states it, the recorder)."""
     pytest.importorskip("mlx_lm")
-    from kvstore.serve.tier import WAYPOINT_TYPE, Ticket, TieredPromptCache
+    from kvstore.serve.ticket import Ticket
+    from kvstore.serve.tier import WAYPOINT_TYPE, TieredPromptCache
     s = situation
     chain = isinstance(s, Finished)
     store = Recorder("chain" if chain else "whole", s.block_tokens if chain else 256, getattr(s, "refuse", ()))

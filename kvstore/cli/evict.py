@@ -27,7 +27,9 @@ def cmd_evict(args):
     before = index.total_bytes()
     now = int(time.time())
     if args.dry_run:
-        victims = [v.entry for v in evictor.plan(list(index.entries.values()), index.orphans, now, budget)]
+        entries = list(index.entries.values())
+        victims = [v.entry for v in evictor.plan(entries, index.orphans, now, budget,
+                                                 pinned=evictor.pinned_now(d, entries, now))]
         total = before - sum(v.file_size for v in victims)
         verb = "would evict"
     else:

@@ -119,6 +119,18 @@ class HookedResponseGenerator(mlx_server.ResponseGenerator):
         """The generation thread's body."""
         return self.stock_generation_loop()
 
+    def render_messages(self, tokenizer, request, args, n):
+        """The tokens of a chat request's first n messages as its prompt
+        renders them (the same template and options), without a generation
+        prompt."""
+        messages = request.messages[:n]
+        if not tokenizer.has_chat_template:
+            return tokenizer.encode(mlx_server.convert_chat(messages, request.role_mapping))
+        template_args = dict(self.model_provider.cli_args.chat_template_args)
+        template_args.update(args.chat_template_kwargs or {})
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=request.tools,
+                                                  tokenize=True, **template_args))
+
     def stock_tokenize(self, tokenizer, request, args):
         """mlx-lm's own tokenize step."""
         return super()._tokenize(tokenizer, request, args)
@@ -142,9 +154,27 @@ class HookedAPIHandler(mlx_server.APIHandler):
     def on_stream_headers(self, status_code):
         """Called before a streamed answer's headers go out (200: the stream starts)."""
 
+    def _set_completion_headers(self, status_code=200):
+        super()._set_completion_headers(self.completion_status(status_code))
+
+    def completion_status(self, status_code):
+        """The status a completion answer goes out with; mlx-lm's own by
+        default (it answers 404 to whatever the generator raised)."""
+        return status_code
+
+    def generate_response(self, *args, **kwargs):
+        return self.with_usage(super().generate_response(*args, **kwargs))
+
+    def completion_usage_response(self, *args, **kwargs):
+        return self.with_usage(super().completion_usage_response(*args, **kwargs))
+
+    def with_usage(self, response):
+        """A response mlx-lm built, before it is sent: a subclass may add to its "usage"."""
+        return response
+
     def send_json_headers(self, status_code):
         """mlx-lm's headers of a JSON answer (status, content type, CORS); the caller ends them."""
-        self._set_completion_headers(status_code)
+        super()._set_completion_headers(status_code)
 
 
 class _ReportingOrder(LRUPromptCache.CacheOrder):
@@ -189,6 +219,17 @@ class ReportingPromptCache(LRUPromptCache):
 
     def entry_dropped(self, model, tokens):
         """The LRU let the entry for tokens under model go (over its size or bytes)."""
+
+    def drop_entries(self, select):
+        """Drops every entry whose model key select(model) accepts, each reported as
+        entry_removed (nothing stored of it); the caller holds its lock.  Returns how many."""
+        gone = [(m, t) for lru in self._lru._lrus.values() for m, t in lru if select(m)]
+        for model, tokens in gone:
+            entry = self._trie.pop(model, tokens)
+            self._n_bytes -= entry.nbytes
+            self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+            self._lru.remove(model, tokens)
+        return len(gone)
 
     def ram_reuse(self, model, tokens):
         """How many tokens fetch_nearest_cache(model, tokens) would reuse now (the caller holds its lock)."""

@@ -25,20 +25,23 @@ from kvstore.policy.eviction import (ANCHOR_SCORE_FACTOR, MIN_EFFECTIVE_HITS, SU
                                      is_anchor, pick_victim, select_victims)
 from kvstore.policy.options import (DEFAULT_BOUNDARY_ALIGN_TOKENS, DEFAULT_BOUNDARY_TRIM_TOKENS,
                                     DEFAULT_COLD_MAX_TOKENS, DEFAULT_CONTINUED_INTERVAL_TOKENS, DEFAULT_HALF_LIFE,
-                                    DEFAULT_MIN_TOKENS, DEFAULT_OPTIONS, DEFAULT_STALE_AFTER_S, Options, check_count)
-from kvstore.policy.store import (ANCHOR, BLOCKS, LEAVING, SNAPSHOT, WAYPOINT, StoreTarget, chat_anchor_pos,
+                                    DEFAULT_MAX_PINNED_SHARE, DEFAULT_MIN_TOKENS, DEFAULT_OPTIONS,
+                                    DEFAULT_STALE_AFTER_S, Options, check_count)
+from kvstore.policy.store import (ANCHOR, BLOCKS, LEAVING, PIN, SNAPSHOT, WAYPOINT, StoreTarget, chat_anchor_pos,
                                   cold_target, continued_step, continued_store_target, finished_stores,
-                                  finished_tail, last_store_after, leaving_stores, prefill_stores,
+                                  finished_tail, last_store_after, leaving_stores, pin_target, prefill_stores,
                                   snapshot_every_block, store_cut, store_len)
 
 __all__ = [
     # options
     "Options", "DEFAULT_OPTIONS", "DEFAULT_MIN_TOKENS", "DEFAULT_COLD_MAX_TOKENS", "DEFAULT_CONTINUED_INTERVAL_TOKENS",
     "DEFAULT_BOUNDARY_TRIM_TOKENS", "DEFAULT_BOUNDARY_ALIGN_TOKENS", "DEFAULT_HALF_LIFE", "DEFAULT_STALE_AFTER_S",
+    "DEFAULT_MAX_PINNED_SHARE",
     "check_count",
     # store
     "store_len", "chat_anchor_pos", "continued_step", "continued_store_target", "snapshot_every_block",
-    "StoreTarget", "ANCHOR", "WAYPOINT", "SNAPSHOT", "BLOCKS", "LEAVING", "cold_target", "prefill_stores",
+    "StoreTarget", "ANCHOR", "WAYPOINT", "SNAPSHOT", "BLOCKS", "LEAVING", "PIN", "pin_target", "cold_target",
+    "prefill_stores",
     "last_store_after", "finished_stores", "finished_tail", "leaving_stores", "store_cut",
     # eviction
     "MIN_EFFECTIVE_HITS", "ANCHOR_SCORE_FACTOR", "SUPERSEDED_MIN_FACTOR", "SUPERSEDED_HIT_FACTOR", "is_anchor",

@@ -35,6 +35,9 @@ DEFAULT_HALF_LIFE = 6 * 3600
 # dropped would otherwise keep their anchors' double score for ever.  30 days
 # outlives a month's pause in a project, not a model nobody runs any more.
 DEFAULT_STALE_AFTER_S = 30 * 24 * 3600
+# Pinned prefixes (kvstore.pins) may keep at most this share of the budget:
+# half leaves the other half to what the workload itself makes worth keeping.
+DEFAULT_MAX_PINNED_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,10 @@ class Options:
         stale_after_s: a checkpoint unused for this long is evicted before
             every fresher one when the directory is over its budget (None:
             by score alone).
+        max_pinned_share: the share of the budget pinned prefixes may keep
+            (kvstore.pins): a pin past it is refused; 0 refuses every pin.
+        max_pin_ttl_s: the longest lifetime a pin is granted; a longer one
+            is cut to it (None: no limit).
 
     Raises:
         ValueError: a count is negative, the alignment is < 1 or the half-life
@@ -66,6 +73,8 @@ class Options:
     boundary_align_tokens: int = DEFAULT_BOUNDARY_ALIGN_TOKENS
     hit_half_life_s: float = DEFAULT_HALF_LIFE
     stale_after_s: float = DEFAULT_STALE_AFTER_S
+    max_pinned_share: float = DEFAULT_MAX_PINNED_SHARE
+    max_pin_ttl_s: float = None
 
     def __post_init__(self):
         # ds4 validates none of these; a negative count or a zero alignment
@@ -96,6 +105,17 @@ class Options:
                 raise TypeError(f"Options.stale_after_s={stale!r} is not a number or None")
             if not stale > 0:
                 raise ValueError(f"Options.stale_after_s={stale} must be > 0 (or None)")
+        share = self.max_pinned_share
+        if isinstance(share, bool) or not isinstance(share, numbers.Real):
+            raise TypeError(f"Options.max_pinned_share={share!r} is not a number")
+        if not 0 <= share <= 1:
+            raise ValueError(f"Options.max_pinned_share={share} must be between 0 and 1")
+        ttl = self.max_pin_ttl_s
+        if ttl is not None:
+            if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real):
+                raise TypeError(f"Options.max_pin_ttl_s={ttl!r} is not a number or None")
+            if not 0 < ttl < float("inf"):
+                raise ValueError(f"Options.max_pin_ttl_s={ttl} must be > 0 (or None)")
 
 
 DEFAULT_OPTIONS = Options()

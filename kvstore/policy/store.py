@@ -212,6 +212,7 @@ WAYPOINT = "waypoint"      # a continued waypoint of a long prefill
 SNAPSHOT = "snapshot"      # a block-grid snapshot of a chained store (§14), when snapshots are cheap
 BLOCKS = "blocks"          # the whole blocks of a finished request (chains)
 LEAVING = "leaving"        # a state that leaves memory: evict or shutdown
+PIN = "pin"                # a prefix a request pinned (docs/format.md §19): exactly its tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +313,14 @@ def finished_stores(block_tokens):
         list of StoreTarget (empty without chains).
     """
     return [StoreTarget(Reason.CONTINUED, BLOCKS, grid=block_tokens)] if block_tokens else []
+
+
+def pin_target(tokens):
+    """The store a pinned prefix of this many tokens asks for: exactly those
+    tokens, whatever the other rules would choose (docs/format.md §19).  A
+    state that holds more is cut there when it can be (positional); the
+    caller stores nothing when the cut is not exactly the prefix."""
+    return StoreTarget(Reason.COLD, PIN, prefer=tokens)
 
 
 def finished_tail(n, prompt_tokens):

@@ -38,8 +38,13 @@ the server's KV options) and a model is offered only its own files; a disk
 hit is checked against the live model by the canary (docs/format.md §17).
 
 Modules: tier (the RAM + disk cache, admission), generator (prefetch on the
-HTTP thread, waypoints), http (cache_salt, GET /metrics), metrics
-(Prometheus), tenants (salts), server (options, start and stop).
+HTTP thread, waypoints), http (cache_salt, cache_control, usage.kvstore,
+GET /metrics), ticket (what the server knows of one request: its trace),
+pinning (cache_control breakpoints, docs/format.md §19), activity (what the
+server has served: hit rates by source, recent traces), warm (--warm FILE:
+prompts prefilled after start-up), admin (GET/DELETE /v1/cache and its
+access rule) and page (GET /cache), metrics (Prometheus), tenants (salts),
+server (options, start and stop).
 
 Integration.  Every use of mlx-lm's internals (LRUPromptCache's order and
 trie, ResponseGenerator's tokenizer and request loop, APIHandler's headers,

@@ -16,7 +16,9 @@ import time
 
 from kvstore.mlx.mlxlm import HookedResponseGenerator, requested_model_key
 from kvstore.payload import lower_thread_priority
-from kvstore.serve.tier import WAYPOINT_TYPE, Ticket
+from kvstore.serve.pinning import BadPin, shared_prefix
+from kvstore.serve.ticket import Ticket
+from kvstore.serve.tier import WAYPOINT_TYPE
 
 log = logging.getLogger("kvstore")
 
@@ -114,6 +116,8 @@ class TieredResponseGenerator(HookedResponseGenerator):
                 ticket.tokenized = (tokenizer, e)
             else:
                 prompt, _, _, _, vision = ticket.tokenized[1]
+                if ticket.pins:
+                    self._judge_pins(tokenizer, request, generation_args, prompt, ticket)
                 if vision is None and len(prompt) > 1:
                     ticket.prefetched = self.tier.prefetch(prompt, ticket.tenant)
             if ticket.gone is not None and ticket.gone():
@@ -121,6 +125,29 @@ class TieredResponseGenerator(HookedResponseGenerator):
                 ticket.prefetched = None
                 log.info("kvstore: request_dropped reason=client_gone loaded=%d", dropped)
                 raise ClientGone("the client disconnected")
+
+    def tokenize_request(self, request, generation_args):
+        """(prompt, segments, types, state, vision) of a request as generate()
+        tokenizes it, on the calling thread (kvstore.serve.warm: is it stored already?)."""
+        with self._tokenizer_lock:
+            return self.stock_tokenize(self.model_provider.tokenizer, request, generation_args)
+
+    def _judge_pins(self, tokenizer, request, args, prompt, ticket):
+        """Finds where each breakpoint's prefix ends in the prompt's tokens
+        and has the tier judge it (kvstore.serve.pinning).
+
+        Raises:
+            BadPin: the request's answer is that 4xx (ticket.error).
+        """
+        try:
+            for p in ticket.pins:
+                with self._tokenizer_lock:
+                    head = self.render_messages(tokenizer, request, args, p.message + 1)
+                p.tokens = shared_prefix(head, prompt)
+            self.tier.judge_pins(prompt, ticket)
+        except BadPin as e:
+            ticket.error = e
+            raise
 
     # -- the generation thread ------------------------------------------------
 
@@ -164,6 +191,9 @@ class TieredResponseGenerator(HookedResponseGenerator):
         step = self.tier.waypoint_step
         if vision is None and 0 < step < len(prompt):
             segments, types = split_at_waypoints(segments, types, step)
+        cuts = [p.tokens for p in (ticket.pins if ticket is not None else ()) if p.state == "queued"]
+        if vision is None and cuts:
+            segments, types = split_at(segments, types, cuts)
         return prompt, segments, types, state, vision
 
     def generation_loop(self):
@@ -180,22 +210,26 @@ class TieredResponseGenerator(HookedResponseGenerator):
             self.tier.persist_all()
 
 
+def split_at(segments, types, cuts):
+    """Cuts segments at these absolute token positions (a pinned prefix's end);
+    the cut-off heads are WAYPOINT_TYPE, as split_at_waypoints makes them."""
+    out, out_types, pos = [], [], 0
+    for seg, kind in zip(segments, types):
+        start = 0
+        for cut in sorted(c for c in set(cuts) if pos < c < pos + len(seg)):
+            out.append(seg[start:cut - pos])
+            out_types.append(WAYPOINT_TYPE)
+            start = cut - pos
+        out.append(seg[start:])
+        out_types.append(kind)
+        pos += len(seg)
+    return out, out_types
+
+
 def split_at_waypoints(segments, types, step):
     """Cuts segments at every absolute multiple of step; the cut-off heads are WAYPOINT_TYPE.
 
     The last piece of each segment keeps the segment's own type, so every
     boundary mlx-lm had is kept.
     """
-    out, out_types, pos = [], [], 0
-    for seg, kind in zip(segments, types):
-        start = 0
-        cut = (pos // step + 1) * step
-        while cut < pos + len(seg):
-            out.append(seg[start:cut - pos])
-            out_types.append(WAYPOINT_TYPE)
-            start = cut - pos
-            cut += step
-        out.append(seg[start:])
-        out_types.append(kind)
-        pos += len(seg)
-    return out, out_types
+    return split_at(segments, types, range(step, sum(len(s) for s in segments), step))

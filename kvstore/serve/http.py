@@ -6,10 +6,10 @@ import select
 import socket
 
 from kvstore.mlx.mlxlm import HookedAPIHandler
-from kvstore.serve import tenants
+from kvstore.serve import pinning, tenants
 from kvstore.serve.drain import RETRY_AFTER_S
 from kvstore.serve.generator import ClientGone
-from kvstore.serve.tier import Ticket
+from kvstore.serve.ticket import Ticket
 
 log = logging.getLogger("kvstore")
 
@@ -38,7 +38,11 @@ class _Handler(HookedAPIHandler):
     kv_require_salt = False
     kv_metrics = None
     kv_drain = None
+    kv_activity = None              # kvstore.serve.activity.Activity, or None
+    kv_warm = None                  # kvstore.serve.warm.Warmer (/health says where warming stands), or None
+    kv_admin = None                 # kvstore.serve.admin.Admin (/v1/cache, /cache), or None: those paths 404
     _kv_streaming = False           # set once this request's stream headers are sent
+    _kv_ticket = None               # this request's kvstore.serve.ticket.Ticket
 
     def handle_completion(self, request, stop_words):
         drain = self.kv_drain
@@ -49,20 +53,55 @@ class _Handler(HookedAPIHandler):
             salt = tenants.check_salt(self.body.get("cache_salt"))
             if salt is None and self.kv_require_salt:
                 raise ValueError("cache_salt is required by this server (--require-cache-salt)")
+            breakpoints = pinning.breakpoints(request.messages) if request.request_type == "chat" else []
         except ValueError as e:
             self._error(400, str(e))
             return
         sock = self.connection
-        request.kvstore_ticket = Ticket(tenant=tenants.tag(salt), gone=lambda: _closed(sock))
-        with drain.request():
-            try:
-                super().handle_completion(request, stop_words)
-            except (ClientGone, BrokenPipeError, ConnectionResetError):
-                pass            # the client left; nothing to answer
-            except RuntimeError:
-                if not drain.stopping:
-                    raise
-                self._cut()
+        self._kv_ticket = request.kvstore_ticket = Ticket(tenant=tenants.tag(salt), gone=lambda: _closed(sock),
+                                                          pins=breakpoints)
+        try:
+            with drain.request():
+                try:
+                    super().handle_completion(request, stop_words)
+                except (ClientGone, BrokenPipeError, ConnectionResetError):
+                    pass            # the client left; nothing to answer
+                except RuntimeError:
+                    if not drain.stopping:
+                        raise
+                    self._cut()
+            self._log_trace()
+        finally:
+            self._kv_ticket = None      # the connection's next request has its own
+
+    def completion_status(self, status_code):
+        # mlx-lm answers whatever the generator raised with 404: a refused
+        # breakpoint is the client's 400 or 409.
+        error = getattr(self._kv_ticket, "error", None)
+        if status_code == 404 and error is not None:
+            return error.status
+        return status_code
+
+    def with_usage(self, response):
+        """Adds the request's trace as usage.kvstore (OpenAI clients ignore a field they do not know)."""
+        usage = response.get("usage")
+        if isinstance(usage, dict) and self._kv_ticket is not None and self._kv_ticket.source is not None:
+            usage["kvstore"] = self._kv_ticket.trace()
+        return response
+
+    def _log_trace(self):
+        """The request log line: its trace, numbers only."""
+        ticket = self._kv_ticket
+        if ticket is None or ticket.source is None:
+            return
+        if self.kv_activity is not None:
+            self.kv_activity.record(ticket)
+        t = ticket.trace()
+        log.info("kvstore: request_done source=%s reused_ram=%d reused_disk=%d reused_bucket=%d prefilled=%d "
+                 "load_ms=%.1f stored=%s pins=%s", t["source"], t["reused_tokens"]["ram"],
+                 t["reused_tokens"]["disk"], t["reused_tokens"]["bucket"], t["prefilled_tokens"], t["load_ms"],
+                 ",".join(f"{s['kind']}:{s['tokens']}" for s in t["stored"]) or "-",
+                 ",".join(f"{p['tokens']}:{p['state']}" for p in t.get("pins", ())) or "-")
 
     def on_stream_headers(self, status_code):
         self._kv_streaming = status_code == 200
@@ -79,12 +118,26 @@ class _Handler(HookedAPIHandler):
         self.close_connection = True
 
     def do_GET(self):
-        if self.path == "/metrics" or self.path.startswith("/metrics?"):
+        if self.kv_admin is not None and self.kv_admin.handles("GET", self.path):
+            self.kv_admin.serve(self)
+        elif self.path == "/metrics" or self.path.startswith("/metrics?"):
             self._metrics()
         elif self.path == "/health" and self.kv_drain.draining:
             self._error(503, "draining", retry_after=RETRY_AFTER_S, key="status")
+        elif self.path == "/health" and self.kv_warm is not None and self.response_generator.is_healthy:
+            self.send_json_headers(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"status": "ok", "warm": self.kv_warm.status()}).encode())
         else:
             super().do_GET()
+
+    def do_DELETE(self):
+        if self.kv_admin is not None and self.kv_admin.handles("DELETE", self.path):
+            self.kv_admin.serve(self)
+        else:                           # what mlx-lm answers a path it does not know
+            self.send_json_headers(404)
+            self.end_headers()
+            self.wfile.write(b"Not Found")
 
     def _metrics(self):
         if self.kv_metrics is None:
@@ -105,18 +158,27 @@ class _Handler(HookedAPIHandler):
         self.wfile.write(json.dumps({key: message}).encode())
 
 
-def handler_class(require_salt, metrics, drain):
+def handler_class(require_salt, metrics, drain, activity=None, warm=None, admin=None):
     """An APIHandler subclass for one server.
 
     Args:
         require_salt: refuse completions without a cache_salt (400).
         metrics: the server's Metrics (GET /metrics), or None.
         drain: the server's kvstore.serve.drain.Drain.
+        activity: the server's kvstore.serve.activity.Activity (each
+            finished completion is recorded there), or None.
+        warm: the server's kvstore.serve.warm.Warmer (GET /health adds
+            its status() as "warm"), or None.
+        admin: the server's kvstore.serve.admin.Admin (GET and DELETE
+            /v1/cache, GET /cache), or None (those paths answer 404).
     """
 
     class Handler(_Handler):
         kv_require_salt = require_salt
         kv_metrics = metrics
         kv_drain = drain
+        kv_activity = activity
+        kv_warm = warm
+        kv_admin = admin
 
     return Handler

@@ -4,14 +4,15 @@ Two kinds of numbers:
 - the server's own, counted as requests are served: requests by where their
   cache came from (ram, disk, remote, none), tokens reused and prefilled,
   the time each request's disk or bucket load took, loads in progress,
-  stores skipped by admission;
+  stores skipped by admission, pins asked for by outcome, --warm prompts
+  by outcome;
 - the directory's, read from the store when the endpoint is scraped: the
   cumulative counters every process using the directory adds to
   (KVStore.counters(), the same numbers `kvstore stats --json` prints:
   saves, bytes written and read, hits, misses, evictions, corrupt files,
   stores skipped by the write budget, load and save latency histograms),
-  entries and bytes against the budget, the write budget's level and the
-  remote tier's breaker.
+  entries and bytes against the budget, live pins and the bytes they keep,
+  the write budget's level and the remote tier's breaker.
 
 A scrape never fails for the store: a counter the store cannot give now
 (the directory being wiped, say) is left out of that scrape.
@@ -23,6 +24,8 @@ import threading
 log = logging.getLogger("kvstore")
 
 SOURCES = ("ram", "disk", "remote", "none")
+PIN_OUTCOMES = ("pinned", "refused", "not_stored")
+WARM_OUTCOMES = ("stored", "skipped", "failed")
 
 
 def available():
@@ -62,6 +65,14 @@ class Metrics:
             self._requests.labels(s)
             self._reused.labels(s)
         self._skipped.labels("admission")
+        self._pins = Counter("kvstore_pin_requests", "cache_control pins asked for, by outcome (pinned, refused, "
+                             "not_stored)", ["outcome"], registry=self.registry)
+        for outcome in PIN_OUTCOMES:
+            self._pins.labels(outcome)
+        self._warm = Counter("kvstore_warm_prompts", "Prompts of the --warm file, by outcome (stored, skipped: "
+                             "stored already, failed)", ["outcome"], registry=self.registry)
+        for outcome in WARM_OUTCOMES:
+            self._warm.labels(outcome)
         self.registry.register(_StoreCollector(store))
         self._lock = threading.Lock()
 
@@ -80,6 +91,14 @@ class Metrics:
 
     def skipped(self, why):
         self._skipped.labels(why).inc()
+
+    def pin(self, outcome):
+        """One pin asked for, by outcome (PIN_OUTCOMES)."""
+        self._pins.labels(outcome).inc()
+
+    def warm(self, outcome):
+        """One warm prompt done, by outcome (WARM_OUTCOMES)."""
+        self._warm.labels(outcome).inc()
 
     # -- the endpoint -----------------------------------------------------------
 
@@ -114,6 +133,9 @@ class _StoreCollector:
         yield g("kvstore_entries", "Checkpoint files in the directory", value=stats["entries"])
         yield g("kvstore_bytes", "Bytes of checkpoint files in the directory", value=stats["bytes"])
         yield g("kvstore_budget_bytes", "The directory's disk budget", value=stats["budget_bytes"])
+        if "pinned_bytes" in stats:
+            yield g("kvstore_pinned_bytes", "Bytes live pins keep in the directory", value=stats["pinned_bytes"])
+            yield g("kvstore_live_pins", "Live pins in the directory", value=stats["pins"])
         for name, key, doc in (
                 ("saves", "saves", "Checkpoints saved"),
                 ("written_bytes", "bytes_written", "Bytes written to checkpoint files"),

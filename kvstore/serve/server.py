@@ -22,11 +22,16 @@ from kvstore.chain import DEFAULT_BLOCK_TOKENS
 from kvstore.mlx import DEFAULT_CTX_SIZE, SUPPORTED_MLX_LM  # noqa: F401
 from kvstore.identity import tag_hex
 from kvstore.policy import DEFAULT_STALE_AFTER_S, Options
+from kvstore.serve import admin as admin_mod
+from kvstore.serve import pinning
 from kvstore.serve import metrics as metrics_mod
+from kvstore.serve.activity import Activity
 from kvstore.serve.drain import ABORT_GRACE_S, DEFAULT_DRAIN_TIMEOUT_S, Drain
 from kvstore.serve.generator import LOAD_NICE, TieredResponseGenerator
 from kvstore.serve.http import handler_class
 from kvstore.serve.tier import TieredPromptCache
+from kvstore.serve.warm import Warmer, checked_open, read_file
+from kvstore.serve.warm import add_arguments as add_warm_arguments
 from kvstore.store import DEFAULT_BUDGET_MB, LAYOUTS, KVStore
 
 log = logging.getLogger("kvstore")
@@ -62,7 +67,9 @@ def _store_options(opts):
     """The store's Options from the command line (an option not given keeps its default)."""
     return Options(**{k: v for k, v in (("min_tokens", opts.min_tokens),
                                          ("continued_interval_tokens", opts.waypoint_tokens),
-                                         ("stale_after_s", opts.stale_after_days * 86400 or None))
+                                         ("stale_after_s", opts.stale_after_days * 86400 or None),
+                                         ("max_pinned_share", opts.max_pinned_share),
+                                         ("max_pin_ttl_s", opts.max_pin_ttl))
                       if v is not None})
 
 
@@ -122,6 +129,9 @@ class _Server:
         # no MLX task may call back into Python (kvstore.payload.set_mlx_threaded).
         payload.set_mlx_threaded(True)
         open_store = functools.partial(_open_store, cache_dir, opts, config, options)
+        self.warm_file = getattr(opts, "warm", None)        # a checked kvstore.serve.warm.WarmFile (main)
+        if self.warm_file is not None:
+            open_store = checked_open(open_store, self.warm_file)
         model_key = (path, cli.adapter_path, cli.draft_model)
         self.metrics = _server_metrics(lambda: self.tier.store)
         self.tier = TieredPromptCache(open_store, model_provider, model_key, options, _cache_options(cli),
@@ -139,7 +149,12 @@ class _Server:
         fingerprint = mlx_server.get_system_fingerprint()
         self.drain = Drain()
         self.drain_timeout = opts.drain_timeout
-        handler = handler_class(opts.require_cache_salt, self.metrics, self.drain)
+        self.activity = Activity()
+        self.warmer = None if self.warm_file is None else Warmer(self.warm_file, self.generator, self.tier,
+                                                                 self.drain, self.metrics)
+        admin = admin_mod.from_options(opts, lambda: self.tier.store, self.activity, self.tier)
+        handler = handler_class(opts.require_cache_salt, self.metrics, self.drain, self.activity, warm=self.warmer,
+                                admin=admin)
         self.httpd = Server(address, lambda *a, **kw: handler(self.generator, *a, system_fingerprint=fingerprint,
                                                               **kw))
 
@@ -156,9 +171,15 @@ class _Server:
         thread.start()
         host, port = self.httpd.server_address[:2]
         log.info("kvstore: serving host=%s port=%d cache_dir=%s", host, port, self.cache_dir)
+        if self.warmer is not None:
+            self.warmer.start()
         status = 0
         try:
             while not stop.wait(0.5):
+                if not self.generator.generation_available() and self.warm_file is not None \
+                        and self.warm_file.refusal:
+                    status = _usage_error(self.warm_file.refusal)    # the warm file is for another model
+                    break
                 if not self.generator.generation_available():
                     log.error("kvstore: generation thread stopped; shutting down")
                     status = 1
@@ -222,12 +243,15 @@ def build_parser():
                    help="on SIGTERM or SIGINT, refuse new requests (503, Retry-After) and let those in flight "
                         f"finish for at most this many seconds, then store and exit (default "
                         f"{DEFAULT_DRAIN_TIMEOUT_S:g}; a second signal stops at once)")
+    pinning.add_arguments(p)
     p.add_argument("--require-cache-salt", action="store_true",
                    help="refuse completions without a cache_salt (400); requests with different salts "
                         "never share a cached prefix, in RAM, on disk or in the bucket")
     p.add_argument("--cache-key-file", metavar="FILE", default=None,
                    help="seal every checkpoint with this 32-byte key (kvstore key new FILE): text and KV "
                         "encrypted and authenticated on disk and in the bucket; unsealed files are ignored")
+    add_warm_arguments(p)
+    admin_mod.add_arguments(p)
     remote.add_arguments(p)
     return p
 
@@ -261,6 +285,8 @@ def main(argv=None):
             return _usage_error(f"--{name.replace('_', '-')} {value} must be >= 1")
     if opts.max_write_mb_per_hour is not None and not opts.max_write_mb_per_hour > 0:
         return _usage_error(f"--max-write-mb-per-hour {opts.max_write_mb_per_hour} must be > 0")
+    if not 0 <= opts.max_pinned_share <= 1:
+        return _usage_error(f"--max-pinned-share {opts.max_pinned_share} must be between 0 and 1")
     for name in ("budget_mb", "min_tokens", "waypoint_tokens", "stale_after_days", "drain_timeout"):
         value = getattr(opts, name)
         if value is not None and value < 0:
@@ -270,6 +296,11 @@ def main(argv=None):
             seal.load_key(opts.cache_key_file)
         except (ValueError, OSError) as e:
             return _usage_error(f"--cache-key-file: {e}")
+    if opts.warm is not None:
+        try:
+            opts.warm = read_file(opts.warm)            # the checked file (its model is checked once loaded)
+        except ValueError as e:
+            return _usage_error(f"--warm {opts.warm}: {e}")
     if hasattr(signal, "SIGUSR1"):
         # `kill -USR1 PID` writes every thread's Python stack to stderr: what
         # a server that stopped answering is waiting for (no prompt text).

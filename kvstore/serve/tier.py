@@ -38,7 +38,6 @@ stored already.
 """
 
 import collections
-import dataclasses
 import hashlib
 import itertools
 import logging
@@ -49,6 +48,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvstore import policy
+from kvstore.errors import PinRefused
 from kvstore.chain import DEFAULT_BLOCK_TOKENS, slice_along
 from kvstore.format import Reason
 from kvstore.identity import ModelIdentity
@@ -58,6 +58,8 @@ from kvstore.mlx import canary
 from kvstore.mlx.mlxlm import ReportingPromptCache
 from kvstore.serve import tenants
 from kvstore.serve.admission import Ledger
+from kvstore.serve.pinning import BadPin
+from kvstore.serve.ticket import Prefetched, Ticket
 
 log = logging.getLogger("kvstore")
 
@@ -73,25 +75,6 @@ MIN_DISK_GAIN = DEFAULT_BLOCK_TOKENS
 # Requests the tier keeps track of between begin() and their finished
 # insert; one that never finishes (a dropped client) ages out past this.
 MAX_ACTIVE = 1024
-
-
-@dataclasses.dataclass
-class Prefetched:
-    """A request's checkpoint read on its HTTP thread, waiting for the generation thread."""
-    tokens: list
-    checkpoint: object        # a kvstore Checkpoint, its tensors evaluated MLX arrays
-    n: int                    # tokens it holds
-    source: str               # "disk" or "remote"
-    load_s: float
-
-
-@dataclasses.dataclass
-class Ticket:
-    """What the HTTP thread learned about a request before queueing it."""
-    tenant: str = None        # tenants.tag() of its cache_salt, or None
-    tokenized: object = None  # the generator's tokenize() result, or the exception it raised
-    prefetched: Prefetched = None
-    gone: object = None       # callable: True once the client has disconnected
 
 
 def _ns(model, tenant):
@@ -306,7 +289,7 @@ class TieredPromptCache(ReportingPromptCache):
         ticket = ticket if ticket is not None else Ticket()
         with self._lock:
             self._next = (ticket, list(prompt))
-            self._active[next(self._serial)] = (ticket.tenant, list(prompt))
+            self._active[next(self._serial)] = (ticket.tenant, list(prompt), ticket)
             while len(self._active) > MAX_ACTIVE:
                 self._active.popitem(last=False)
 
@@ -340,6 +323,7 @@ class TieredPromptCache(ReportingPromptCache):
                 reused, source = pre.n, pre.source
                 load_ms = (pre.load_s + time.perf_counter() - t0) * 1e3
         del pre
+        ticket.source, ticket.reused, ticket.prefilled, ticket.load_ms = source, reused, len(rest), load_ms
         if self.metrics is not None:
             self.metrics.request(source, reused, len(rest), load_ms / 1e3 if source in ("disk", "remote") else None)
         log.info("kvstore: request source=%s reused=%d prefilled=%d load_ms=%.1f%s",
@@ -348,14 +332,14 @@ class TieredPromptCache(ReportingPromptCache):
         return cache, rest
 
     def _tenants_of(self, tokens, finished):
-        """(the tenants of the active requests whose prompt tokens start or
-        continue, the prompt length of the request they finish or 0)."""
+        """({tenant: [the Tickets of its active requests whose prompt tokens
+        start or continue]}, the prompt length of the request they finish or 0)."""
         n = len(tokens)
-        out, done = set(), None
-        for key, (tenant, prompt) in self._active.items():
+        out, done = {}, None
+        for key, (tenant, prompt, ticket) in self._active.items():
             m = len(prompt)
             if (n <= m and prompt[:n] == tokens) or (n > m and tokens[:m] == prompt):
-                out.add(tenant)
+                out.setdefault(tenant, []).append(ticket)
                 if finished and n >= m and done is None:
                     done = key
         if done is None:
@@ -379,9 +363,10 @@ class TieredPromptCache(ReportingPromptCache):
                 finally:
                     self._incoming = None
         targets = self._targets(tokens, cache_type)
-        for tenant in owners:
+        for tenant, tickets in owners.items():
+            self._persist_pins(model, tenant, tokens, prompt_cache, tickets, finished=cache_type == "assistant")
             for target in targets:
-                if self._persist(model, tenant, tokens, prompt_cache, target) is not None:
+                if self._persist(model, tenant, tokens, prompt_cache, target, tickets) is not None:
                     break
 
     def _targets(self, tokens, cache_type):
@@ -397,9 +382,74 @@ class TieredPromptCache(ReportingPromptCache):
         anchor = len(tokens) if cache_type == "system" else 0
         return policy.prefill_stores(len(tokens), self.options, cold_target=anchor)
 
+    # -- pins (kvstore.serve.pinning, docs/format.md §19) -----------------------
+
+    def judge_pins(self, prompt, ticket):
+        """Judges a request's breakpoints on its HTTP thread, once each one's
+        length in tokens is known.  A prefix too short for a checkpoint is
+        refused (400); one stored already is pinned now (its lifetime
+        extended), or refused (409) when the budget's pinned share has no
+        room for it; any other is queued: stored when the request's state
+        passes its end, then pinned (_persist_pins).
+
+        Raises:
+            BadPin: the request's answer.
+        """
+        for p in ticket.pins:
+            if not policy.store_cut(p.tokens, self.options):
+                raise BadPin(f"messages[{p.message}]: the prefix that ends there is {p.tokens} tokens, shorter "
+                             f"than the {self.options.min_tokens} tokens a checkpoint needs (--min-tokens)")
+            p.state = "queued"
+            self._grant(p, self.key_bytes(prompt[:p.tokens], ticket.tenant), ticket.tenant, upfront=True)
+
+    def _grant(self, p, key, tenant, upfront=False):
+        """Pins the stored prefix key for p (a PinRequest) and records the outcome in p.
+
+        Raises:
+            BadPin: upfront (on the HTTP thread) and the pinned share has no room (409).
+        """
+        try:
+            pin = self.store.pin(key, p.ttl_s, tenant=tenant or "")
+        except PinRefused as e:
+            if e.reason == "not_stored" and upfront:
+                return                    # queued: stored once the request's state passes it
+            p.state = "refused" if e.reason == "share" else "not_stored"
+            log.warning("kvstore: pin_refused reason=%s tokens=%d", e.reason, p.tokens)
+            if self.metrics is not None:
+                self.metrics.pin(p.state)
+            if upfront:
+                raise BadPin(f"messages[{p.message}]: {e}", 409) from None
+            return
+        p.state, p.until = "pinned", pin.until
+        log.info("kvstore: pinned tokens=%d until=%d file=%s", p.tokens, pin.until, pin.sha[:12])
+        if self.metrics is not None:
+            self.metrics.pin("pinned")
+
+    def _persist_pins(self, model, tenant, tokens, cache, tickets, finished):
+        """Stores (then pins) the queued breakpoints of these requests that the
+        state mlx-lm inserts reaches: exactly at a breakpoint's end, or, when
+        the request finishes past it, cut there if the state can be.  A
+        breakpoint its finished request could not store is not_stored."""
+        for ticket in tickets:
+            for p in ticket.pins:
+                if p.state != "queued" or p.tokens > len(tokens):
+                    continue
+                if self._persist(model, tenant, tokens, cache, policy.pin_target(p.tokens), (ticket,), pin=p):
+                    p.state = "storing"
+                elif finished:
+                    p.state = "not_stored"
+                    log.warning("kvstore: pin_refused reason=not_stored tokens=%d", p.tokens)
+
     def trim_to(self, *, n_sequences=None, n_bytes=None):
         with self._lock:
             super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+
+    def forget(self, tags=None):
+        """After an admin delete (kvstore.serve.admin): drops the RAM entries of tenants tags (None in it:
+        no salt; tags None: every entry), storing nothing of them, and which keys are stored (a new Ledger)."""
+        with self._lock:
+            self.ledger = Ledger(self.admit_after, self._offsets)
+            return self.drop_entries(lambda ns: tags is None or _split(ns)[1] in tags)
 
     def entry_pushed(self, ns, tokens):
         if self._incoming is not None:
@@ -435,7 +485,7 @@ class TieredPromptCache(ReportingPromptCache):
                 return result
         return None
 
-    def _persist(self, model, tenant, tokens, cache, target):
+    def _persist(self, model, tenant, tokens, cache, target, tickets=(), pin=None):
         """Stores cache under its tokens' key for a kvstore.policy.StoreTarget, in the background.
 
         Nothing is stored for another model than the store's, when the same
@@ -453,7 +503,7 @@ class TieredPromptCache(ReportingPromptCache):
         if model != self.model_key:
             return None
         reason = target.reason
-        why = reason.name.lower()
+        why = target.kind if pin is not None else reason.name.lower()
         try:
             n = cache[0].offset if cache and hasattr(cache[0], "offset") else len(tokens)
             if n > len(tokens) or not policy.store_cut(n, self.options):
@@ -461,16 +511,22 @@ class TieredPromptCache(ReportingPromptCache):
             tensors, meta, positional = checked_state(cache, n)
             all_positional = len(positional) == len(tensors)
             cut = policy.store_cut(n, self.options, all_positional, prefer=target.prefer, grid=target.grid)
-            if not cut:
-                return None
-            cut, key = self._worth_storing(tokens, tenant, cut, all_positional, why)
+            if pin is not None:
+                # Exactly the pinned prefix, whatever admission says.
+                if cut != pin.tokens:
+                    return None
+                key = self.key_bytes(tokens[:cut], tenant)
+            else:
+                cut, key = self._worth_storing(tokens, tenant, cut, all_positional, why)
             if not cut:
                 return None
             if cut < n:
                 tensors = {k: slice_along(a, positional[k], 0, cut) for k, a in tensors.items()}
             captured, dtypes = self.store.capture(tensors)
+            for t in tickets:
+                t.stored.append((target.kind, cut))
             return self.store.submit(self._store, tenant, list(tokens[:cut]), key, captured, dtypes, meta,
-                                     positional, reason)
+                                     positional, reason, pin)
         except (TypeError, ValueError) as e:   # a cache class kvstore cannot store
             log.info("kvstore: store_skipped reason=%s detail=%s", why, type(e).__name__)
         except Exception as e:                 # noqa: BLE001 - never fail a request for the disk tier
@@ -498,8 +554,9 @@ class TieredPromptCache(ReportingPromptCache):
             cut, key = admitted, self.key_bytes(tokens[:admitted], tenant)
         return cut, key
 
-    def _store(self, tenant, tokens, key, tensors, dtypes, meta, positional, reason):
-        """_persist's second half, on the store's background writer: returns the Entry or None."""
+    def _store(self, tenant, tokens, key, tensors, dtypes, meta, positional, reason, pin=None):
+        """_persist's second half, on the store's background writer: returns the Entry or None;
+        then pins it when pin (a PinRequest) asks."""
         try:
             # A text stored already is kept as it is (KVStore.save reads its
             # header and writes nothing), chain blocks stored already too.
@@ -508,6 +565,8 @@ class TieredPromptCache(ReportingPromptCache):
                                     dtypes=dtypes or None)
             if entry is not None:
                 self.ledger.remember(key, [len(key)])
+            if pin is not None:
+                self._grant(pin, key, tenant)
             return entry
         except Exception as e:                 # noqa: BLE001 - never fail a request for the disk tier
             log.warning("kvstore: store_failed reason=%s error=%s", Reason(reason).name.lower(), type(e).__name__)

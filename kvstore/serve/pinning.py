@@ -1,0 +1,131 @@
+"""Pins a request asks for: `cache_control` breakpoints on chat messages (docs/format.md §19).
+
+A chat message, or one of its content parts, may carry the object
+Anthropic-style clients already send:
+
+    {"role": "system", "content": "...", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+
+The prompt's prefix that ends with that message is stored, whatever the
+store policy would have chosen, and pinned for the lifetime ("5m" when no
+ttl is given; cut to the server's --max-pin-ttl).  Everything wrong with a
+breakpoint is the client's to fix, so each is a 4xx naming it: an unknown
+type or ttl (400), more than MAX_BREAKPOINTS (400), a prefix shorter than a
+checkpoint may be (400), a pin the budget's pinned share has no room for
+(409).  The prefix is found by rendering the messages up to the breakpoint
+with the same chat template, without a generation prompt, and taking the
+tokens it shares with the whole prompt.
+"""
+
+import argparse
+import dataclasses
+
+from kvstore import pins
+from kvstore.policy import DEFAULT_MAX_PINNED_SHARE
+
+# Anthropic allows four breakpoints in one request.
+MAX_BREAKPOINTS = 4
+DEFAULT_TTL = "5m"
+# The longest pin lifetime a server grants unless told otherwise: the
+# longest cache_control ttl clients ask for ("1h").
+DEFAULT_MAX_PIN_TTL_S = 3600
+
+
+class BadPin(ValueError):
+    """A breakpoint the server refuses; status is the HTTP answer (400 or 409)."""
+
+    def __init__(self, message, status=400):
+        self.status = status
+        super().__init__(message)
+
+
+@dataclasses.dataclass
+class PinRequest:
+    """One breakpoint of a request and what became of it."""
+    message: int             # the index of the message the prefix ends with
+    ttl_s: float
+    tokens: int = 0          # the prefix's length in tokens, once tokenized
+    state: str = "pending"   # "pending", "queued", "pinned", "refused" or "not_stored"
+    until: int = 0           # the pin's end (unix seconds) once pinned
+
+    def view(self):
+        """The trace's view of it (no text)."""
+        out = {"message": self.message, "tokens": self.tokens, "state": self.state}
+        if self.until:
+            out["until"] = self.until
+        return out
+
+
+def _control_of(part, where):
+    """The ttl of one cache_control object, or None when there is none."""
+    cc = part.get("cache_control") if isinstance(part, dict) else None
+    if cc is None:
+        return None
+    if not isinstance(cc, dict) or cc.get("type") != "ephemeral":
+        raise BadPin(f"{where}: cache_control must be {{\"type\": \"ephemeral\"}} with an optional ttl "
+                     f"({', '.join(pins.TTL_NAMES)}), not {_short(cc)}")
+    ttl = cc.get("ttl", DEFAULT_TTL)
+    if ttl not in pins.TTL_NAMES:
+        raise BadPin(f"{where}: cache_control ttl {_short(ttl)} is not one of {', '.join(pins.TTL_NAMES)}")
+    return pins.TTL_NAMES[ttl]
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def breakpoints(messages):
+    """The PinRequests of a chat request's messages, in message order.
+
+    Raises:
+        BadPin: a malformed cache_control, or more than MAX_BREAKPOINTS.
+    """
+    out = []
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        ttls = [_control_of(m, f"messages[{i}]")]
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            ttls += [_control_of(p, f"messages[{i}].content[{j}]") for j, p in enumerate(content)]
+        ttls = [t for t in ttls if t is not None]
+        if ttls:
+            out.append(PinRequest(i, max(ttls)))
+    if len(out) > MAX_BREAKPOINTS:
+        raise BadPin(f"{len(out)} cache_control breakpoints; at most {MAX_BREAKPOINTS} per request")
+    return out
+
+
+def add_arguments(p):
+    """`kvstore serve`'s pin options: --max-pinned-share and --max-pin-ttl."""
+    p.add_argument("--max-pinned-share", type=float, default=DEFAULT_MAX_PINNED_SHARE,
+                   help="the share of --budget-mb that prefixes pinned by cache_control may keep; a pin past it "
+                        f"is refused (409), never granted by unpinning others (default {DEFAULT_MAX_PINNED_SHARE:g}; "
+                        "0: no pins)")
+    p.add_argument("--max-pin-ttl", type=duration, default=DEFAULT_MAX_PIN_TTL_S, metavar="SECONDS",
+                   help="the longest lifetime a pin is granted, in seconds or with a unit (90s, 5m, 1h, 2d); a "
+                        f"longer cache_control ttl is cut to it (default {DEFAULT_MAX_PIN_TTL_S // 60}m)")
+
+
+def duration(text):
+    """Seconds of a duration option: a number of seconds, or one with a unit s, m, h or d."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    scale = units.get(text[-1:], 1)
+    try:
+        value = float(text[:-1] if text[-1:] in units else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (seconds, or 90s, 5m, 1h, 2d)") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive duration")
+    return value
+
+
+def shared_prefix(a, b):
+    """The number of leading items a and b share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+__all__ = ["BadPin", "PinRequest", "breakpoints", "shared_prefix", "add_arguments", "duration", "MAX_BREAKPOINTS",
+           "DEFAULT_TTL", "DEFAULT_MAX_PIN_TTL_S"]
