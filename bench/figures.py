@@ -39,6 +39,7 @@ HEADLINE = [
     ("store", "find, N=10,000, miss vs ds4"),
     ("store", "find, N=10,000, hit vs ds4"),
     ("store", "find, N=10,000, miss vs one hashlib"),
+    ("store", "find, N=10,000, miss vs its digest pass alone"),
     ("store", "load 512 MiB chain (16 blocks), 1st in a fresh process, into MLX, CRC on vs mlx_lm"),
     ("store", "save 512 MiB chain (16 blocks), durable=True (KVStore defaults) vs mlx_lm save_prompt_cache + fsync"),
     ("store", "save 512 MiB chain (16 blocks), durable=True (KVStore defaults) vs mlx_lm save_prompt_cache (no fsync)"),

@@ -75,10 +75,11 @@ LOAD_SAMPLES = 21
 # Targets.
 MIN_SPEEDUP = 10.0               # cold TTFT / kvstore-hit TTFT
 MAX_CANARY_TIME_RATIO = 1.02     # kvstore hit with the canary / without (docs/format.md §17)
-# kvstore hit / mlx-lm hit (medians).  Moved from 1.0 (bench/README.md,
-# "Targets moved"): the kvstore hit does work the peer's does not (the
-# lookup, a CRC32C of every byte, the canary's recomputed token), which the
-# row's note measures in the same run as a share of the peer's TTFT.
+# kvstore hit / mlx-lm hit, the median of the ratios of samples taken back
+# to back.  Moved from 1.0 on the medians (bench/README.md, "Targets
+# moved"): the kvstore hit does work the peer's does not (the lookup, a
+# CRC32C of every byte, the canary's recomputed token), which the row's note
+# measures in the same run as a share of the peer's TTFT.
 MAX_HIT_TIME_RATIO = 1.05
 MAX_SIZE_RATIO = 1.0             # kvstore file / mlx-lm file holding the same prompt
 
@@ -118,12 +119,16 @@ class Report(Table):
     fmt_cell = staticmethod(fmt_cell)
     fmt_ratio = staticmethod(fmt_ratio)
 
-    def add(self, comparison, kv, peer, target=None, note=""):
-        """target: the highest passing ratio (kvstore / peer on the medians), or None for context."""
+    def add(self, comparison, kv, peer, target=None, note="", paired=None):
+        """target: the highest passing ratio (kvstore / peer on the medians), or None for context.
+
+        paired: the median of kvstore / peer over samples taken back to back;
+        when given, it is the row's ratio and what the target judges.
+        """
         key, low = ("bytes", "bytes") if "bytes" in kv else ("median_ns", "min_ns")
-        ratio = kv[key] / peer[key]
+        ratio = kv[key] / peer[key] if paired is None else paired
         ratio_min = kv[low] / peer[low]
-        kind = "size" if key == "bytes" else "time"
+        kind = "size" if key == "bytes" else "time" if paired is None else "paired time"
         ok = ratio <= target if target is not None else None
         target_text = f"{kind} ratio ≤ {fmt_ratio(target)}" if target is not None else "context"
         self._row(comparison, kv, peer, kind, ratio, ratio_min, target_text, ok, note)
@@ -393,8 +398,10 @@ def bench_size(report, model, tok, text, n_ckpt, rounds, tmp):
     extra_canary = statistics.median(c for c, _ in shares)
     bound = 1 + (extra_load + extra_canary) / peer["median_ns"]
     report.add(f"TTFT {label} tokens: kvstore disk hit vs mlx-lm load_prompt_cache hit", kv, peer,
-               target=MAX_HIT_TIME_RATIO,
-               note=f"paired ratio {fmt_ratio(paired)}; both prefill the same {SUFFIX_TOKENS}-token suffix; "
+               target=MAX_HIT_TIME_RATIO, paired=paired,
+               note=f"ratio of the medians {fmt_ratio(kv['median_ns'] / peer['median_ns'])}; the ratio and the "
+                    "target are the median of the ratios of samples taken back to back (A B B A); "
+                    f"both prefill the same {SUFFIX_TOKENS}-token suffix; "
                     f"kvstore includes find + load + restore, a fresh KVStore and engine per sample; "
                     f"the checks the peer skips cost {fmt_time(extra_load)} of load (lookup, CRC32C, block "
                     f"opens) + {fmt_time(extra_canary)} of canary: a floor of {fmt_ratio(bound)} on this ratio")

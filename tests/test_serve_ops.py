@@ -79,7 +79,11 @@ def test_a_cache_control_breakpoint_is_stored_pinned_and_kept_through_eviction_a
         with KVStore(cache) as store:
             wait_for(lambda: store.stats()["bytes"] <= budget_mb * 2**20, what="the budget")
             names = {e.sha for e in store.entries()}
-        assert pin.sha in names
+            kept = pins.kept([pin], {e.sha: e for e in store.entries()})
+        assert pin.sha in names and kept[1] == pin.bytes      # the pinned file and every block before it
+        evicted = [line for line in server.text().splitlines() if "kvstore: evicted reason=budget" in line]
+        assert len(evicted) >= 5, server.text()
+        evicted_bytes = sum(int(line.split(" bytes=")[1].split()[0]) for line in evicted)
         # The pinned prefix is a disk hit for a new question after it.
         status, r = chat(server, pinned_messages("json", question="Say more."))
         assert status == 200, r
@@ -98,6 +102,12 @@ def test_a_cache_control_breakpoint_is_stored_pinned_and_kept_through_eviction_a
         assert 'kvstore_pin_requests_total{outcome="refused"} 2.0' in metrics, metrics
         values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
         assert float(values["kvstore_pinned_bytes"]) == pin.bytes and float(values["kvstore_live_pins"]) == 1
+        # The figures, for `pytest -s`.
+        print(f"\npins: 1 pinned prefix of {pin.tokens} tokens ({len(kept[0])} files, {pin.bytes} B) kept "
+              f"through 5 other conversations under a {int(budget_mb * 2**20)} B budget that evicted "
+              f"{len(evicted)} files ({evicted_bytes} B); the pinned prefix then a disk hit of "
+              f"{trace['reused_tokens']['disk']} tokens; 2 pins past the 0.5 share refused (1 after its store, "
+              "1 up front with 409); live pins: 1")
     finally:
         assert server.stop() == 0
 
