@@ -462,6 +462,23 @@ def test_deleting_a_first_block_takes_its_chain(served):
     assert set(checkpoint_files(cache)) == before - {n + ".kv" for n in names}
 
 
+def test_a_deleted_checkpoint_does_not_come_back_from_ram(model_dir, workdir):
+    # RAM holds the conversation whose chain is deleted; without dropping
+    # that RAM entry, the shutdown would store it again under the same names.
+    cache = os.path.join(workdir, "cache-admin-ram")
+    server = kvstore_server(model_dir, cache, workdir, "admin-ram", "--admin", "--prompt-cache-size", "1")
+    try:
+        assert chat(server, messages("collections"))["source"] == "none"
+        settled(server)
+        [(root, names)] = [(r, n) for r, n in chains_of(cache).items() if len(n) > 1]
+        status, _, body = call(server, "DELETE", "/v1/cache/" + root)
+        assert status == 200 and json.loads(body)["deleted"] == len(names)
+    finally:
+        assert server.stop() == 0             # SIGTERM: every RAM entry left is stored as `shutdown`
+    assert "kvstore: shutdown queued=0" in server.text()
+    assert not {n + ".kv" for n in names} & set(checkpoint_files(cache))
+
+
 @pytest.mark.parametrize("body, message", [
     ({"cache_salt": ""}, "must not be empty"), ({"cache_salt": 5}, "must be a string"),
     ({"cache_salt": None}, "not null"), ({"salt": SALT_A}, "'salt'"), (b"not json", "not JSON"),

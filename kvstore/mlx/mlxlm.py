@@ -221,9 +221,9 @@ class ReportingPromptCache(LRUPromptCache):
         """The LRU let the entry for tokens under model go (over its size or bytes)."""
 
     def drop_entries(self, select):
-        """Drops every entry whose model key select(model) accepts, each reported as
+        """Drops every entry that select(model key, tokens) accepts, each reported as
         entry_removed (nothing stored of it); the caller holds its lock.  Returns how many."""
-        gone = [(m, t) for lru in self._lru._lrus.values() for m, t in lru if select(m)]
+        gone = [(m, t) for lru in self._lru._lrus.values() for m, t in lru if select(m, t)]
         for model, tokens in gone:
             entry = self._trie.pop(model, tokens)
             self._n_bytes -= entry.nbytes

@@ -305,8 +305,10 @@ class Admin:
             return send_json(handler, 409, {"error": f"{len(matched)} checkpoints' names start with {prefix}: "
                                                      "give more digits (nothing was deleted)",
                                             "matched": len(matched)})
-        self._forget(store, ())
-        n = store.wipe(matched[0])
+        e = matched[0]
+        # The RAM entries that hold its text, so that none is stored again.
+        self._forget(store, lambda tenant, tokens: self._holds(store, e, tenant, tokens))
+        n = store.wipe(e)
         log.info("kvstore: admin_delete scope=one files=%d file=%s", n, matched[0].sha[:SHA_DIGITS])
         return send_json(handler, 200, {"deleted": n})
 
@@ -327,17 +329,23 @@ class Admin:
             return send_json(handler, 400, {"error": "cache_salt must be a string, not null (send no body to "
                                                      "delete every checkpoint)"})
         tag = tenants.tag(salt)
-        ram = self._forget(store, {tag})
+        ram = self._forget(store, lambda tenant, tokens: tenant == tag)
         n = sum(store.wipe(e) for e in tenant_heads(store, store.entries(), tenants.key_prefix(tag)))
         log.info("kvstore: admin_delete scope=tenant tenant=%s files=%d ram=%d", tag[:TAG_DIGITS], n, ram)
         return send_json(handler, 200, {"deleted": n, "ram_dropped": ram})
 
-    def _forget(self, store, tags):
-        """Drops RAM entries of tags (None: all) so that nothing stores them again,
-        then waits for the saves queued before; the RAM entries dropped."""
-        ram = self.tier.forget(tags) if self.tier is not None else 0
+    def _forget(self, store, select):
+        """Drops the RAM entries select(tenant, tokens) accepts (None: all) so that
+        nothing stores them again, then waits for the saves queued before; the
+        RAM entries dropped."""
+        ram = self.tier.forget(select) if self.tier is not None else 0
         store.flush()
         return ram
+
+    def _holds(self, store, entry, tenant, tokens):
+        """True when the RAM entry of tokens (a tenant's) holds entry's whole stored text."""
+        key = self.tier.key_bytes(tokens, tenant)
+        return len(key) >= entry.text_bytes and store.starts_with(entry, key[:entry.text_bytes])
 
 
 # ---- the JSON's parts --------------------------------------------------------------

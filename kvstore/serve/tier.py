@@ -444,12 +444,13 @@ class TieredPromptCache(ReportingPromptCache):
         with self._lock:
             super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
 
-    def forget(self, tags=None):
-        """After an admin delete (kvstore.serve.admin): drops the RAM entries of tenants tags (None in it:
-        no salt; tags None: every entry), storing nothing of them, and which keys are stored (a new Ledger)."""
+    def forget(self, select=None):
+        """After an admin delete (kvstore.serve.admin): drops the RAM entries select(tenant, tokens)
+        accepts (None: every entry; tenant None: no salt), storing nothing of them, and which keys
+        are stored (a new Ledger).  Returns how many went."""
         with self._lock:
             self.ledger = Ledger(self.admit_after, self._offsets)
-            return self.drop_entries(lambda ns: tags is None or _split(ns)[1] in tags)
+            return self.drop_entries(lambda ns, tokens: select is None or select(_split(ns)[1], tokens))
 
     def entry_pushed(self, ns, tokens):
         if self._incoming is not None:
