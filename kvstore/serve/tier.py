@@ -289,7 +289,7 @@ class TieredPromptCache(ReportingPromptCache):
         ticket = ticket if ticket is not None else Ticket()
         with self._lock:
             self._next = (ticket, list(prompt))
-            self._active[next(self._serial)] = (ticket.tenant, list(prompt), ticket)
+            self._active[next(self._serial)] = (list(prompt), ticket)
             while len(self._active) > MAX_ACTIVE:
                 self._active.popitem(last=False)
 
@@ -336,15 +336,15 @@ class TieredPromptCache(ReportingPromptCache):
         start or continue]}, the prompt length of the request they finish or 0)."""
         n = len(tokens)
         out, done = {}, None
-        for key, (tenant, prompt, ticket) in self._active.items():
+        for key, (prompt, ticket) in self._active.items():
             m = len(prompt)
             if (n <= m and prompt[:n] == tokens) or (n > m and tokens[:m] == prompt):
-                out.setdefault(tenant, []).append(ticket)
+                out.setdefault(ticket.tenant, []).append(ticket)
                 if finished and n >= m and done is None:
                     done = key
         if done is None:
             return out, 0
-        return out, len(self._active.pop(done)[1])
+        return out, len(self._active.pop(done)[0])
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
         """mlx-lm's insert, under the tenant of the request it belongs to; then the disk."""
@@ -403,20 +403,14 @@ class TieredPromptCache(ReportingPromptCache):
             self._grant(p, self.key_bytes(prompt[:p.tokens], ticket.tenant), ticket.tenant, upfront=True)
 
     def _grant(self, p, key, tenant, upfront=False):
-        """Pins the stored prefix key for p (a PinRequest) and records the outcome in p.
-
-        Raises:
-            BadPin: upfront (on the HTTP thread) and the pinned share has no room (409).
-        """
+        """Pins the stored prefix key for p (a PinRequest), the outcome recorded in p; raises
+        BadPin (409) upfront (on the HTTP thread) when the pinned share has no room."""
         try:
             pin = self.store.pin(key, p.ttl_s, tenant=tenant or "")
         except PinRefused as e:
             if e.reason == "not_stored" and upfront:
                 return                    # queued: stored once the request's state passes it
-            p.state = "refused" if e.reason == "share" else "not_stored"
-            log.warning("kvstore: pin_refused reason=%s tokens=%d", e.reason, p.tokens)
-            if self.metrics is not None:
-                self.metrics.pin(p.state)
+            self._refused(p, "refused" if e.reason == "share" else "not_stored")
             if upfront:
                 raise BadPin(f"messages[{p.message}]: {e}", 409) from None
             return
@@ -424,6 +418,13 @@ class TieredPromptCache(ReportingPromptCache):
         log.info("kvstore: pinned tokens=%d until=%d file=%s", p.tokens, pin.until, pin.sha[:12])
         if self.metrics is not None:
             self.metrics.pin("pinned")
+
+    def _refused(self, p, state):
+        """Records a breakpoint that was not pinned: its state, the log line, the metric."""
+        p.state = state
+        log.warning("kvstore: pin_refused reason=%s tokens=%d", "share" if state == "refused" else state, p.tokens)
+        if self.metrics is not None:
+            self.metrics.pin(state)
 
     def _persist_pins(self, model, tenant, tokens, cache, tickets, finished):
         """Stores (then pins) the queued breakpoints of these requests that the
@@ -437,8 +438,7 @@ class TieredPromptCache(ReportingPromptCache):
                 if self._persist(model, tenant, tokens, cache, policy.pin_target(p.tokens), (ticket,), pin=p):
                     p.state = "storing"
                 elif finished:
-                    p.state = "not_stored"
-                    log.warning("kvstore: pin_refused reason=not_stored tokens=%d", p.tokens)
+                    self._refused(p, "not_stored")
 
     def trim_to(self, *, n_sequences=None, n_bytes=None):
         with self._lock:
