@@ -10,7 +10,9 @@ encoding through one small object:
     lookup_keys()               the NameKeys a lookup hashes a prompt under, the store's own first
     open(fd, st, entry)         (a Source of the file's plain bytes, its plain Entry)
     rewrites_in_place(entry)    whether a trailer or reason byte may change in the file itself
-    write(path, header, text, plan, trailer_raw, head, durable, exclusive, lookup_tag)
+    stage(path, header, text, plan, trailer_raw, head, lookup_tag)
+                                a new file written under a temporary name, not yet
+                                published (a kvstore.publish.TempFile holding its Entry)
     current(path)               the file's envelope now, authenticated where the codec can
     verify_file(path, name)     None when the file is sound, else a one-line reason
 
@@ -23,7 +25,7 @@ here or below knows any other codec exists.
 import dataclasses
 from typing import Protocol
 
-from kvstore import files
+from kvstore import files, publish
 from kvstore.format import LOADABLE_ABIS, envelope_now
 
 # Makers of keyed codecs, registered by their own package (kvstore.seal):
@@ -46,8 +48,7 @@ class Codec(Protocol):
 
     def rewrites_in_place(self, entry): ...
 
-    def write(self, path, header, text, plan, trailer_raw=b"", head=b"", durable=True, exclusive=False,
-              lookup_tag=b""): ...
+    def stage(self, path, header, text, plan, trailer_raw=b"", head=b"", lookup_tag=b""): ...
 
     def current(self, path): ...
 
@@ -84,9 +85,8 @@ class PlainCodec:
     def rewrites_in_place(self, entry):
         return True
 
-    def write(self, path, header, text, plan, trailer_raw=b"", head=b"", durable=True, exclusive=False,
-              lookup_tag=b""):
-        return files.write_checkpoint(path, header, text, plan, trailer_raw, head, durable, exclusive)
+    def stage(self, path, header, text, plan, trailer_raw=b"", head=b"", lookup_tag=b""):
+        return publish.stage_checkpoint(path, header, text, plan, trailer_raw, head)
 
     def current(self, path):
         return envelope_now(path)

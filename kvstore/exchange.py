@@ -18,7 +18,7 @@ block (or one whole file in a store with layout="whole").
 import os
 import time
 
-from kvstore import files, names, payload
+from kvstore import files, names, payload, publish
 from kvstore.identity import ModelIdentity
 from kvstore import trailers as trailer_mod
 from kvstore.errors import CorruptCheckpoint
@@ -61,8 +61,8 @@ def export_checkpoint(store, entry, path, plain=False):
     header = Header(quant_bits=e.quant_bits, tokens=n, ctx_size=e.ctx_size, payload_bytes=plan.payload_bytes,
                     reason=e.reason, ext_flags=ext, model_id=e.model_id, payload_abi=PAYLOAD_ABI_TENSORS,
                     created_at=e.created_at or int(time.time()), last_used=0, model_tag=e.model_tag)
-    return files.write_checkpoint(os.path.abspath(os.fspath(path)), header, ckpt.text_bytes, plan, trailer_raw,
-                                  durable=store.durable)
+    return publish.write_checkpoint(os.path.abspath(os.fspath(path)), header, ckpt.text_bytes, plan, trailer_raw,
+                                    durable=store.durable)
 
 
 def import_checkpoint(store, path):

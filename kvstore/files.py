@@ -5,14 +5,14 @@ nothing of lookups, budgets or models:
 
 - sync_fd, sync_dir: the one place that makes a write durable, with the
   platform's primitive (F_FULLFSYNC on macOS, fsync elsewhere);
-- TempFile: a new file under a temporary name, published by rename
-  (sync the file, rename into place, sync the directory);
 - unlink_if_same, move_aside / quarantine, overwrite / wipe_file: changes
   that act only on the very file a caller opened, never on a newer one that
   took its name, and never through a planted symlink;
 - record_hit: the in-place hit count of the file a load just read;
 - crc_range, verify_file: the checks of a load without keeping any array;
 - scan_directory: the valid envelopes of a directory and the bad ones.
+
+A new file is written and put in place by kvstore.publish.
 
 See docs/format.md §6 (save), §11 (durability) and §12 (privacy).
 """
@@ -21,14 +21,12 @@ import errno
 import fcntl
 import hashlib
 import os
-import secrets
 import sys
 import time
 
-from kvstore import _native, names, payload, temps
+from kvstore import _native, names, payload
 from kvstore.identity import ModelIdentity
 from kvstore.forest import chain_link_ok
-from kvstore.sources import as_source
 from kvstore.errors import CheckpointMissing, CheckpointOSError, CorruptCheckpoint, KVStoreError, UnsafePath
 from kvstore.format import PREFIX_SIZE, entry_from_fd, is_checkpoint_name, open_checkpoint, read_entry
 
@@ -172,144 +170,6 @@ def same_file(path, st):
     except FileNotFoundError:
         return False
     return (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)
-
-
-# ---- publishing a new file ---------------------------------------------------
-
-class TempFile:
-    """A new file at ``<final>.tmp.<pid>.<random>`` (0600, created exclusively).
-
-    Use as a context manager: write through ``fd``, then ``publish()``; on
-    any exit without a publish the temporary file is removed.  A crash
-    leaves only the temporary name, which remove_stale_temps clears.
-
-    Raises:
-        OSError: the file cannot be created.
-    """
-
-    def __init__(self, final):
-        self.final = os.fspath(final)
-        self.path = f"{self.final}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
-        self.fd = os.open(self.path, CREATE_FLAGS, 0o600)
-        temps.track(self.path)
-        self.published = False
-        try:
-            os.fchmod(self.fd, 0o600)       # whatever the umask
-        except BaseException:
-            self.close()
-            raise
-
-    def publish(self, durable, exclusive=False):
-        """Sync the data (durable), put it in place, sync the directory (durable).
-
-        Args:
-            exclusive: only if no file has the name yet (a hard link, which
-                fails on an existing name): the first of two writers of the
-                same checkpoint wins.  Where the filesystem has no hard
-                links, a rename.
-
-        Returns:
-            True, or False when exclusive and another file had the name.
-        """
-        if durable:
-            sync_fd(self.fd)
-        if exclusive:
-            try:
-                os.link(self.path, self.final)
-            except FileExistsError:
-                return False
-            except OSError as e:
-                if e.errno not in _NO_LINKS:
-                    raise
-                os.rename(self.path, self.final)
-            else:
-                os.unlink(self.path)
-        else:
-            os.rename(self.path, self.final)
-        self.published = True
-        if durable:
-            sync_dir(os.path.dirname(self.final) or ".")
-        return True
-
-    def close(self):
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        if not self.published:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
-        temps.untrack(self.path)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-# errno values of link() that mean "no hard links here", not "no room".
-_NO_LINKS = frozenset(getattr(errno, n) for n in ("EPERM", "ENOTSUP", "EOPNOTSUPP", "EXDEV", "ENOSYS")
-                      if hasattr(errno, n))
-
-
-def write_checkpoint(path, header, text, plan, trailer_raw=b"", head=b"", durable=True, exclusive=False):
-    """Writes one checkpoint file under a temporary name and publishes it.
-
-    Args:
-        path: the final name.
-        header: the format.Header to write.
-        text: the text bytes stored in the file (a chain block's segment).
-        plan: the payload.Plan (built with head=len(head)).
-        trailer_raw: the trailer bytes.
-        head: bytes at the payload start before the tensor payload (a chain
-            block's chain header).
-        durable, exclusive: see TempFile.publish.
-
-    Returns:
-        the new file's Entry, or None when exclusive and another file already
-        had the name.
-    """
-    with TempFile(path) as tmp:
-        write_image(tmp.fd, tmp.path, header, text, plan, trailer_raw, head)
-        # Read back before publishing: once visible, the file may be wiped
-        # (zeroed) by another process at once.
-        entry = entry_from_fd(tmp.fd, os.fstat(tmp.fd), path)
-        if not tmp.publish(durable, exclusive):
-            return None
-    return entry
-
-
-def image_size(text, plan, trailer_raw=b""):
-    """The size of the file write_image writes."""
-    return PREFIX_SIZE + len(text) + plan.payload_bytes + len(trailer_raw)
-
-
-def write_image(fd, path, header, text, plan, trailer_raw=b"", head=b"", crc=True):
-    """Writes the bytes of one checkpoint file into fd (a new, empty file),
-    or into an object with payload.pwrite_from's method (the sink that
-    kvstore.seal encrypts from): what write_checkpoint publishes.
-
-    Args:
-        crc: False writes 0 as every payload block's CRC (payload.Plan.write).
-
-    Returns:
-        the file size.
-    """
-    P = PREFIX_SIZE + len(text)
-    size = image_size(text, plan, trailer_raw)
-    dst = as_source(fd)
-    dst.reserve(size, path)
-    payload.pwrite_from(fd, header.pack() + len(text).to_bytes(4, "little") + text + head, 0, path)
-    plan.write(fd, path, crc)
-    if trailer_raw:
-        payload.pwrite_from(fd, trailer_raw, P + plan.payload_bytes, path)
-    # A zero-byte last block sits at an aligned offset past the last byte
-    # written: without a trailer (or the preallocation) the file would end
-    # short of payload_bytes and read back as truncated.
-    dst.set_size(size)
-    return size
 
 
 # ---- changing or removing the file one opened ---------------------------------

@@ -2,8 +2,10 @@
 
 A whole save writes one ABI 16 file; a chained save cuts the state into
 blocks and writes only the blocks not stored yet, parent first, each
-published by the one publish sequence (kvstore.files.write_checkpoint, or
-the codec's own), within the disk budget and the directory's write budget.
+published by the one publish sequence (kvstore.publish), within the disk
+budget and the directory's write budget: all the blocks are written first,
+each one's data synced while the next is written, then each is put in
+place in order.
 A compatible file already under a name is kept (its trailer merged in
 place, a session promoted) instead of written again.  The saver counts and
 logs; what happens after a file is published (upload, eviction) is the
@@ -18,7 +20,7 @@ import time
 
 import numpy as np
 
-from kvstore import _native, chain, files, names, payload, policy
+from kvstore import _native, chain, files, names, payload, policy, publish
 from kvstore import trailers as trailer_mod
 from kvstore.codec import stored_entry
 from kvstore.errors import CheckpointMissing, CorruptCheckpoint, UnsafePath
@@ -73,6 +75,9 @@ class Saver:
             return self.refuse("min_tokens", tokens=n, min_tokens=min_tokens)
         ctx = d.ctx_size if ctx is None else int(ctx)
         axes = check_axes(positional, tensors, n)
+        # MLX arrays as NumPy views of their memory, evaluated once: a chain's
+        # blocks slice them without an MLX op per block and tensor.
+        tensors, dtypes = payload.host_tensors(tensors, dtypes)
         values = {trailer_mod.bit_index(k): v for k, v in (trailers or {}).items()}
         trailer_raw, ext = trailer_mod.encode_trailer(values) if values else (b"", 0)
         save = self._save_chain if d.layout == "chain" else self._save_whole
@@ -101,7 +106,8 @@ class Saver:
             if self.over_write_budget(reason, PREFIX_SIZE + len(text) + plan.payload_bytes + len(trailer_raw)):
                 return None
             header = self._header(reason, int(tokens.size), ctx, plan, ext, PAYLOAD_ABI_TENSORS, int(time.time()))
-            entry = d.codec.write(path, header, text, plan, trailer_raw, durable=d.durable, lookup_tag=tag)
+            entry = publish.publish_staged(d.codec.stage(path, header, text, plan, trailer_raw, lookup_tag=tag),
+                                           d.durable)
         except OSError as e:
             d.count(save_errors=1)
             log.warning("kvstore: save_failed errno=%s error=%s file=%s", e.errno,
@@ -201,30 +207,53 @@ class Saver:
         return kept, todo, have
 
     def _publish_blocks(self, todo, reason, ctx, ext, written, nbytes):
-        """Writes the blocks of todo in order, appending each Entry to written
-        and the bytes this process wrote to nbytes; indexes them."""
+        """Writes the blocks of todo, then publishes them in order, appending
+        each Entry to written and the bytes this process wrote to nbytes;
+        indexes them.
+
+        Every block is staged (written under a temporary name) first, its
+        data synced on a sync thread while the next one is written; each is
+        then linked in place, parent first, only once its own data is on the
+        disk, and its directory synced before the next: a crash leaves a
+        chain prefix, never a visible block whose parent is not there.
+        """
         d = self.d
         now = int(time.time())
-        for b, restorable, path, seg, plan, tr in todo:
-            header = self._header(reason if b.last else Reason.CONTINUED, b.tokens, ctx, plan,
-                                  ext if b.last else 0, PAYLOAD_ABI_CHAIN, now)
-            head = pack_chain_head(b.parent_digest, b.token_start, b.text_start, d.block_tokens,
-                                   b.flags(restorable), b.token_digest, b.parent_token_digest)
-            # A new name is taken only if still free: of two writers of the
-            # same block the first wins, and the chains that already
-            # continue it keep their parent.
-            e = d.codec.write(path, header, seg, plan, tr, head, d.durable, exclusive=not os.path.lexists(path),
-                              lookup_tag=b.lookup_tag)
-            if e is None:
-                e = d.codec.current(path)
-                if not (chain.same_block(e, b) and (e.restorable or not restorable)):
-                    e = d.codec.write(path, header, seg, plan, tr, head, d.durable, lookup_tag=b.lookup_tag)
-                    nbytes.append(e.file_size)
-            else:
-                nbytes.append(e.file_size)
-            written.append(e)
-        with d.lock:
-            d.index.add(*written)
+        staged = []
+        try:
+            for b, restorable, path, seg, plan, tr in todo:
+                header = self._header(reason if b.last else Reason.CONTINUED, b.tokens, ctx, plan,
+                                      ext if b.last else 0, PAYLOAD_ABI_CHAIN, now)
+                head = pack_chain_head(b.parent_digest, b.token_start, b.text_start, d.block_tokens,
+                                       b.flags(restorable), b.token_digest, b.parent_token_digest)
+                staged.append((b, restorable, d.codec.stage(path, header, seg, plan, tr, head,
+                                                            lookup_tag=b.lookup_tag)))
+                if d.durable:
+                    staged[-1][2].sync_soon()
+            for b, restorable, tmp in staged:
+                written.append(self._publish_block(tmp, b, restorable, nbytes))
+        finally:
+            for _, _, tmp in staged:
+                tmp.close()
+            with d.lock:
+                d.index.add(*written)
+
+    def _publish_block(self, tmp, b, restorable, nbytes):
+        """Puts one staged block in place; its Entry, or the same block another
+        writer put there first (the chains that already continue it keep
+        their parent)."""
+        d = self.d
+        # A new name is taken only if still free: of two writers of the
+        # same block the first wins.
+        if tmp.publish(d.durable, exclusive=not os.path.lexists(tmp.final)):
+            nbytes.append(tmp.entry.file_size)
+            return tmp.entry
+        e = d.codec.current(tmp.final)
+        if chain.same_block(e, b) and (e.restorable or not restorable):
+            return e
+        tmp.publish(d.durable)           # another file had the name: this block replaces it
+        nbytes.append(tmp.entry.file_size)
+        return tmp.entry
 
     def drop_replaced_tails(self, blocks, text):
         """Removes the tails this chained save grew past (docs/format.md §14).

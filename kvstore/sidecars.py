@@ -9,7 +9,7 @@ directory's exclusive lock, so two never lose each other's changes.
 import json
 import os
 
-from kvstore import _native, files
+from kvstore import _native, files, publish
 
 
 def read_json(directory, name, max_bytes):
@@ -46,7 +46,7 @@ def write_json(directory, name, obj, durable=True):
         OSError: it could not be written (the file there stays as it was).
     """
     body = json.dumps(obj, indent=1, sort_keys=True).encode()
-    with files.TempFile(os.path.join(directory, name)) as tmp:
+    with publish.TempFile(os.path.join(directory, name)) as tmp:
         _native.pwrite_from(tmp.fd, body, 0, tmp.path)
         tmp.publish(durable)
 

@@ -9,6 +9,7 @@ a file's image before it is encrypted.  A Source offers:
     pread_into(buf, offset, path=None, crc=None) -> crc     (as _native.pread_into)
     read_pieces(buffers, pieces, verify=False)              (as _native.pread_pieces)
     pwrite_from(buf, offset, path=None)                     (writers)
+    pwrite_pieces(buffers, offset, path=None)               one after another, from offset
     reserve(size, path=None)   all of a new file's blocks at once (or nothing)
     set_size(size)             the file's final size (or nothing)
     close()                    what the Source itself opened (FdSource: its descriptor)
@@ -19,6 +20,9 @@ as_source() is the one place that tells a descriptor from a Source.
 import os
 
 from kvstore import _native
+
+_pwritev = getattr(os, "pwritev", None)
+_IOV_MAX = 1024                 # POSIX's minimum for IOV_MAX is 16; Linux and macOS allow 1024
 
 
 class FdSource:
@@ -39,6 +43,24 @@ class FdSource:
 
     def pwrite_from(self, buf, offset, path=None):
         return _native.pwrite_from(self.fd, buf, offset, path)
+
+    def pwrite_pieces(self, bufs, offset, path=None):
+        # One vectored write per IOV_MAX buffers where the platform has it
+        # (Linux, macOS 11+); what a short write leaves goes one by one.
+        for i in range(0, len(bufs), _IOV_MAX):
+            group = bufs[i:i + _IOV_MAX]
+            done = 0
+            if _pwritev is not None:
+                try:
+                    done = _pwritev(self.fd, group, offset)
+                except OSError as e:
+                    _native.raise_status(-(e.errno or 5), path if path is not None else f"fd {self.fd}", "write")
+            for b in group:
+                n = memoryview(b).nbytes
+                if done < n:
+                    _native.pwrite_from(self.fd, memoryview(b).cast("B")[done:], offset + done, path)
+                done = max(0, done - n)
+                offset += n
 
     def reserve(self, size, path=None):
         # All blocks at once: faster writes, and a disk without room fails here.

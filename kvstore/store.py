@@ -375,8 +375,6 @@ class KVStore:
         Returns:
             (dict name -> NumPy array, dict name -> recorded dtype or {}).
         """
-        captured = {}
-        dtypes = dict(dtypes or {})
         # MLX arrays: NumPy views of their memory, made here, on the caller's
         # thread and MLX stream, in one evaluation: the writer then only reads
         # memory (a strided view, a KV buffer cut to its filled length, is
@@ -385,16 +383,9 @@ class KVStore:
         # taking 17-24 s in kvstore serve) and MLX on the CPU is not safe for
         # ops on two threads at once.  A view keeps today's data: an in-place
         # update of the caller's array (cache[..., i:j] = x) cannot reuse a
-        # buffer still referenced.
-        views = payload.host_views({k: a for k, a in tensors.items() if payload.is_mlx_array(a)})
-        for k, a in tensors.items():
-            if k in views:
-                captured[k], recorded = views[k]
-                if recorded is not None:
-                    dtypes[k] = recorded
-            else:
-                captured[k] = np.array(a, copy=True)
-        return captured, dtypes
+        # buffer still referenced.  NumPy arrays are copied.
+        host, dtypes = payload.host_tensors(tensors, dtypes)
+        return {k: a if host[k] is not tensors[k] else np.array(a, copy=True) for k, a in host.items()}, dtypes
 
     def submit(self, fn, *args, **kwargs):
         """Runs fn(*args, **kwargs) on the store's background writer, after the

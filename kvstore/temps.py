@@ -1,7 +1,7 @@
 """Temporary files: which ones are debris (docs/format.md §11).
 
 A checkpoint is written under ``<name>.tmp.<pid>.<random>`` and renamed into
-place (kvstore.files.TempFile).  A crash or a power loss leaves the
+place (kvstore.publish.TempFile).  A crash or a power loss leaves the
 temporary name behind; when a store opens, every one whose writer is gone
 is removed: its process has exited, the file predates the machine's boot
 (a restart killed every writer, and the pid may be another process's now),
@@ -22,7 +22,7 @@ TMP_RE = re.compile(r"^(?:[0-9a-fA-F]{40}\.kv|\.models|\.index)\.tmp\.(\d+)\.[0-
 STALE_TMP_AGE_S = 24 * 3600
 
 
-# The temporary files this process is writing now (kvstore.files.TempFile):
+# The temporary files this process is writing now (kvstore.publish.TempFile):
 # one of its own pid that is not among them is stale (left by a write that
 # failed, or by an earlier process that had the same pid).
 _live_temps = set()

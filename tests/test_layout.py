@@ -32,6 +32,8 @@ LAYERS = [
     ["kvstore.index"],
     # Writing and checking files; chains of blocks.
     ["kvstore.files", "kvstore.chain"],
+    # Publishing a new file (temporary name, sync, put in place).
+    ["kvstore.publish"],
     # What is written with them: small JSON sidecars, the model registry, the pins.
     ["kvstore.sidecars", "kvstore.registry", "kvstore.pins"],
     # The store's parts: the open directory and the codec (how a file's

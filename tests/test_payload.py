@@ -4,6 +4,7 @@ byte layout of the file as written."""
 
 import hashlib
 import json
+import os
 import struct
 
 import numpy as np
@@ -470,3 +471,60 @@ def test_threaded_mlx_load_of_a_corrupt_file_is_a_miss(store, mlx_threaded):
         f.write(bytes([b[0] ^ 1]))
     assert store.load(store.find("corrupt threaded"), into="mlx") is None
     assert store.stats()["corrupt"] == 1
+
+
+# ---- a strided view written as its contiguous runs ----------------------------------
+
+def kv_slices(seed=3):
+    """KV buffers (1, 4, 64, 128) float16 cut along the sequence axis: runs of
+    32 rows x 256 B = 8 KiB, then of 96 rows = 24 KiB (above MIN_RUN)."""
+    base = sample("float16", (1, 4, 256, 128), seed)
+    return {"short_runs": base[:, :, 8:40, :], "long_runs": base[:, :, 100:196, :],
+            "two_axes": base[:, 1:3, 100:196, :]}
+
+
+def test_contiguous_runs_are_views_in_order():
+    from kvstore.payload import plan
+    t = kv_slices()
+    runs = plan.contiguous_runs(t["long_runs"])
+    assert runs is not None and len(runs) == 4
+    assert all(np.shares_memory(r, t["long_runs"]) and r.flags.c_contiguous for r in runs)
+    assert b"".join(r.tobytes() for r in runs) == np.ascontiguousarray(t["long_runs"]).tobytes()
+    assert plan.contiguous_runs(t["short_runs"]) is None          # runs under MIN_RUN: copied
+    assert plan.contiguous_runs(t["two_axes"]) is not None        # (1, 2) leading axes merge
+    assert plan.contiguous_runs(sample("float16", (2, 3, 64, 128))[:, 1:, 10:60]) is None  # no merge
+    assert plan.contiguous_runs(sample("float16", (256, 128))) is None                    # contiguous
+    assert plan.contiguous_runs(sample("int32", (64, 128)).astype(">i4")[::2]) is None    # big-endian
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_strided_views_are_written_as_runs_and_read_back_exact(tmp_path, monkeypatch, sealed):
+    import kvstore
+    from kvstore import sources
+    from kvstore.payload import plan
+    from kvstore.policy import Options
+    written = []
+    real = plan.pwrite_pieces
+
+    def spy(dst, bufs, offset, path=None):
+        written.append(len(bufs))
+        return real(dst, bufs, offset, path)
+    monkeypatch.setattr(plan, "pwrite_pieces", spy)
+    # Vectored writes that come up short: what is left goes one by one.
+    calls = []
+
+    def short_pwritev(fd, bufs, offset):
+        calls.append(len(bufs))
+        return os.pwrite(fd, bytes(memoryview(bufs[0]).cast("B")[:1000]), offset)
+    monkeypatch.setattr(sources, "_pwritev", short_pwritev)
+    tensors = {**kv_slices(), "plain": sample("int32", (7, 5))}
+    key = os.urandom(32) if sealed else None
+    with kvstore.KVStore(tmp_path / "s", options=Options(min_tokens=1), layout="whole", key=key) as store:
+        e = store.save("strided text", [1, 2, 3], tensors)
+        assert e is not None and store.verify_file(e.path) is None
+        ck = store.load(store.find("strided text and more"), into="numpy")
+    assert ck is not None
+    for name, want in tensors.items():
+        assert np.array_equal(ck.tensors[name], want), name
+    assert sorted(written) == [2, 4]            # long_runs (4 runs), two_axes (2); the rest copied
+    assert calls == ([] if sealed else [4, 2])  # the sealing sink takes pieces without a vectored write

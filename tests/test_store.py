@@ -405,7 +405,7 @@ def test_temporaries_left_before_the_boot_or_by_this_process_are_removed(tmp_pat
     # may belong to other processes now (this one included): a temporary
     # file older than the boot, or of this process's pid but open in no write
     # of this process, is debris.  Found by tests/test_power_cuts.py.
-    from kvstore import files, temps
+    from kvstore import publish, temps
     d = tmp_path / "kv"
     with make_store(d):
         pass
@@ -418,7 +418,7 @@ def test_temporaries_left_before_the_boot_or_by_this_process_are_removed(tmp_pat
     booted = temps.boot_time()
     assert booted is not None and booted < time.time()
     os.utime(before_boot, (booted - 60, booted - 60))
-    with files.TempFile(d / f"{sha}.kv") as writing:        # this process's own write, in progress
+    with publish.TempFile(d / f"{sha}.kv") as writing:        # this process's own write, in progress
         with make_store(d):
             assert not before_boot.exists() and not mine.exists()
             assert alive.exists() and os.path.exists(writing.path)

@@ -10,12 +10,15 @@ import pathlib
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 
 import kvstore
 from kvstore import files
+from kvstore.format import read_entry
 from kvstore.policy import Options
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -148,3 +151,79 @@ def test_kvstore_stats_names_the_primitive(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvstore", "stats", str(d)], capture_output=True,
                          text=True, check=True, cwd=tmp_path).stdout
     assert re.search(rf"^sync\s+{files.SYNC_PRIMITIVE} ", out, re.M)
+
+
+def test_a_durable_chained_save_syncs_blocks_while_writing_and_links_them_in_order(tmp_path, monkeypatch):
+    """The data of a chained save's first block is synced while the later
+    blocks are still being written (the disk and the CPU work at once), yet
+    each block is linked into place only after its own data sync returned
+    and after the directory sync that made its parent's link durable."""
+    from kvstore import publish
+    d = tmp_path / "d"
+    events, lock, waited = [], threading.Lock(), []
+    real_sync, real_link, real_rename = files.sync_fd, os.link, os.rename
+    n_blocks = 5
+
+    def log(*ev):
+        with lock:
+            events.append(ev)
+
+    def temps_now():
+        return sorted(p for p in os.listdir(d) if ".kv.tmp." in p)
+
+    def spy_sync(fd, data_only=False, primitive=None):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        with lock:
+            first = ".kv.tmp." in name and not waited
+            waited.append(name)
+        if first:
+            # The first block's sync starts before the last block is written,
+            # and waits, up to 10 s, for the last block's temporary file: it
+            # comes only if writing goes on meanwhile.
+            log("first_sync_before_last_staged", len(temps_now()) < n_blocks)
+            deadline = time.monotonic() + 10
+            while len(temps_now()) < n_blocks and time.monotonic() < deadline:
+                time.sleep(0.005)
+            log("all_staged_during_first_sync", len(temps_now()) == n_blocks)
+        r = real_sync(fd, data_only, primitive)
+        log("sync", name.split(".tmp.")[0] if ".kv.tmp." in name else "dir:" + name)
+        return r
+
+    def spy_link(src, dst, *a, **kw):
+        log("link", os.path.basename(os.fspath(dst)))
+        return real_link(src, dst, *a, **kw)
+
+    def spy_rename(src, dst, *a, **kw):
+        log("link", os.path.basename(os.fspath(dst)))
+        return real_rename(src, dst, *a, **kw)
+
+    if not os.path.exists("/proc/self/fd"):
+        pytest.skip("names a descriptor's file through /proc/self/fd")
+    ids = np.arange(n_blocks * 4, dtype=np.uint32)
+    text = b"".join(f"t{i} ".encode() for i in ids)
+    offsets = [0] + [sum(len(f"t{j} ") for j in range(i + 1)) for i in range(ids.size)]
+    kv = {"k": np.repeat(ids[None, None, :, None], 8, axis=3).astype(np.float16)}
+    with kvstore.KVStore(d, options=Options(min_tokens=1), block_tokens=4) as store:
+        assert store.layout == "chain" and store.durable
+        monkeypatch.setattr(files, "sync_fd", spy_sync)
+        monkeypatch.setattr(publish.os, "link", spy_link)
+        monkeypatch.setattr(publish.os, "rename", spy_rename)
+        last = store.save(text, ids, kv, positional={"k": 2}, text_offsets=offsets)
+        monkeypatch.undo()
+        assert last is not None and last.tokens == ids.size
+    assert ("first_sync_before_last_staged", True) in events, events
+    assert ("all_staged_during_first_sync", True) in events, events
+    links = [i for i, e in enumerate(events) if e[0] == "link"]
+    assert len(links) == n_blocks
+    linked = [events[i][1] for i in links]
+    for k, i in enumerate(links):
+        # Its own data sync returned before its link ...
+        assert ("sync", linked[k]) in events[:i], (linked[k], events)
+        # ... and the directory was synced between the previous link and this one.
+        if k:
+            between = events[links[k - 1] + 1:i]
+            assert ("sync", "dir:d") in between, (k, events)
+    assert events[-1] == ("sync", "dir:d")
+    # Parent first: each block names the one linked before it.
+    parents = [read_entry(str(d / name)).parent for name in linked]
+    assert parents == [""] + [name[:-3] for name in linked[:-1]]

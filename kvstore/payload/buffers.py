@@ -33,6 +33,11 @@ def pwrite_from(dst, buf, offset, path=None):
     return as_source(dst).pwrite_from(buf, offset, path)
 
 
+def pwrite_pieces(dst, bufs, offset, path=None):
+    """Writes the buffers one after another from offset (pwrite_from's dst)."""
+    return as_source(dst).pwrite_pieces(bufs, offset, path)
+
+
 def pread(src, n, offset):
     """os.pread for a file descriptor or a source with pread_into."""
     return as_source(src).pread(n, offset)

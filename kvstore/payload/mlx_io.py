@@ -43,6 +43,28 @@ def host_views(arrays):
     return {k: (np.asarray(a), names[k] if names[k] == "bfloat16" else None) for k, a in out.items()}
 
 
+def host_tensors(tensors, dtypes=None):
+    """(tensors with every MLX array replaced by its host_views view, the
+    dtypes to record with bfloat16 added): what a writer slices and writes
+    without running an MLX op per slice.  A dict without MLX arrays comes
+    back as it is, and MLX is not imported.
+
+    Returns:
+        (dict name -> array, dict name -> recorded dtype).
+    """
+    dtypes = dict(dtypes or {})
+    mlx = {k: a for k, a in tensors.items() if type(a).__module__.startswith("mlx")}
+    if not mlx:
+        return tensors, dtypes
+    views = host_views(mlx)
+    out = dict(tensors)
+    for k, (view, recorded) in views.items():
+        out[k] = view
+        if recorded is not None:
+            dtypes[k] = recorded
+    return out, dtypes
+
+
 def mlx_source(a):
     """An MLX array described for the writer, evaluated (kvstore.payload.plan.tensor_source).
 

@@ -14,13 +14,21 @@ import numpy as np
 
 from kvstore import _native
 from kvstore.format import PREFIX_SIZE
-from kvstore.payload.buffers import bytes_view, pwrite_from
+from kvstore.payload.buffers import bytes_view, pwrite_from, pwrite_pieces
 from kvstore.payload.manifest import (BLOCK_ALIGN, DATA_ALIGN, DTYPES, MAGIC, PAYLOAD_HEADER, VERSION,
                                       align)
 from kvstore.payload.mlx_io import mlx_source
 from kvstore.payload.pool import io_pool, slices
 
 _CRC_PLACEHOLDER = 0xFFFFFFFF                 # widest u32 in decimal (10 digits)
+
+# A strided view is written run by run, without a contiguous copy, when its
+# contiguous runs are at least this long (a (1, 8, n, 128) float16 KV buffer
+# cut along its sequence axis into 256-token blocks: 64 KiB runs) and not
+# more than MAX_RUNS of them; otherwise it is copied contiguous first.
+MIN_RUN = 16 << 10
+MAX_RUNS = 4096
+_LITTLE = np.little_endian
 
 
 def is_mlx_array(a):
@@ -33,10 +41,12 @@ def tensor_source(name, a):
 
     Returns:
         (dtype name, shape, nbytes, materialize) where materialize() returns
-        the flat contiguous little-endian byte buffer.  The buffer shares
-        memory with the array when it can; a strided view (a KV buffer sliced
-        to its filled length, say) is copied only when materialize() is
-        called, so the writer holds at most a couple of such copies at once.
+        the array's little-endian bytes as a list of flat contiguous buffers,
+        in order.  They share memory with the array when they can: a strided
+        view made of long contiguous runs (a KV buffer cut into a chain's
+        blocks along its sequence axis) comes back as its runs; any other
+        strided view is copied only when materialize() is called, so the
+        writer holds at most a couple of such copies at once.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"tensor name {name!r} must be a non-empty str")
@@ -51,11 +61,37 @@ def tensor_source(name, a):
         nbytes = int(a.nbytes)
 
         def materialize(a=a):
+            runs = contiguous_runs(a)
+            if runs is not None:
+                return runs
             # The file is little-endian: a big-endian array is byte-swapped here.
-            return np.ascontiguousarray(a.reshape(-1), dtype=a.dtype.newbyteorder("<")).view(np.uint8)
+            return [np.ascontiguousarray(a.reshape(-1), dtype=a.dtype.newbyteorder("<")).view(np.uint8)]
     if dtype not in DTYPES:
         raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
     return dtype, shape, nbytes, materialize
+
+
+def contiguous_runs(a):
+    """A strided little-endian array's bytes as views of its contiguous runs,
+    in order, without a copy; None for a contiguous array, or one whose runs
+    are shorter than MIN_RUN or more than MAX_RUNS."""
+    if a.flags.c_contiguous or a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not _LITTLE):
+        return None
+    shape, strides = a.shape, a.strides
+    # The contiguous run: the trailing axes whose strides are C's.
+    k, run = a.ndim, a.itemsize
+    while k and (shape[k - 1] == 1 or strides[k - 1] == run):
+        k -= 1
+        run *= shape[k]
+    count = a.size * a.itemsize // run if run else 0
+    if k == 0 or run < MIN_RUN or count > MAX_RUNS:
+        return None
+    try:
+        # The leading axes as one, when that needs no copy (a cut along one axis).
+        lead = a.reshape((count,) + shape[k:], copy=False)
+    except (TypeError, ValueError):
+        return None
+    return [lead[i] for i in range(count)]
 
 
 class Plan:
@@ -144,9 +180,10 @@ class Plan:
 
         A file takes one writer at a time in the kernel, so this thread does
         all the writing, in order, while the pool computes the CRC32C of each
-        block's slices (GIL released): the CRC costs no wall time.  Blocks
-        that need a contiguous copy are materialised one at a time, just
-        before they are written.
+        large block's slices (GIL released): the CRC costs no wall time.  A
+        smaller block, or one written as its contiguous runs, is CRC'd as
+        it is written, in the same pass.  Blocks that need a contiguous copy
+        are materialised one at a time, just before they are written.
 
         Args:
             crc: False writes 0 as every block's CRC (a sealed file's body,
@@ -154,19 +191,37 @@ class Plan:
         """
         P = self.payload_start
         m = self.manifest
-        blocks = [(m["tokens"], lambda: self.tokens)] + \
+        blocks = [(m["tokens"], lambda: [self.tokens])] + \
             [(t, src[4]) for t, src in zip(m["tensors"], self.sources)]
-        pool = io_pool()
         for t, materialize in blocks:
-            mv = bytes_view(materialize())
-            parts = slices(mv.nbytes) if crc else []
-            crcs = [pool.submit(_native.crc32c, mv[a:b]) for a, b in parts]
-            pwrite_from(fd, mv, P + t["offset"], path)
-            value = 0
-            for i, ((a, b), fut) in enumerate(zip(parts, crcs)):
-                c = fut.result()
-                value = c if i == 0 else _native.crc32c_combine(value, c, b - a)
-            t["crc32c"] = value
+            t["crc32c"] = _write_block(fd, path, [bytes_view(b) for b in materialize()], P + t["offset"], crc)
         raw = self.manifest_bytes()
         head = PAYLOAD_HEADER.pack(MAGIC, len(raw), self.data_offset, _native.crc32c(raw), 0)
         pwrite_from(fd, head + raw, P, path)
+
+
+def _write_block(fd, path, pieces, at, crc):
+    """Writes one block's pieces from at while the pool CRCs them; the
+    block's CRC32C (0 without crc)."""
+    pool = io_pool()
+    if len(pieces) == 1:
+        mv = pieces[0]
+        parts = slices(mv.nbytes) if crc else []
+        futs = [pool.submit(_native.crc32c, mv[a:b]) for a, b in parts]
+        pwrite_from(fd, mv, at, path)
+    else:
+        parts = [(0, sum(mv.nbytes for mv in pieces))] if crc else []
+        futs = [pool.submit(_crc_of, pieces)] if crc else []
+        pwrite_pieces(fd, pieces, at, path)
+    value = 0
+    for i, ((a, b), fut) in enumerate(zip(parts, futs)):
+        c = fut.result()
+        value = c if i == 0 else _native.crc32c_combine(value, c, b - a)
+    return value
+
+
+def _crc_of(pieces):
+    value = 0
+    for mv in pieces:
+        value = _native.crc32c(mv, value)
+    return value

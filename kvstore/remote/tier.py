@@ -27,7 +27,8 @@ import time
 
 from kvstore import _native, policy
 from kvstore.errors import CheckpointOSError, KVStoreError
-from kvstore.files import TempFile, short_name, verify_file
+from kvstore.files import short_name, verify_file
+from kvstore.publish import TempFile
 from kvstore.format import (CHAIN_RESTORABLE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, ExtFlag,
                             Reason, entry_from_fd)
 from kvstore.reader import Match

@@ -31,7 +31,7 @@ a corrupt one.  Its modules, from the bottom up:
     cipher   the AEAD (HKDF, AES-256-GCM over a chunk); the only user of cryptography
     keys     the store key: key files, the key id, the derived keys
     source   reading: SealedSource and open_sealed
-    sink     writing: SealingSink and write_sealed
+    sink     writing: SealingSink and stage_sealed
     check    checking a whole file: verify_sealed
     sealer   Sealer: one key's names, and open / write / check through it
 """
@@ -41,7 +41,7 @@ from kvstore.seal.keys import KEY_BYTES, KEY_ID_BYTES, load_key, new_key_file
 from kvstore.seal.layout import (BODY_OFFSET, CHUNK_BYTES, CHUNK_LOG2, FILE_ID_BYTES, MAX_CHUNK_LOG2, MIN_CHUNK_LOG2,
                                  TAG_BYTES, Grid, SealHead, parse_seal_head)
 from kvstore.seal.sealer import Sealer
-from kvstore.seal.sink import SealingSink, write_sealed
+from kvstore.seal.sink import SealingSink, stage_sealed
 from kvstore.seal.source import SealedSource, open_sealed
 
 __all__ = ["KEY_BYTES", "CHUNK_BYTES", "BODY_OFFSET", "load_key", "new_key_file", "Sealer"]

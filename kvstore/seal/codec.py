@@ -64,10 +64,8 @@ class SealedCodec:
         # A sealed file's tags bind its trailer and header: it is written anew.
         return not entry.sealed
 
-    def write(self, path, header, text, plan, trailer_raw=b"", head=b"", durable=True, exclusive=False,
-              lookup_tag=b""):
-        return self.sealer.write_checkpoint(path, header, text, plan, trailer_raw, head, durable, exclusive,
-                                            lookup_tag)
+    def stage(self, path, header, text, plan, trailer_raw=b"", head=b"", lookup_tag=b""):
+        return self.sealer.stage(path, header, text, plan, trailer_raw, head, lookup_tag)
 
     def current(self, path):
         """The envelope at path now, or None (missing, corrupt, unsafe); for a

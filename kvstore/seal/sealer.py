@@ -12,7 +12,7 @@ from kvstore.names import NameKey
 from kvstore.seal import keys
 from kvstore.seal.check import verify_sealed
 from kvstore.seal.cipher import require_crypto
-from kvstore.seal.sink import write_sealed
+from kvstore.seal.sink import stage_sealed
 from kvstore.seal.source import open_sealed
 
 
@@ -74,17 +74,15 @@ class Sealer:
 
     # -- files ---------------------------------------------------------------
 
-    def write_checkpoint(self, path, header, text, plan, trailer_raw=b"", head=b"", durable=True, exclusive=False,
-                         lookup_tag=b""):
-        """files.write_checkpoint, sealed (kvstore.seal.sink.write_sealed):
+    def stage(self, path, header, text, plan, trailer_raw=b"", head=b"", lookup_tag=b""):
+        """publish.stage_checkpoint, sealed (kvstore.seal.sink.stage_sealed):
         each chunk is encrypted as soon as the writer has passed it; nothing
         plain reaches a disk.
 
         Returns:
-            the new file's Entry (ABI 48 or 49), or None when exclusive and
-            another file already had the name.
+            the unpublished TempFile, its ``entry`` the new file's Entry (ABI 48 or 49).
         """
-        return write_sealed(self, path, header, text, plan, trailer_raw, head, durable, exclusive, lookup_tag)
+        return stage_sealed(self, path, header, text, plan, trailer_raw, head, lookup_tag)
 
     def source(self, fd, st, entry):
         """A sealed file read in place: (SealedSource, the plain file's Entry)

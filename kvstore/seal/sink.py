@@ -1,6 +1,6 @@
-"""Writing a sealed file: SealingSink, which encrypts a plain image chunk by chunk, and write_sealed.
+"""Writing a sealed file: SealingSink, which encrypts a plain image chunk by chunk, and stage_sealed.
 
-A save encrypts each chunk as soon as the plain writer (files.write_image)
+A save encrypts each chunk as soon as the plain writer (publish.write_image)
 has written its last byte, straight from the writer's buffers, on an I/O
 thread; nothing plain is ever written to a file, and only a few chunks of
 plain bytes are in memory at a time.
@@ -11,16 +11,15 @@ import os
 
 import numpy as np
 
-from kvstore import _native, files, payload
+from kvstore import _native, payload, publish
 from kvstore.format import PREFIX_SIZE, entry_from_fd
 from kvstore.seal.cipher import encrypt_pieces
 from kvstore.seal.layout import (BODY_OFFSET, CHUNK_BYTES, FILE_ID_BYTES, TAG_BYTES, Grid, chunk_aad, chunk_nonce,
                                  clear_heads, file_aad, sealed_size, tags_offset)
 
 
-def write_sealed(sealer, path, header, text, plan, trailer_raw=b"", head=b"", durable=True, exclusive=False,
-                 lookup_tag=b""):
-    """files.write_checkpoint, sealed: the plain bytes go to a SealingSink,
+def stage_sealed(sealer, path, header, text, plan, trailer_raw=b"", head=b"", lookup_tag=b""):
+    """publish.stage_checkpoint, sealed: the plain bytes go to a SealingSink,
     which encrypts each chunk as soon as the writer has passed it and
     writes it on an I/O thread.
 
@@ -30,35 +29,36 @@ def write_sealed(sealer, path, header, text, plan, trailer_raw=b"", head=b"", du
             header names its parent by its keyed name).
         lookup_tag: the name's (kvstore.names.names_of; b"": none, found by
             its name alone).
-        The rest: as files.write_checkpoint.
+        The rest: as publish.stage_checkpoint.
 
     Returns:
-        the new file's Entry (ABI 48 or 49), or None when exclusive and
-        another file already had the name.
+        the TempFile, its ``entry`` the new file's Entry (ABI 48 or 49).
     """
-    body = files.image_size(text, plan, trailer_raw) - PREFIX_SIZE
+    body = publish.image_size(text, plan, trailer_raw) - PREFIX_SIZE
     data_start = plan.payload_start + plan.data_offset - PREFIX_SIZE      # in the body
     grid = Grid.for_data_at(body, data_start)
     file_id = os.urandom(FILE_ID_BYTES)
     total = sealed_size(grid)
     prefix, clear = clear_heads(header, len(text), grid, sealer.key_id, file_id, head, lookup_tag)
     aad = file_aad(path, prefix, clear)
-    with files.TempFile(path) as tmp:
+    tmp = publish.TempFile(path)
+    try:
         _native.preallocate(tmp.fd, total, tmp.path)
         _native.pwrite_from(tmp.fd, prefix + clear, 0, tmp.path)
         sink = SealingSink(sealer.file_key(file_id), aad, tmp.fd, tmp.path, grid, data_start)
         try:
             # No CRCs: the tags check every byte (docs/format.md §16).
-            files.write_image(sink, tmp.path, header, text, plan, trailer_raw, head, crc=False)
+            publish.write_image(sink, tmp.path, header, text, plan, trailer_raw, head, crc=False)
             sink.finish()
         finally:
             sink.wait()
         _native.pwrite_from(tmp.fd, sink.tags, tags_offset(grid), tmp.path)
         os.ftruncate(tmp.fd, total)
-        entry = entry_from_fd(tmp.fd, os.fstat(tmp.fd), path)
-        if not tmp.publish(durable, exclusive):
-            return None
-    return entry
+        tmp.entry = entry_from_fd(tmp.fd, os.fstat(tmp.fd), path)
+    except BaseException:
+        tmp.close()
+        raise
+    return tmp
 
 
 def seal_chunk(key, aad, i, chunks, pieces, out, tags):
@@ -70,7 +70,7 @@ def seal_chunk(key, aad, i, chunks, pieces, out, tags):
 
 
 class SealingSink:
-    """Where files.write_image writes a sealed file's plain bytes
+    """Where publish.write_image writes a sealed file's plain bytes
     (payload.pwrite_from's method), at plain-file offsets.
 
     The writer goes forward through the tensor data, so once a write reaches
@@ -107,6 +107,12 @@ class SealingSink:
         self.jobs = collections.deque()
         self.spare = []
         self.tags = bytearray(TAG_BYTES * self.chunks)
+
+    def pwrite_pieces(self, bufs, offset, path=None):
+        for b in bufs:
+            mv = payload.bytes_view(b)
+            self.pwrite_from(mv, offset, path)
+            offset += mv.nbytes
 
     def pwrite_from(self, buf, offset, path=None):
         mv = payload.bytes_view(buf)
