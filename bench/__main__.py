@@ -123,9 +123,13 @@ TARGETS_NOTE = """\
   checks the CRC32C of every byte it loads, and has the live model
   recompute the last restored token (the canary, docs/format.md §17) so that
   a file of another model is never used. The row's note measures that work
-  in the same run (the load row's difference plus the canary's cost) and
-  prints the ratio it alone costs; with the checks on, the ratio cannot go
-  below it. The checks stay: 1.05 leaves them their share and
+  in the same run (the load row's difference, and the canary as the same
+  hit with and without it, paired: its recomputed token costs more than
+  an average token of the suffix, since a 129-token prefill is not 1/128
+  slower than a 128-token one) and prints the ratio it alone costs; with
+  the checks on, the ratio cannot go below it. One pair's ratio spreads by
+  about ±20% on this machine, so each size takes 60 pairs and the note
+  gives their quartiles. The checks stay: 1.05 leaves them their share and
   a little noise, and a regression of the load or the prefill path past it
   still fails.
 """
