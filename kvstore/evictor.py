@@ -198,9 +198,8 @@ class Evictor:
         d = self.d
         with d.lock:
             d.index.refresh()
-            present = set(e.sha for e in d.index.entries.values())
-        live = pins.read_pins(d.path, int(time.time()))
-        return sorted((p for p in live.values() if p.sha in present), key=lambda p: (-p.until, p.sha))
+            entries = list(d.index.entries.values())
+        return pins.present(d.path, entries, int(time.time()))[0]
 
     def pin(self, entry, ttl_s, tenant=""):
         """KVStore.pin (see there) of the file entry names: the Pin granted.

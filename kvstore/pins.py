@@ -119,4 +119,12 @@ def kept(pins, entries):
     return frozenset(shas), total
 
 
-__all__ = ["PINS", "Pin", "parse_ttl", "read_pins", "write_pins", "kept", "TTL_NAMES"]
+def present(directory, entries, now):
+    """(the live pins of the files among entries, the latest lifetime first;
+    the bytes they keep, chain blocks before them included)."""
+    by_sha = {e.sha: e for e in entries}
+    live = sorted((p for p in read_pins(directory, now).values() if p.sha in by_sha), key=lambda p: (-p.until, p.sha))
+    return live, kept(live, by_sha)[1]
+
+
+__all__ = ["PINS", "Pin", "parse_ttl", "read_pins", "write_pins", "kept", "present", "TTL_NAMES"]

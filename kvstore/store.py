@@ -502,9 +502,8 @@ class KVStore:
             entries = list(self._dir.index.entries.values())
         # Every model's share of the directory and its one budget (docs/format.md §17).
         out["models"] = registry.summarize(entries, registry.read_registry(self.path))
-        live = pins_mod.read_pins(self.path, int(time.time()))
-        out["pins"] = sum(1 for e in entries if e.sha in live)
-        out["pinned_bytes"] = pins_mod.kept(live.values(), {e.sha: e for e in entries})[1]
+        live, out["pinned_bytes"] = pins_mod.present(self.path, entries, int(time.time()))
+        out["pins"] = len(live)
         out["write_budget"] = (None if self.write_budget_bytes is None
                                else self._dir.counters.report(self.write_budget_bytes)["write_budget"])
         # How a durable save reaches the disk here (docs/format.md §11).

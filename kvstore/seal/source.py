@@ -10,6 +10,7 @@ rows.  Every byte a load uses is authenticated; the bytes it skips
 
 import dataclasses
 import os
+import threading
 
 from kvstore import _native, payload
 from kvstore.errors import CorruptCheckpoint
@@ -256,10 +257,24 @@ class SealedSource:
         """
         _read_ahead(work)
         views = [payload.bytes_view(x) for x in buffers]
-        scratch = memoryview(bytearray(max((src.grid.size for (src, _), _ in work), default=0)))
+        scratch = _scratch(max((src.grid.size for (src, _), _ in work), default=0))
         for (src, i), rows in work:
             src.decrypt_chunk(i, views, rows, scratch)
         return []
+
+
+_local = threading.local()
+
+
+def _scratch(n):
+    """This thread's scratch chunk of at least n bytes, kept for its next job:
+    a chain load runs hundreds of jobs, and a fresh zeroed MiB each is a
+    cost of its own.  It takes only a chunk's padding and gaps (or a whole
+    chunk whose rows overlap), never bytes a job returns."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or len(buf) < n:
+        buf = _local.scratch = memoryview(bytearray(n))
+    return buf[:n]
 
 
 def _places(fd, lo, hi, buffers, rows, scratch):
