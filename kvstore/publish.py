@@ -15,14 +15,13 @@ disk taking the data, runs while the CPU copies the next block, and the
 order that keeps a chain whole after a crash stays what it was.
 """
 
-import atexit
 import concurrent.futures
 import errno
 import os
 import secrets
-import threading
 
 from kvstore import files, payload, temps
+from kvstore.payload.pool import LazyExecutor
 from kvstore.format import PREFIX_SIZE, entry_from_fd
 from kvstore.sources import as_source
 
@@ -30,29 +29,8 @@ from kvstore.sources import as_source
 # is written; more only queue in the kernel.
 SYNC_THREADS = 2
 
-_sync_pool = None
-_sync_lock = threading.Lock()
-
-
-def sync_pool():
-    """The executor of TempFile.sync_soon (SYNC_THREADS threads, made on first use)."""
-    global _sync_pool
-    with _sync_lock:
-        if _sync_pool is None:
-            _sync_pool = concurrent.futures.ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="kvstore-sync")
-            atexit.register(_sync_pool.shutdown, wait=True)
-        return _sync_pool
-
-
-def _forget_pool_after_fork():
-    # A forked child has none of its parent's threads: it starts its own pool.
-    global _sync_pool, _sync_lock
-    _sync_pool = None
-    _sync_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+# The executor of TempFile.sync_soon (made on first use).
+_sync = LazyExecutor(lambda: concurrent.futures.ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="kvstore-sync"))
 
 
 # errno values of link() that mean "no hard links here", not "no room".
@@ -91,7 +69,7 @@ class TempFile:
         durable publish() then waits for it instead of syncing again.
         Nothing may be written to fd after this call."""
         if self._synced is None:
-            self._synced = sync_pool().submit(files.sync_fd, self.fd)
+            self._synced = _sync.get().submit(files.sync_fd, self.fd)
 
     def publish(self, durable, exclusive=False):
         """Sync the data (durable), put it in place, sync the directory (durable).

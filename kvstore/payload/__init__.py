@@ -19,8 +19,9 @@ from kvstore.payload.buffers import bytes_view, pread, pread_into, pwrite_from
 from kvstore.payload.chains import Batch, ChainBlob, ChainLayout, ChainTensor, Piece, read_chain_numpy
 from kvstore.payload.manifest import (BLOCK_ALIGN, DATA_ALIGN, DTYPES, MAGIC, MAX_ARRAY_BYTES, MAX_MANIFEST_BYTES,
                                       MAX_MODEL_CHARS, PAYLOAD_HEADER, VERSION, Manifest, numpy_dtype, read_manifest)
-from kvstore.payload.mlx_io import host_tensors, host_views, read_chain_mlx, read_tensors_mlx, set_mlx_threaded
-from kvstore.payload.plan import Plan, is_mlx_array, tensor_source
+from kvstore.payload.mlx_io import (host_tensors, host_views, is_mlx_array, read_chain_mlx, read_tensors_mlx,
+                                    set_mlx_threaded)
+from kvstore.payload.plan import Plan, tensor_source
 from kvstore.payload.pool import (IO_THREADS, MIN_SLICE, QUEUE_BYTES, io_pool, lower_thread_priority, read_block,
                                   set_io_priority)
 from kvstore.payload.whole import VirtualBlob, read_tensors_numpy, read_tokens

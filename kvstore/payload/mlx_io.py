@@ -28,6 +28,11 @@ from kvstore.payload.whole import VirtualBlob, read_tensors_numpy
 _mlx_threaded = False
 
 
+def is_mlx_array(a):
+    """True for an MLX array (told apart by its module, so MLX need not be imported)."""
+    return type(a).__module__.startswith("mlx")
+
+
 def host_views(arrays):
     """{name: (a NumPy view of an MLX array's memory, strides and all, the
     dtype to record for it or None)} of a dict of MLX arrays, evaluated on
@@ -53,7 +58,7 @@ def host_tensors(tensors, dtypes=None):
         (dict name -> array, dict name -> recorded dtype).
     """
     dtypes = dict(dtypes or {})
-    mlx = {k: a for k, a in tensors.items() if type(a).__module__.startswith("mlx")}
+    mlx = {k: a for k, a in tensors.items() if is_mlx_array(a)}
     if not mlx:
         return tensors, dtypes
     views = host_views(mlx)

@@ -17,7 +17,7 @@ from kvstore.format import PREFIX_SIZE
 from kvstore.payload.buffers import bytes_view, pwrite_from, pwrite_pieces
 from kvstore.payload.manifest import (BLOCK_ALIGN, DATA_ALIGN, DTYPES, MAGIC, PAYLOAD_HEADER, VERSION,
                                       align)
-from kvstore.payload.mlx_io import mlx_source
+from kvstore.payload.mlx_io import is_mlx_array, mlx_source
 from kvstore.payload.pool import io_pool, slices
 
 _CRC_PLACEHOLDER = 0xFFFFFFFF                 # widest u32 in decimal (10 digits)
@@ -29,11 +29,6 @@ _CRC_PLACEHOLDER = 0xFFFFFFFF                 # widest u32 in decimal (10 digits
 MIN_RUN = 16 << 10
 MAX_RUNS = 4096
 _LITTLE = np.little_endian
-
-
-def is_mlx_array(a):
-    """True for an MLX array (told apart by its module, so MLX need not be imported)."""
-    return type(a).__module__.startswith("mlx")
 
 
 def tensor_source(name, a):
@@ -180,10 +175,10 @@ class Plan:
 
         A file takes one writer at a time in the kernel, so this thread does
         all the writing, in order, while the pool computes the CRC32C of each
-        large block's slices (GIL released): the CRC costs no wall time.  A
-        smaller block, or one written as its contiguous runs, is CRC'd as
-        it is written, in the same pass.  Blocks that need a contiguous copy
-        are materialised one at a time, just before they are written.
+        block's slices, or of the contiguous runs it is written from, in one
+        job (GIL released): the CRC costs no wall time.  Blocks that need a
+        contiguous copy are materialised one at a time, just before they are
+        written.
 
         Args:
             crc: False writes 0 as every block's CRC (a sealed file's body,

@@ -26,9 +26,44 @@ IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 # A chain load hands blocks to the I/O threads at least this many bytes at a time.
 QUEUE_BYTES = MIN_SLICE * IO_THREADS
 
-_pool = None
-_pool_lock = threading.Lock()
 _io_nice = 0
+
+
+class LazyExecutor:
+    """A thread pool made by make() on first use and shut down at exit.
+
+    A forked child inherits the object but none of its threads (work
+    submitted to the parent's pool would wait forever): it makes its own.
+    """
+
+    def __init__(self, make):
+        self._make = make
+        self._pool = None
+        self._lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget)
+
+    def get(self):
+        with self._lock:
+            if self._pool is None:
+                self._pool = self._make()
+                atexit.register(self._pool.shutdown, wait=True)
+            return self._pool
+
+    def take(self):
+        """The pool made so far (or None), forgotten: the next get() makes a new one."""
+        with self._lock:
+            old, self._pool = self._pool, None
+        return old
+
+    def _forget(self):
+        self._pool = None
+        self._lock = threading.Lock()
+
+
+_io = LazyExecutor(lambda: concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-io",
+                                                                 initializer=lower_thread_priority,
+                                                                 initargs=(_io_nice,)))
 
 
 def lower_thread_priority(nice):
@@ -56,37 +91,18 @@ def set_io_priority(nice):
     lower priority the loads' copies and CRCs take the CPU time decoding
     leaves, not the other way round.  Threads already started are replaced.
     """
-    global _pool, _io_nice
+    global _io_nice
     if not 0 <= nice <= 19:
         raise ValueError(f"I/O thread niceness {nice!r} is not in 0..19")
-    with _pool_lock:
-        old, _pool, _io_nice = _pool, None, nice
+    old = _io.take()
+    _io_nice = nice
     if old is not None:
         old.shutdown(wait=True)
 
 
 def io_pool():
     """The I/O threads' executor (IO_THREADS threads), shared with kvstore.seal's chunk jobs."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-io",
-                                                          initializer=lower_thread_priority,
-                                                          initargs=(_io_nice,))
-            atexit.register(_pool.shutdown, wait=True)
-        return _pool
-
-
-def _forget_pool_after_fork():
-    # A forked child inherits the pool object but none of its threads: work
-    # submitted to it would wait forever.  The child starts its own.
-    global _pool, _pool_lock
-    _pool = None
-    _pool_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+    return _io.get()
 
 
 def slices(n):
