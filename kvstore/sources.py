@@ -13,6 +13,8 @@ a file's image before it is encrypted.  A Source offers:
     reserve(size, path=None)   all of a new file's blocks at once (or nothing)
     set_size(size)             the file's final size (or nothing)
     close()                    what the Source itself opened (FdSource: its descriptor)
+    any_thread                 True when its positioned writes may come from any thread
+                               (a plain file's: a save's bytes then move on the I/O threads)
 
 as_source() is the one place that tells a descriptor from a Source.
 """
@@ -29,6 +31,10 @@ class FdSource:
     """The Source of a plain file, through its descriptor."""
 
     __slots__ = ("fd",)
+
+    # A plain file's positioned writes may come from any thread: a save hands
+    # its blocks' bytes to the payload I/O threads (kvstore.payload.plan).
+    any_thread = True
 
     def __init__(self, fd):
         self.fd = fd

@@ -395,13 +395,25 @@ class KVStore:
         what capture() took), off the caller's thread.  Blocks only while the
         writer's bounded queue is full.
         """
+        return self._background().submit(fn, *args, **kwargs)
+
+    def try_submit(self, fn, *args, **kwargs):
+        """submit() that never blocks: None when the writer's queue is full.
+
+        For a serving loop, which must not wait for the disk: what it does
+        not queue it does not store.
+        """
+        return self._background().try_submit(fn, *args, **kwargs)
+
+    def _background(self):
+        """The store's background writer (made on first use, and again in a forked child)."""
         self._check_open()
         with self._wlock:
             if self._writer is None or self._writer_pid != os.getpid():
                 # (A forked child inherits the writer object but not its thread.)
                 self._writer = BackgroundWriter()
                 self._writer_pid = os.getpid()
-        return self._writer.submit(fn, *args, **kwargs)
+        return self._writer
 
     def flush(self):
         """Waits for every queued save_async to finish."""

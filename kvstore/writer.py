@@ -36,11 +36,26 @@ class BackgroundWriter:
         Returns:
             concurrent.futures.Future with fn's result or exception.
         """
+        return self._put(True, fn, args, kwargs)
+
+    def try_submit(self, fn, *args, **kwargs):
+        """Queues fn(*args, **kwargs) unless the queue is full; never blocks.
+
+        Returns:
+            concurrent.futures.Future, or None when the queue was full.
+        """
+        return self._put(False, fn, args, kwargs)
+
+    def _put(self, block, fn, args, kwargs):
+        # Under the lock, so that nothing is queued after close()'s stop.
         with self._lock:
             if self._closed:
                 raise RuntimeError("background writer is closed")
             fut = concurrent.futures.Future()
-            self._q.put((fut, fn, args, kwargs))
+            try:
+                self._q.put((fut, fn, args, kwargs), block=block)
+            except queue.Full:
+                return None
         return fut
 
     def flush(self):

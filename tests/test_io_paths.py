@@ -6,7 +6,9 @@ the same as a plain read, and no page outside the destination may be touched.
 
 Writes: a new checkpoint's blocks are allocated with fallocate() before it
 is written; where the filesystem cannot, the writes allocate as they go.
-Both routes must give the same file.
+Both routes must give the same file.  A plain file's blocks are written by
+the I/O threads (which a server runs at a lower CPU priority), not by the
+thread that saves.
 """
 
 import ctypes
@@ -336,3 +338,29 @@ def test_copy_runs_lands_every_run_and_refuses_runs_that_do_not_fit():
         _native.copy_runs(dst, 0, src, 1000, 10, 3, 10)
     with pytest.raises(ValueError, match="pass a source"):
         _native.copy_runs(dst, 0, src, 2000, 1, 1, 1)
+
+
+@pytest.mark.parametrize("layout", ["whole", "chain"])
+def test_a_saves_bytes_are_written_by_the_io_threads(tmp_path, monkeypatch, layout):
+    import threading
+
+    from kvstore import sources
+    seen = []
+    for name in ("pwrite_from", "pwrite_pieces"):
+        real = getattr(sources.FdSource, name)
+
+        def record(self, bufs, offset, path=None, real=real, name=name):
+            n = memoryview(bufs).nbytes if name == "pwrite_from" else sum(memoryview(b).nbytes for b in bufs)
+            seen.append((n, threading.current_thread().name))
+            return real(self, bufs, offset, path)
+        monkeypatch.setattr(sources.FdSource, name, record)
+    rng = np.random.default_rng(3)
+    tensors = {"k": rng.standard_normal((2, 600, 64)).astype(np.float32),
+               "v": rng.standard_normal((2, 600, 64)).astype(np.float32)}
+    with make_store(tmp_path / "d", layout=layout) as s:
+        entry = s.save("t" * 600, np.arange(600), tensors, positional={"k": 1, "v": 1})
+        assert entry is not None
+        got = s.load(s.find("t" * 600))
+        assert all(np.array_equal(got.tensors[k], tensors[k]) for k in tensors)
+    bulk = [name for n, name in seen if n >= 64 << 10]
+    assert bulk and all(name.startswith("kvstore-io") for name in bulk), seen

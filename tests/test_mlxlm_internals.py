@@ -305,3 +305,61 @@ def test_import_kvstore_needs_no_mlx_lm(tmp_path):
                        cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["KVStore", "False"]
+
+
+# ---- the RAM reuse a request would get -------------------------------------------------------
+
+def _prompt_cache(trimmable):
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, KVCache
+    if trimmable:
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 1, 4, 2)), mx.zeros((1, 1, 4, 2)))
+    else:
+        c = ArraysCache(1)
+        c[0] = mx.zeros((1, 2))
+    return [c]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ram_reuse_bounds_hold_what_the_fetch_reuses(seed):
+    # The tier's lookup walks the trie once (ram_reuse_bounds) instead of
+    # mlx-lm's full search: the bounds must hold the reuse that
+    # fetch_nearest_cache gives, and be it when they agree.
+    import random
+
+    from kvstore.mlx import mlxlm
+    rng = random.Random(seed)
+    cache = mlxlm.ReportingPromptCache(max_size=1000)
+    stored = []
+    for _ in range(rng.randint(1, 12)):
+        base = rng.choice(stored) if stored and rng.random() < 0.6 else []
+        tokens = base[:rng.randint(0, len(base))] + [rng.randint(0, 5) for _ in range(rng.randint(1, 12))]
+        cache.insert_cache("m", tokens, _prompt_cache(rng.random() < 0.7))
+        stored.append(tokens)
+    for _ in range(40):
+        base = rng.choice(stored)
+        prompt = base[:rng.randint(0, len(base))] + [rng.randint(0, 5) for _ in range(rng.randint(0, 6))]
+        if not prompt:
+            continue
+        lo, hi = cache.ram_reuse_bounds("m", prompt)
+        reuse = cache.ram_reuse("m", prompt)
+        _, rest = cache.fetch_nearest_cache("m", prompt)
+        assert reuse == len(prompt) - len(rest)
+        assert lo <= reuse <= hi, (prompt, lo, reuse, hi)
+        if lo == hi:
+            assert reuse == lo
+    assert cache.ram_reuse_bounds("other", [1, 2]) == (0, 0)
+
+
+def test_ram_reuse_bounds_at_the_edges():
+    from kvstore.mlx import mlxlm
+    cache = mlxlm.ReportingPromptCache(max_size=100)
+    cache.insert_cache("m", [7], _prompt_cache(True))                 # one token: reused as a "longer" entry,
+    cache.insert_cache("m", [3], _prompt_cache(False))                # when it can be trimmed
+    cache.insert_cache("m", [1, 2, 3, 4], _prompt_cache(False))       # longer, cannot be trimmed
+    cache.insert_cache("m", [5, 6, 7, 8], _prompt_cache(True))        # longer, can be trimmed
+    for prompt, want in (([7, 9], 1), ([3, 9], 0), ([1, 2, 3, 4], 4), ([1, 2, 9], 0), ([5, 6, 9], 2), ([5, 6], 1),
+                         ([9], 0)):
+        lo, hi = cache.ram_reuse_bounds("m", prompt)
+        assert cache.ram_reuse("m", prompt) == want and lo <= want <= hi, (prompt, lo, hi)

@@ -276,6 +276,27 @@ def test_save_async_of_strided_mlx_views_runs_no_mlx_op_on_the_writer(tmp_path, 
         assert mx.array_equal(ck.tensors[n], views[n]).item(), n
 
 
+def test_try_submit_never_waits_for_a_full_writer(tmp_path):
+    # A serving loop queues its saves with try_submit: when the writer's
+    # queue is full the call returns None at once instead of blocking.
+    import threading
+
+    from kvstore.writer import DEFAULT_QUEUE_SIZE
+    started, release = threading.Event(), threading.Event()
+    with make_store(tmp_path / "d") as s:
+        running = s.submit(lambda: started.set() or release.wait(60))
+        assert started.wait(30)
+        queued = [s.try_submit(lambda i=i: i) for i in range(DEFAULT_QUEUE_SIZE + 2)]
+        try:
+            # One is running; the queue holds DEFAULT_QUEUE_SIZE more.
+            assert [f is not None for f in queued] == [True] * DEFAULT_QUEUE_SIZE + [False] * 2
+        finally:
+            release.set()
+        assert running.result(timeout=30) is True
+        assert [f.result(timeout=30) for f in queued if f is not None] == \
+            [i for i, f in enumerate(queued) if f is not None]
+
+
 def test_save_async_refusal_and_error_come_through_the_future(tmp_path):
     with make_store(tmp_path / "kv", options=Options(min_tokens=5)) as s:
         assert s.save_async("few", [1, 2], small_tensors()).result(timeout=30) is None

@@ -231,6 +231,34 @@ class ReportingPromptCache(LRUPromptCache):
             self._lru.remove(model, tokens)
         return len(gone)
 
+    def ram_reuse_bounds(self, model, tokens):
+        """(at least, at most) the tokens fetch_nearest_cache(model, tokens) would
+        reuse now, from one walk down the trie (the caller holds its lock).
+
+        mlx-lm's search also looks below where the walk stops, for the shortest
+        entry that continues past it (usable only if its cache can be trimmed):
+        in a trie of many long prompts that share a few tokens with this one,
+        that search visits all of them.  The bounds differ only when such an
+        entry may exist; ram_reuse() then gives the exact figure.
+        """
+        node = self._trie._trie.get(model)
+        if node is None:
+            return 0, 0
+        walked, last = 0, -1
+        for t in tokens:
+            node = node.get(t)
+            if node is None:
+                break
+            if "__value__" in node:
+                last = walked
+            walked += 1
+        if tokens and last == len(tokens) - 1:
+            return len(tokens), len(tokens)
+        short = last + 1 if last > 0 else 0
+        if walked > short:
+            return short, min(len(tokens) - 1, walked)
+        return short, short
+
     def ram_reuse(self, model, tokens):
         """How many tokens fetch_nearest_cache(model, tokens) would reuse now (the caller holds its lock)."""
         result = self._trie.search(model, tokens)

@@ -19,6 +19,7 @@ from kvstore.payload.manifest import (BLOCK_ALIGN, DATA_ALIGN, DTYPES, MAGIC, PA
                                       align)
 from kvstore.payload.mlx_io import is_mlx_array, mlx_source
 from kvstore.payload.pool import io_pool, slices
+from kvstore.sources import as_source
 
 _CRC_PLACEHOLDER = 0xFFFFFFFF                 # widest u32 in decimal (10 digits)
 
@@ -197,17 +198,28 @@ class Plan:
 
 def _write_block(fd, path, pieces, at, crc):
     """Writes one block's pieces from at while the pool CRCs them; the
-    block's CRC32C (0 without crc)."""
+    block's CRC32C (0 without crc).
+
+    A plain file's bytes move on an I/O thread too (its Source's
+    any_thread), so the calling thread, a store's writer, only waits: the
+    copy into the page cache is the bulk of a save, and the I/O threads are
+    the ones that yield the CPU to a serving loop (set_io_priority).
+    """
     pool = io_pool()
+    dst = as_source(fd)
+    write = pwrite_from if len(pieces) == 1 else pwrite_pieces
+    what = pieces[0] if len(pieces) == 1 else pieces
+    job = pool.submit(write, dst, what, at, path) if getattr(dst, "any_thread", False) else None
     if len(pieces) == 1:
-        mv = pieces[0]
-        parts = slices(mv.nbytes) if crc else []
-        futs = [pool.submit(_native.crc32c, mv[a:b]) for a, b in parts]
-        pwrite_from(fd, mv, at, path)
+        parts = slices(pieces[0].nbytes) if crc else []
+        futs = [pool.submit(_native.crc32c, pieces[0][a:b]) for a, b in parts]
     else:
         parts = [(0, sum(mv.nbytes for mv in pieces))] if crc else []
         futs = [pool.submit(_crc_of, pieces)] if crc else []
-        pwrite_pieces(fd, pieces, at, path)
+    if job is None:
+        write(dst, what, at, path)
+    else:
+        job.result()
     value = 0
     for i, ((a, b), fut) in enumerate(zip(parts, futs)):
         c = fut.result()

@@ -3,11 +3,13 @@
 mlx-lm queues each request for its one generation thread, which tokenizes
 it, looks up the prompt cache and adds it to the running batch.  A disk load
 there would stop every sequence in the batch for as long as it streams in.
-Here the HTTP thread that received the request tokenizes it and loads its
-longest stored prefix first (TieredPromptCache.prefetch); only then does the
-request join the queue, with its cache ready.  The generation thread takes
-the tokens and the cache as they are (no disk read, no tokenization), so
-the batch keeps decoding while a load runs.
+Here the HTTP thread that received the request tokenizes it, looks its
+prompt up (TieredPromptCache.lookup) and loads the longest stored prefix
+(TieredPromptCache.load); only then does the request join the queue, with
+its cache ready.  The generation thread takes the tokens and the cache as
+they are (no disk read, no tokenization), so the batch keeps decoding while
+a load runs, and a request that arrives during a long prefill is tokenized
+and looked up at once, beside it, not between two of its steps.
 """
 
 import logging
@@ -15,7 +17,6 @@ import threading
 import time
 
 from kvstore.mlx.mlxlm import HookedResponseGenerator, requested_model_key
-from kvstore.payload import lower_thread_priority
 from kvstore.serve.pinning import BadPin, shared_prefix
 from kvstore.serve.ticket import Ticket
 from kvstore.serve.tier import WAYPOINT_TYPE
@@ -27,17 +28,20 @@ MODEL_WAIT_S = 600
 
 # Requests that arrive together are admitted together, as stock mlx-lm
 # admits the requests its queue holds: once the generation thread takes a
-# request, it waits for the others still being prepared on their HTTP threads
-# (tokenized, looked up, loaded) for at most this long before it starts the
-# prefill, so that they join one batch instead of each prefilling behind the
-# other.  Tokenizing and looking up a prompt takes milliseconds; a request
-# whose preparation takes longer (a large load) joins the next step.
+# request, it waits for the others still in the cheap half of their
+# preparation on their HTTP threads (tokenized and looked up: milliseconds)
+# for at most this long before it starts the prefill, so that they join one
+# batch instead of each prefilling behind the other.  It never waits for a
+# load (a request that loads joins the step after its load), nor when nobody
+# is being prepared.
 ADMIT_WAIT_S = 0.25
 
-# CPU niceness of the threads that prepare a request (tokenize, load its
-# cache) and of the payload I/O threads: the generation thread keeps the CPU
-# it needs to decode, and a load takes what is left (Linux; see
-# kvstore.payload.lower_thread_priority).
+# CPU niceness of the payload I/O threads, which move a load's and a save's
+# bytes (reads, writes, CRC32C, with the GIL released): the generation thread
+# keeps the CPU it needs to prefill and decode, and the bulk of the disk tier
+# takes what is left (Linux; see kvstore.payload.set_io_priority).  No thread
+# that runs Python runs at it: one that held the GIL, or a lock the serving
+# path takes, while it waited for a CPU would hold up the batch (generate()).
 LOAD_NICE = 19
 
 
@@ -84,7 +88,22 @@ class TieredResponseGenerator(HookedResponseGenerator):
         return self.tier.ready.is_set() and provider.model_key == key and provider.tokenizer is not None
 
     def generate(self, request, generation_args, progress_callback=None):
-        """Tokenizes and prefetches on this (HTTP) thread, then queues the request as mlx-lm does.
+        """Prepares the request on this (HTTP) thread, then queues it as mlx-lm does.
+
+        Preparing has a cheap half and a bulk half.  The cheap half
+        (tokenize, judge the breakpoints, look RAM and the store up: what
+        stock mlx-lm does on its generation thread, and milliseconds) runs
+        at this thread's own priority, never below the generation thread's:
+        it must not wait behind a prefill, and a thread at a lower priority
+        that holds the GIL or a lock the generation thread takes next (the
+        trie's, the tokenizer's) would hold up the batch too.  From its
+        arrival until the generation thread takes it off the queue the
+        request counts as being prepared (preparing()), which the generation
+        thread may wait for (ADMIT_WAIT_S); a request that loads stops
+        counting when its load begins.  The bulk half (that load) runs
+        uncounted: its bytes move on the payload I/O threads, which yield
+        the CPU (LOAD_NICE), and the request joins the batch at the step
+        after its load.
 
         Raises:
             ClientGone: the client disconnected while its cache was loading
@@ -95,36 +114,53 @@ class TieredResponseGenerator(HookedResponseGenerator):
             ticket = request.kvstore_ticket = Ticket()
         with self._admission:
             self._preparing += 1
+            ticket.preparing = True
         try:
-            self._prepare(request, generation_args, ticket)
-        finally:
-            with self._admission:
-                self._preparing -= 1
-                self._admission.notify_all()
-        return super().generate(request, generation_args, progress_callback)
-
-    def _prepare(self, request, generation_args, ticket):
-        """Tokenizes the request and loads its cache on this HTTP thread (see generate())."""
-        if self._serves(generation_args):
-            # This HTTP thread serves only this connection: it may yield.
-            lower_thread_priority(LOAD_NICE)
-            tokenizer = self.model_provider.tokenizer
-            try:
-                with self._tokenizer_lock:
-                    ticket.tokenized = (tokenizer, self.stock_tokenize(tokenizer, request, generation_args))
-            except Exception as e:            # the generation thread reports it, as mlx-lm does
-                ticket.tokenized = (tokenizer, e)
-            else:
-                prompt, _, _, _, vision = ticket.tokenized[1]
-                if ticket.pins:
-                    self._judge_pins(tokenizer, request, generation_args, prompt, ticket)
-                if vision is None and len(prompt) > 1:
-                    ticket.prefetched = self.tier.prefetch(prompt, ticket.tenant)
-            if ticket.gone is not None and ticket.gone():
+            found = self._prepare(request, generation_args, ticket)
+            if found is not None:
+                self._prepared(ticket)            # a load: the batch does not wait for it
+                ticket.prefetched = self.tier.load(ticket.tokenized[1][0], found)
+            if ticket.tokenized is not None and ticket.gone is not None and ticket.gone():
                 dropped = ticket.prefetched is not None
                 ticket.prefetched = None
                 log.info("kvstore: request_dropped reason=client_gone loaded=%d", dropped)
                 raise ClientGone("the client disconnected")
+            return super().generate(request, generation_args, progress_callback)
+        finally:
+            # (Once the generation thread has taken it, this finds it counted off already.)
+            self._prepared(ticket)
+
+    def _prepared(self, ticket):
+        """The request of ticket is no longer in the cheap half of its preparation."""
+        with self._admission:
+            if ticket.preparing:
+                ticket.preparing = False
+                self._preparing -= 1
+                self._admission.notify_all()
+
+    def preparing(self):
+        """How many requests are being prepared, cheap half, or queued and not taken yet (see generate())."""
+        with self._admission:
+            return self._preparing
+
+    def _prepare(self, request, generation_args, ticket):
+        """The cheap half of generate(): tokenizes the request and looks its
+        prompt up; returns the tier's Found to load, or None."""
+        if not self._serves(generation_args):
+            return None
+        tokenizer = self.model_provider.tokenizer
+        try:
+            with self._tokenizer_lock:
+                ticket.tokenized = (tokenizer, self.stock_tokenize(tokenizer, request, generation_args))
+        except Exception as e:            # the generation thread reports it, as mlx-lm does
+            ticket.tokenized = (tokenizer, e)
+            return None
+        prompt, _, _, _, vision = ticket.tokenized[1]
+        if ticket.pins:
+            self._judge_pins(tokenizer, request, generation_args, prompt, ticket)
+        if vision is not None or len(prompt) <= 1:
+            return None
+        return self.tier.lookup(prompt, ticket.tenant)
 
     def tokenize_request(self, request, generation_args):
         """(prompt, segments, types, state, vision) of a request as generate()
@@ -154,7 +190,7 @@ class TieredResponseGenerator(HookedResponseGenerator):
     def next_request(self, timeout=None):
         """mlx-lm's next queued request; after one, also the requests that
         arrived with it and are still being prepared (ADMIT_WAIT_S)."""
-        request = self.stock_next_request(timeout)
+        request = self._taken(self.stock_next_request(timeout))
         now = time.monotonic()
         if request is not None:
             if now >= self._gather_until:
@@ -163,15 +199,23 @@ class TieredResponseGenerator(HookedResponseGenerator):
         if now >= self._gather_until:
             return None
         with self._admission:
-            waited = False
+            waited, preparing = False, self._preparing
             while self._preparing and time.monotonic() < self._gather_until and self.requests.empty():
                 waited = True
                 self._admission.wait(self._gather_until - time.monotonic())
         if not waited:
             # Nobody was being prepared: the batch's next step must not wait.
-            return self.stock_next_request(None)
-        # A request whose preparation has just ended is put on the queue next.
-        return self.stock_next_request(0.005)
+            return self._taken(self.stock_next_request(None))
+        log.info("kvstore: admission_wait ms=%.1f preparing=%d", (time.monotonic() - now) * 1e3, preparing)
+        return self._taken(self.stock_next_request(None))
+
+    def _taken(self, request):
+        """A request the generation thread takes off the queue, counted off as prepared."""
+        if request is not None:
+            ticket = getattr(request[1], "kvstore_ticket", None)
+            if ticket is not None:
+                self._prepared(ticket)
+        return request
 
     def tokenize(self, tokenizer, request, args):
         """mlx-lm's tokenization, done already on the HTTP thread when it could; the

@@ -4,7 +4,7 @@ Two kinds of numbers:
 - the server's own, counted as requests are served: requests by where their
   cache came from (ram, disk, remote, none), tokens reused and prefilled,
   the time each request's disk or bucket load took, loads in progress,
-  stores skipped by admission, pins asked for by outcome, --warm prompts
+  stores skipped (by admission, or with the writer behind), pins asked for by outcome, --warm prompts
   by outcome;
 - the directory's, read from the store when the endpoint is scraped: the
   cumulative counters every process using the directory adds to
@@ -26,6 +26,9 @@ log = logging.getLogger("kvstore")
 SOURCES = ("ram", "disk", "remote", "none")
 PIN_OUTCOMES = ("pinned", "refused", "not_stored")
 WARM_OUTCOMES = ("stored", "skipped", "failed")
+# Why the server skipped a store: admission (--admit-after), writer_busy (the
+# background writer's queue was full: the generation thread never waits for it).
+SKIPPED = ("admission", "writer_busy")
 
 
 def available():
@@ -64,7 +67,8 @@ class Metrics:
         for s in SOURCES:
             self._requests.labels(s)
             self._reused.labels(s)
-        self._skipped.labels("admission")
+        for why in SKIPPED:
+            self._skipped.labels(why)
         self._pins = Counter("kvstore_pin_requests", "cache_control pins asked for, by outcome (pinned, refused, "
                              "not_stored)", ["outcome"], registry=self.registry)
         for outcome in PIN_OUTCOMES:

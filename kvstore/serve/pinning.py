@@ -18,9 +18,13 @@ tokens it shares with the whole prompt.
 
 import argparse
 import dataclasses
+import logging
 
-from kvstore import pins
+from kvstore import pins, policy
+from kvstore.errors import PinRefused
 from kvstore.policy import DEFAULT_MAX_PINNED_SHARE
+
+log = logging.getLogger("kvstore")
 
 # Anthropic allows four breakpoints in one request.
 MAX_BREAKPOINTS = 4
@@ -94,6 +98,67 @@ def breakpoints(messages):
     return out
 
 
+class Pinner:
+    """The pins of one store's breakpoints: judged on a request's HTTP thread,
+    granted once what they pin is stored, each outcome logged and counted.
+
+    Args:
+        store: the KVStore the pins are in.
+        options: its Options (min_tokens: the shortest prefix a pin may ask for).
+        metrics: a kvstore.serve.metrics.Metrics, or None.
+    """
+
+    def __init__(self, store, options, metrics=None):
+        self.store, self.options, self.metrics = store, options, metrics
+
+    def judge(self, prompt, ticket, key_of):
+        """Judges a request's breakpoints, once each one's length in tokens
+        is known.  A prefix too short for a checkpoint is refused (400); one
+        stored already is pinned now (its lifetime extended), or refused
+        (409) when the budget's pinned share has no room for it; any other
+        is queued: stored when the request's state passes its end, then
+        pinned (grant()).
+
+        Args:
+            prompt: the request's tokens.
+            ticket: its kvstore.serve.ticket.Ticket (its pins and tenant).
+            key_of: (tokens, tenant) -> the disk key of those tokens.
+
+        Raises:
+            BadPin: the request's answer.
+        """
+        for p in ticket.pins:
+            if not policy.store_cut(p.tokens, self.options):
+                raise BadPin(f"messages[{p.message}]: the prefix that ends there is {p.tokens} tokens, shorter "
+                             f"than the {self.options.min_tokens} tokens a checkpoint needs (--min-tokens)")
+            p.state = "queued"
+            self.grant(p, key_of(prompt[:p.tokens], ticket.tenant), ticket.tenant, upfront=True)
+
+    def grant(self, p, key, tenant, upfront=False):
+        """Pins the stored prefix key for p (a PinRequest), the outcome recorded in p; raises
+        BadPin (409) upfront (on the HTTP thread) when the pinned share has no room."""
+        try:
+            pin = self.store.pin(key, p.ttl_s, tenant=tenant or "")
+        except PinRefused as e:
+            if e.reason == "not_stored" and upfront:
+                return                    # queued: stored once the request's state passes it
+            self.refused(p, "refused" if e.reason == "share" else "not_stored")
+            if upfront:
+                raise BadPin(f"messages[{p.message}]: {e}", 409) from None
+            return
+        p.state, p.until = "pinned", pin.until
+        log.info("kvstore: pinned tokens=%d until=%d file=%s", p.tokens, pin.until, pin.sha[:12])
+        if self.metrics is not None:
+            self.metrics.pin("pinned")
+
+    def refused(self, p, state):
+        """Records a breakpoint that was not pinned: its state, the log line, the metric."""
+        p.state = state
+        log.warning("kvstore: pin_refused reason=%s tokens=%d", "share" if state == "refused" else state, p.tokens)
+        if self.metrics is not None:
+            self.metrics.pin(state)
+
+
 def add_arguments(p):
     """`kvstore serve`'s pin options: --max-pinned-share and --max-pin-ttl."""
     p.add_argument("--max-pinned-share", type=float, default=DEFAULT_MAX_PINNED_SHARE,
@@ -127,5 +192,5 @@ def shared_prefix(a, b):
     return i
 
 
-__all__ = ["BadPin", "PinRequest", "breakpoints", "shared_prefix", "add_arguments", "duration", "MAX_BREAKPOINTS",
+__all__ = ["BadPin", "PinRequest", "Pinner", "breakpoints", "shared_prefix", "add_arguments", "duration", "MAX_BREAKPOINTS",
            "DEFAULT_TTL", "DEFAULT_MAX_PIN_TTL_S"]

@@ -13,6 +13,14 @@ import dataclasses
 
 
 @dataclasses.dataclass
+class Found:
+    """The stored prefix a request's lookup found on its HTTP thread, not loaded yet."""
+    entry: object             # the kvstore Entry (local, or the bucket's)
+    key: bytes                # the request's key bytes (its prompt but the last token)
+    source: str               # "disk" or "remote"
+
+
+@dataclasses.dataclass
 class Prefetched:
     """A request's checkpoint read on its HTTP thread, waiting for the generation thread."""
     tokens: list
@@ -30,6 +38,7 @@ class Ticket:
     tokenized: object = None  # the generator's tokenize() result, or the exception it raised
     prefetched: Prefetched = None
     gone: object = None       # callable: True once the client has disconnected
+    preparing: bool = False   # counted among the requests in the cheap half of their preparation
     pins: list = dataclasses.field(default_factory=list)    # [kvstore.serve.pinning.PinRequest]
     error: object = None      # the BadPin its answer is, or None
     # Where its prefix came from and what was stored of it (trace()).

@@ -48,7 +48,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvstore import policy
-from kvstore.errors import PinRefused
 from kvstore.chain import DEFAULT_BLOCK_TOKENS, slice_along
 from kvstore.format import Reason
 from kvstore.identity import ModelIdentity
@@ -58,8 +57,8 @@ from kvstore.mlx import canary
 from kvstore.mlx.mlxlm import ReportingPromptCache
 from kvstore.serve import tenants
 from kvstore.serve.admission import Ledger
-from kvstore.serve.pinning import BadPin
-from kvstore.serve.ticket import Prefetched, Ticket
+from kvstore.serve.pinning import Pinner
+from kvstore.serve.ticket import Found, Prefetched, Ticket
 
 log = logging.getLogger("kvstore")
 
@@ -127,6 +126,7 @@ class TieredPromptCache(ReportingPromptCache):
         super().__init__(max_size, max_bytes)
         self._open_store = open_store
         self.store = None                        # open() opens it once the model has loaded
+        self.pinner = None                       # the store's pins (kvstore.serve.pinning.Pinner), with it
         self.ready = threading.Event()
         self.provider = provider
         self.model_key = model_key
@@ -162,6 +162,7 @@ class TieredPromptCache(ReportingPromptCache):
             fingerprint = hashlib.sha256(
                 f"{fingerprint}+draft:{model_fingerprint(draft, options=self.cache_options)}".encode()).hexdigest()
         self.store = self._open_store(ModelIdentity(fingerprint, self.label or model_label(model)))
+        self.pinner = Pinner(self.store, self.options, self.metrics)
         self.ready.set()
         return self.store
 
@@ -187,67 +188,89 @@ class TieredPromptCache(ReportingPromptCache):
 
     # -- the HTTP thread ------------------------------------------------------
 
-    def prefetch(self, tokens, tenant):
-        """Reads the longest stored prefix of tokens that beats RAM; on the calling (HTTP) thread.
+    def lookup(self, tokens, tenant):
+        """Finds the longest stored prefix of tokens that beats RAM; on the calling (HTTP) thread.
 
-        The tensors land in MLX arrays allocated without Python callbacks
-        (see the module's docstring).  Also counts the request's prefixes
-        for admission.  Never raises: the disk tier must never fail a request.
+        The cheap half of a request's preparation, at the thread's own
+        priority, so that it never waits behind a prefill: one SHA1 pass
+        over the key (KVStore.find) and, only when the store holds a prefix,
+        one walk down mlx-lm's trie to see whether RAM holds as much (the
+        generation thread searches the trie again when it takes the
+        request, as stock mlx-lm does: mlx-lm's full search costs
+        milliseconds in a large trie, so the walk stands for it unless it
+        cannot decide).  load() reads what it found.  Also counts the
+        request's prefixes for admission.  Never raises: the disk tier must
+        never fail a request.
 
         Returns:
-            Prefetched, or None (RAM is as good, nothing stored, or a miss).
+            Found, or None (nothing stored, or RAM as good).
         """
         try:
             if self.admit_after > 1:
                 self.ledger.count_uses(tokens[:-1], tenant, self.key_bytes(tokens[:-1], tenant))
-            with self._lock:
-                ram = self.ram_reuse(_ns(self.model_key, tenant), tokens)
-            # Keep at least one token to prefill: the server needs its logits.
-            # A RAM hit within MIN_DISK_GAIN of that is not worth a lookup: the
-            # disk could save only those tokens' prefill.
-            if len(tokens) - 1 - ram < min(MIN_DISK_GAIN, self.store.block_tokens):
-                return None
             key = self.key_bytes(tokens[:-1], tenant)
-            t0 = time.perf_counter()
-            if self.metrics is not None:
-                self.metrics.loading(+1)
-            try:
-                hit = self._load_longest(tokens, ram, key, tenant)
-            finally:
-                if self.metrics is not None:
-                    self.metrics.loading(-1)
-            if hit is None:
+            entry = self.store.find(key)
+            if entry is None:
                 return None
-            ckpt, n, source = hit
-            return Prefetched(list(tokens[:n]), ckpt, n, source, time.perf_counter() - t0)
+            remote = getattr(entry, "remote", None) is not None
+            found = Found(entry, key, "remote" if remote else "disk")
+            ns = _ns(self.model_key, tenant)
+            with self._lock:
+                lo, hi = self.ram_reuse_bounds(ns, tokens)
+                if lo != hi and self._beats(found, tokens, hi, tenant) != self._beats(found, tokens, lo, tenant):
+                    lo = self.ram_reuse(ns, tokens)
+            return found if self._beats(found, tokens, lo, tenant) else None
         except Exception as e:            # noqa: BLE001 - the disk tier must never fail a request
             log.warning("kvstore: disk_lookup_failed error=%s", type(e).__name__)
             return None
 
-    def _load_longest(self, tokens, reused, key, tenant):
-        """(checkpoint, n, source) of the longest stored prefix of key beyond reused tokens; else None.
-
-        The checkpoint's tensors are MLX arrays; _build() makes the cache.
-        """
-        entry = self.store.find(key)
-        if entry is None:
-            return None
-        remote = getattr(entry, "remote", None) is not None
-        if remote:
+    def _beats(self, found, tokens, ram, tenant):
+        """True when loading found is worth it while RAM reuses ram of tokens."""
+        # Keep at least one token to prefill: the server needs its logits.
+        # A RAM hit within MIN_DISK_GAIN of that is not worth a load: the
+        # disk could save only those tokens' prefill.
+        if len(tokens) - 1 - ram < min(MIN_DISK_GAIN, self.store.block_tokens):
+            return False
+        if found.source == "remote":
             # A remote entry's header is read when it is fetched: compare bytes.
-            if entry.text_bytes <= len(self.key_bytes(tokens[:reused], tenant)):
+            return found.entry.text_bytes > len(self.key_bytes(tokens[:ram], tenant))
+        return found.entry.tokens > ram
+
+    def load(self, tokens, found):
+        """Reads what lookup() found into MLX arrays; on the calling (HTTP) thread.
+
+        The bulk half of a request's preparation: the bytes move on the
+        payload I/O threads (which yield the CPU: kvstore.payload.set_io_priority),
+        into MLX arrays allocated without Python callbacks (see the module's
+        docstring).  Never raises.
+
+        Returns:
+            Prefetched, or None (the file went, failed its checks or holds other tokens).
+        """
+        t0 = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.loading(+1)
+        try:
+            ckpt = self.store.load(found.entry, into="mlx")
+            if ckpt is None:
                 return None
-        elif entry.tokens <= reused:
+            n = len(ckpt.tokens)
+            if ckpt.tokens.tolist() != list(tokens[:n]):
+                log.info("kvstore: disk_miss reason=token_mismatch tokens=%d file=%s", n, found.entry.name[:12])
+                return None
+            self.ledger.remember(found.key, list(ckpt.cuts.values()) + [len(ckpt.text_bytes)])
+            return Prefetched(list(tokens[:n]), ckpt, n, found.source, time.perf_counter() - t0)
+        except Exception as e:            # noqa: BLE001 - the disk tier must never fail a request
+            log.warning("kvstore: disk_load_failed error=%s", type(e).__name__)
             return None
-        ckpt = self.store.load(entry, into="mlx")
-        if ckpt is None:
-            return None
-        n = len(ckpt.tokens)
-        if ckpt.tokens.tolist() != list(tokens[:n]):
-            log.info("kvstore: disk_miss reason=token_mismatch tokens=%d file=%s", n, entry.name[:12])
-            return None
-        self.ledger.remember(key, list(ckpt.cuts.values()) + [len(ckpt.text_bytes)])
-        return ckpt, n, "remote" if remote else "disk"
+        finally:
+            if self.metrics is not None:
+                self.metrics.loading(-1)
+
+    def prefetch(self, tokens, tenant):
+        """lookup() then load(), on the calling thread; Prefetched or None."""
+        found = self.lookup(tokens, tenant)
+        return None if found is None else self.load(tokens, found)
 
     def _build(self, ckpt):
         """The mlx-lm cache of a loaded checkpoint, checked by the canary and
@@ -385,46 +408,12 @@ class TieredPromptCache(ReportingPromptCache):
     # -- pins (kvstore.serve.pinning, docs/format.md §19) -----------------------
 
     def judge_pins(self, prompt, ticket):
-        """Judges a request's breakpoints on its HTTP thread, once each one's
-        length in tokens is known.  A prefix too short for a checkpoint is
-        refused (400); one stored already is pinned now (its lifetime
-        extended), or refused (409) when the budget's pinned share has no
-        room for it; any other is queued: stored when the request's state
-        passes its end, then pinned (_persist_pins).
+        """Judges a request's breakpoints on its HTTP thread (kvstore.serve.pinning.Pinner.judge).
 
         Raises:
             BadPin: the request's answer.
         """
-        for p in ticket.pins:
-            if not policy.store_cut(p.tokens, self.options):
-                raise BadPin(f"messages[{p.message}]: the prefix that ends there is {p.tokens} tokens, shorter "
-                             f"than the {self.options.min_tokens} tokens a checkpoint needs (--min-tokens)")
-            p.state = "queued"
-            self._grant(p, self.key_bytes(prompt[:p.tokens], ticket.tenant), ticket.tenant, upfront=True)
-
-    def _grant(self, p, key, tenant, upfront=False):
-        """Pins the stored prefix key for p (a PinRequest), the outcome recorded in p; raises
-        BadPin (409) upfront (on the HTTP thread) when the pinned share has no room."""
-        try:
-            pin = self.store.pin(key, p.ttl_s, tenant=tenant or "")
-        except PinRefused as e:
-            if e.reason == "not_stored" and upfront:
-                return                    # queued: stored once the request's state passes it
-            self._refused(p, "refused" if e.reason == "share" else "not_stored")
-            if upfront:
-                raise BadPin(f"messages[{p.message}]: {e}", 409) from None
-            return
-        p.state, p.until = "pinned", pin.until
-        log.info("kvstore: pinned tokens=%d until=%d file=%s", p.tokens, pin.until, pin.sha[:12])
-        if self.metrics is not None:
-            self.metrics.pin("pinned")
-
-    def _refused(self, p, state):
-        """Records a breakpoint that was not pinned: its state, the log line, the metric."""
-        p.state = state
-        log.warning("kvstore: pin_refused reason=%s tokens=%d", "share" if state == "refused" else state, p.tokens)
-        if self.metrics is not None:
-            self.metrics.pin(state)
+        self.pinner.judge(prompt, ticket, self.key_bytes)
 
     def _persist_pins(self, model, tenant, tokens, cache, tickets, finished):
         """Stores (then pins) the queued breakpoints of these requests that the
@@ -438,7 +427,7 @@ class TieredPromptCache(ReportingPromptCache):
                 if self._persist(model, tenant, tokens, cache, policy.pin_target(p.tokens), (ticket,), pin=p):
                     p.state = "storing"
                 elif finished:
-                    self._refused(p, "not_stored")
+                    self.pinner.refused(p, "not_stored")
 
     def trim_to(self, *, n_sequences=None, n_bytes=None):
         with self._lock:
@@ -466,7 +455,7 @@ class TieredPromptCache(ReportingPromptCache):
         if held is not None:
             self._persist_held(ns, tokens, held, Reason.EVICT)
 
-    def _persist_held(self, ns, tokens, held, reason):
+    def _persist_held(self, ns, tokens, held, reason, wait=False):
         """Stores a RAM entry mlx-lm lets go (evicted, or at shutdown).
 
         For the entry of a finished request, the state at its prompt's last
@@ -481,12 +470,12 @@ class TieredPromptCache(ReportingPromptCache):
         model, tenant = _split(ns)
         cache, prompt_len = held
         for target in policy.leaving_stores(reason, len(tokens), prompt_len):
-            result = self._persist(model, tenant, tokens, cache, target)
+            result = self._persist(model, tenant, tokens, cache, target, wait=wait)
             if result is not None:
                 return result
         return None
 
-    def _persist(self, model, tenant, tokens, cache, target, tickets=(), pin=None):
+    def _persist(self, model, tenant, tokens, cache, target, tickets=(), pin=None, wait=False):
         """Stores cache under its tokens' key for a kvstore.policy.StoreTarget, in the background.
 
         Nothing is stored for another model than the store's, when the same
@@ -499,7 +488,9 @@ class TieredPromptCache(ReportingPromptCache):
         microseconds) and the state captured (the arrays it must copy on its
         own MLX stream: what the save costs it is the bytes); the save runs
         on the store's background writer (_store), never between the batch's
-        steps.
+        steps, and is skipped (counted: kvstore_stores_skipped{why="writer_busy"})
+        rather than waited for when the writer's queue is full; with wait
+        (the stores at shutdown, when no batch runs) it waits for room.
         """
         if model != self.model_key:
             return None
@@ -524,10 +515,18 @@ class TieredPromptCache(ReportingPromptCache):
             if cut < n:
                 tensors = {k: slice_along(a, positional[k], 0, cut) for k, a in tensors.items()}
             captured, dtypes = self.store.capture(tensors)
+            submit = self.store.submit if wait else self.store.try_submit
+            queued = submit(self._store, tenant, list(tokens[:cut]), key, captured, dtypes, meta, positional,
+                            reason, pin)
+            if queued is None:
+                # The writer is behind: the batch does not wait for the disk.
+                log.info("kvstore: store_skipped reason=%s why=writer_busy tokens=%d", why, cut)
+                if self.metrics is not None:
+                    self.metrics.skipped("writer_busy")
+                return None
             for t in tickets:
                 t.stored.append((target.kind, cut))
-            return self.store.submit(self._store, tenant, list(tokens[:cut]), key, captured, dtypes, meta,
-                                     positional, reason, pin)
+            return queued
         except (TypeError, ValueError) as e:   # a cache class kvstore cannot store
             log.info("kvstore: store_skipped reason=%s detail=%s", why, type(e).__name__)
         except Exception as e:                 # noqa: BLE001 - never fail a request for the disk tier
@@ -567,7 +566,7 @@ class TieredPromptCache(ReportingPromptCache):
             if entry is not None:
                 self.ledger.remember(key, [len(key)])
             if pin is not None:
-                self._grant(pin, key, tenant)
+                self.pinner.grant(pin, key, tenant)
             return entry
         except Exception as e:                 # noqa: BLE001 - never fail a request for the disk tier
             log.warning("kvstore: store_failed reason=%s error=%s", Reason(reason).name.lower(), type(e).__name__)
@@ -585,7 +584,7 @@ class TieredPromptCache(ReportingPromptCache):
         with self._lock:
             held = list(self._held.items())
         for (ns, tokens), entry in held:
-            saved += self._persist_held(ns, tokens, entry, Reason.SHUTDOWN) is not None
+            saved += self._persist_held(ns, tokens, entry, Reason.SHUTDOWN, wait=True) is not None
         log.info("kvstore: shutdown queued=%d", saved)
 
     def close(self):

@@ -28,9 +28,13 @@ index, never its text.
 Warming (Warmer).  On its own daemon thread, once the model has loaded and
 its store is open, one prompt at a time: each goes through the server's
 TieredResponseGenerator as a request with max_tokens 1 and temperature 0
-(the same path as an HTTP request: tokenize, disk lookup, batch, store), at
-low priority: it waits for the client requests in flight to finish first
-(WARM_YIELD_S at most) and runs at LOAD_NICE.  A prompt whose state the
+(the same path as an HTTP request: tokenize, disk lookup, batch, store),
+yielding to clients: it waits for the client requests in flight to finish
+first (WARM_YIELD_S at most).  Its thread keeps the process's CPU priority:
+it takes the tokenizer's lock and the GIL as a client's request does, and a
+thread at a lower priority holding either while it waits for a CPU would
+hold up the clients' requests (kvstore.serve.generator.generate); its loads'
+bytes move on the I/O threads at LOAD_NICE, as every load's.  A prompt whose state the
 directory holds already (up to its last whole block, as a restarted server
 reuses it) is skipped without running.  Each outcome (stored, skipped,
 failed) is counted for /health and the metrics; a prompt that fails is
@@ -48,8 +52,6 @@ import time
 from mlx_lm import server as mlx_server
 
 from kvstore import policy
-from kvstore.payload import lower_thread_priority
-from kvstore.serve.generator import LOAD_NICE
 from kvstore.serve.metrics import WARM_OUTCOMES
 
 log = logging.getLogger("kvstore")
@@ -321,7 +323,6 @@ class Warmer:
             self.metrics.warm(outcome)
 
     def _run(self):
-        lower_thread_priority(LOAD_NICE)
         while not self.tier.ready.wait(0.1):
             if self._stopping():
                 return
