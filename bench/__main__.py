@@ -134,6 +134,19 @@ TARGETS_NOTE = """\
   gives their quartiles. The checks stay: 1.05 leaves them their share and
   a little noise, and a regression of the load or the prefill path past it
   still fails.
+- kvstore serve on a production-shaped trace (bench/serve_trace.py): the
+  upper quartile of the per-request TTFT ratio (kvstore / stock, over the
+  requests both served with the same cached tokens) must be at most 1.10,
+  or at most the same statistic between each server and itself in the
+  same run (the floor), whichever is larger. In a closed loop the requests
+  that run beside each one depend on when the ones before finished, so two
+  replays of the same server batch the same arrivals differently, and a
+  server's per-request ratios against itself spread past 1.10 (each row
+  prints that floor beside it). A ratio between two servers cannot be
+  judged more finely than the floor; a server slower on a share of the
+  requests still widens the spread past it and fails. The median keeps
+  its target of 1.02 (the replays alternate A B B A, so drift cancels in
+  it).
 """
 
 CHAINS_NOTE = """\

@@ -59,6 +59,11 @@ HEADLINE = [
     ("serve_load", "8 sessions, turns 3-4 after SIGTERM + restart: TTFT p50"),
     ("serve_load", "8 sessions, turns 3-4 after SIGTERM + restart: TTFT p95"),
     ("serve_load", "cold page cache, vs without load"),
+    ("serve_trace", "closed loop, 2 in flight: TTFT p50"),
+    ("serve_trace", "closed loop, 2 in flight: TTFT mean"),
+    ("serve_trace", "closed loop, 2 in flight: per-request TTFT ratio, median"),
+    ("serve_trace", "open loop at 50% of the closed loop's throughput: TTFT mean"),
+    ("serve_trace", "after a restart, closed loop: TTFT mean"),
     ("canary", "canary llama bfloat16, tail: largest rounding vs smallest wrong-model distance"),
 ]
 

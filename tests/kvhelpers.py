@@ -278,6 +278,27 @@ def kvstore_server(model_dir, cache_dir, workdir, name, *extra):
     return Server(cmd, workdir, os.path.join(workdir, name + ".log"))
 
 
+def gated_server(script, model_dir, cache_dir, workdir, name, gate, *extra):
+    """A started `kvstore serve` run by a child script (`python -c script serve ...`)
+    that patches one function of the server to wait on files in gate (its
+    KVSTORE_TEST_GATE: <gate>/release lets it go)."""
+    os.makedirs(gate, exist_ok=True)
+    cmd = [sys.executable, "-c", script, "serve", "--model", model_dir, "--cache-dir", str(cache_dir), *extra]
+    os.environ["KVSTORE_TEST_GATE"] = str(gate)
+    try:
+        return Server(cmd, workdir, os.path.join(workdir, name + ".log"))
+    finally:
+        del os.environ["KVSTORE_TEST_GATE"]
+
+
+def wait_for_file(path, server, timeout=60):
+    """Waits until path exists; fails with the server's log after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared:\n{server.text()}"
+        time.sleep(0.02)
+
+
 def stock_server(model_dir, workdir, name):
     """A started stock `mlx_lm server` of model_dir, logging to workdir/name.log."""
     cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir]

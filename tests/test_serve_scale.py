@@ -29,7 +29,8 @@ prometheus = pytest.importorskip("prometheus_client.parser")
 
 from kvstore import KVStore
 from kvstore.serve import tenants
-from kvhelpers import Server, flip, kvstore_server, system_prompt
+import kvhelpers
+from kvhelpers import Server, flip, kvstore_server, system_prompt, wait_for_file
 
 SYSTEM = system_prompt()
 GATE_S = 120
@@ -78,13 +79,7 @@ MODEL_SEED = 5
 
 
 def gated_server(model_dir, cache_dir, workdir, name, gate, *extra):
-    os.makedirs(gate, exist_ok=True)
-    env_cmd = [sys.executable, "-c", _GATED, "serve", "--model", model_dir, "--cache-dir", str(cache_dir), *extra]
-    os.environ["KVSTORE_TEST_GATE"] = str(gate)
-    try:
-        return Server(env_cmd, workdir, os.path.join(workdir, name + ".log"))
-    finally:
-        del os.environ["KVSTORE_TEST_GATE"]
+    return kvhelpers.gated_server(_GATED, model_dir, cache_dir, workdir, name, gate, *extra)
 
 
 def messages_b(i=0):
@@ -149,10 +144,7 @@ def test_a_disk_load_does_not_stop_other_sessions_decoding(model_dir, workdir, s
         result = {}
         b = threading.Thread(target=lambda: result.setdefault("b", server.chat(messages_b(), max_tokens=4)))
         b.start()
-        deadline = time.monotonic() + 60
-        while not (gate / "entered").exists():
-            assert time.monotonic() < deadline, server.text()
-            time.sleep(0.02)
+        wait_for_file(gate / "entered", server)
         # B's load is held open: A must keep decoding meanwhile.
         n0 = len(a.tokens)
         progressed = a.wait_for(n0 + 20, 30)
@@ -189,10 +181,7 @@ def test_a_client_that_leaves_while_its_cache_loads_drops_the_load(model_dir, wo
         body = json.dumps({"messages": messages_b(), "max_tokens": 4, "temperature": 0.0}).encode()
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        deadline = time.monotonic() + 60
-        while not (gate / "entered").exists():
-            assert time.monotonic() < deadline, server.text()
-            time.sleep(0.02)
+        wait_for_file(gate / "entered", server)
         conn.sock.shutdown(2)
         conn.close()
         (gate / "release").touch()

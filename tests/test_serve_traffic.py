@@ -19,15 +19,13 @@ rather than by timing, that another request's path does not wait for it:
 
 import glob
 import os
-import sys
 import threading
-import time
 
 import pytest
 
 pytest.importorskip("mlx_lm")
 
-from kvhelpers import Server, kvstore_server, system_prompt
+from kvhelpers import gated_server, kvstore_server, system_prompt, wait_for_file
 
 MODEL_SEED = 11
 GATE_S = 120
@@ -113,23 +111,6 @@ sys.exit(main(sys.argv[1:]))
 LONG_TOKENS = 400
 
 
-def gated(script, model_dir, cache_dir, workdir, name, gate, *extra):
-    os.makedirs(gate, exist_ok=True)
-    cmd = [sys.executable, "-c", script, "serve", "--model", model_dir, "--cache-dir", str(cache_dir), *extra]
-    os.environ["KVSTORE_TEST_GATE"] = str(gate)
-    try:
-        return Server(cmd, workdir, os.path.join(workdir, name + ".log"))
-    finally:
-        del os.environ["KVSTORE_TEST_GATE"]
-
-
-def wait_for(path, server, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"{path} never appeared:\n{server.text()}"
-        time.sleep(0.02)
-
-
 def in_thread(fn):
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("r", fn()), daemon=True)
@@ -139,18 +120,18 @@ def in_thread(fn):
 
 def test_a_short_request_is_prepared_while_a_long_prefill_runs(model_dir, workdir, tmp_path):
     gate = tmp_path / "gate"
-    server = gated(_PREFILL_GATE % (LONG_TOKENS, GATE_S), model_dir, tmp_path / "cache", workdir, "prefill",
+    server = gated_server(_PREFILL_GATE % (LONG_TOKENS, GATE_S), model_dir, tmp_path / "cache", workdir, "prefill",
                    gate)
     try:
         long_request, long_out = in_thread(lambda: server.chat(
             [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Summarise it."}], max_tokens=4))
-        wait_for(gate / "prefilling", server)
-        wait_for(gate / "queued-1", server)
+        wait_for_file(gate / "prefilling", server)
+        wait_for_file(gate / "queued-1", server)
         short_request, short_out = in_thread(lambda: server.chat(
             [{"role": "user", "content": "Hello there."}], max_tokens=4))
         # The long request's prefill is held: the short one must reach the
         # generation thread's queue prepared meanwhile, not after it.
-        wait_for(gate / "queued-2", server, timeout=GATE_S / 2)
+        wait_for_file(gate / "queued-2", server, timeout=GATE_S / 2)
         tokenized, nice, released = (int(x) for x in (gate / "queued-2").read_text().split())
         (gate / "release").touch()
         long_request.join(120)
@@ -178,11 +159,11 @@ def stored(model_dir, workdir):
 
 def test_the_batch_does_not_wait_for_a_request_that_is_loading(model_dir, workdir, stored, tmp_path):
     gate = tmp_path / "gate"
-    server = gated(_LOAD_GATE % GATE_S, model_dir, stored, workdir, "loading", gate)
+    server = gated_server(_LOAD_GATE % GATE_S, model_dir, stored, workdir, "loading", gate)
     try:
         loading, loaded = in_thread(lambda: server.chat(
             [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Part one."}], max_tokens=4))
-        wait_for(gate / "entered", server)
+        wait_for_file(gate / "entered", server)
         # B's load is held open; C arrives, is prepared and admitted: the
         # generation thread must not hold C's prefill for B.
         server.chat([{"role": "user", "content": "Something else entirely."}], max_tokens=4)
@@ -201,7 +182,7 @@ def test_the_batch_does_not_wait_for_a_request_that_is_loading(model_dir, workdi
 def test_a_writer_that_falls_behind_never_holds_the_batch(model_dir, workdir, tmp_path):
     gate = tmp_path / "gate"
     cache = tmp_path / "cache"
-    server = gated(_CALL_GATE % ("save", GATE_S, "save"), model_dir, cache, workdir, "writer", gate)
+    server = gated_server(_CALL_GATE % ("save", GATE_S, "save"), model_dir, cache, workdir, "writer", gate)
     try:
         # Every save is held: the writer takes one, its queue (4) fills, and
         # each later request's store finds no room.  Each request must still

@@ -236,6 +236,8 @@ class Recorder:
     def submit(self, fn, tenant, tokens, key, tensors, dtypes, meta, positional, reason, pin=None):
         return self._record(reason, tokens)
 
+    try_submit = submit
+
     def at(self, tokens=None, reason=None):
         return [(r, n) for r, n in self.attempts if (tokens is None or n == tokens) and (reason is None or r == reason)]
 

@@ -1,10 +1,10 @@
 """TieredPromptCache: mlx-lm's RAM prompt cache with a kvstore directory behind it.
 
 Threads.  mlx-lm runs every model step on one generation thread; kvstore
-serve keeps disk and bucket reads off it.  A request is tokenized and its
-longest stored prefix read into MLX arrays on the HTTP thread that
-received it (prefetch()), before the request is queued for the generation
-thread; the generation thread then only builds mlx-lm's cache objects
+serve keeps disk and bucket reads off it.  A request is tokenized, looked
+up (lookup()) and its longest stored prefix read into MLX arrays (load())
+on the HTTP thread that received it, before the request is queued for the
+generation thread; the generation thread then only builds mlx-lm's cache objects
 around those arrays (fetch_nearest_cache), and never waits for a disk.  Each
 thread runs MLX on its own stream (MLX's thread-local default), and the
 server sets kvstore.payload.set_mlx_threaded: a load's arrays are allocated
