@@ -98,8 +98,8 @@ class TieredResponseGenerator(HookedResponseGenerator):
         that holds the GIL or a lock the generation thread takes next (the
         trie's, the tokenizer's) would hold up the batch too.  From its
         arrival until the generation thread takes it off the queue the
-        request counts as being prepared (preparing()), which the generation
-        thread may wait for (ADMIT_WAIT_S); a request that loads stops
+        request counts as being prepared, which the generation thread may
+        wait for (ADMIT_WAIT_S); a request that loads stops
         counting when its load begins.  The bulk half (that load) runs
         uncounted: its bytes move on the payload I/O threads, which yield
         the CPU (LOAD_NICE), and the request joins the batch at the step
@@ -137,11 +137,6 @@ class TieredResponseGenerator(HookedResponseGenerator):
                 ticket.preparing = False
                 self._preparing -= 1
                 self._admission.notify_all()
-
-    def preparing(self):
-        """How many requests are being prepared, cheap half, or queued and not taken yet (see generate())."""
-        with self._admission:
-            return self._preparing
 
     def _prepare(self, request, generation_args, ticket):
         """The cheap half of generate(): tokenizes the request and looks its
@@ -203,10 +198,9 @@ class TieredResponseGenerator(HookedResponseGenerator):
             while self._preparing and time.monotonic() < self._gather_until and self.requests.empty():
                 waited = True
                 self._admission.wait(self._gather_until - time.monotonic())
-        if not waited:
-            # Nobody was being prepared: the batch's next step must not wait.
-            return self._taken(self.stock_next_request(None))
-        log.info("kvstore: admission_wait ms=%.1f preparing=%d", (time.monotonic() - now) * 1e3, preparing)
+        # (Nobody was being prepared: the batch's next step did not wait.)
+        if waited:
+            log.info("kvstore: admission_wait ms=%.1f preparing=%d", (time.monotonic() - now) * 1e3, preparing)
         return self._taken(self.stock_next_request(None))
 
     def _taken(self, request):

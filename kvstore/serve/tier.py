@@ -192,32 +192,32 @@ class TieredPromptCache(ReportingPromptCache):
         """Finds the longest stored prefix of tokens that beats RAM; on the calling (HTTP) thread.
 
         The cheap half of a request's preparation, at the thread's own
-        priority, so that it never waits behind a prefill: one SHA1 pass
-        over the key (KVStore.find) and, only when the store holds a prefix,
-        one walk down mlx-lm's trie to see whether RAM holds as much (the
-        generation thread searches the trie again when it takes the
-        request, as stock mlx-lm does: mlx-lm's full search costs
-        milliseconds in a large trie, so the walk stands for it unless it
-        cannot decide).  load() reads what it found.  Also counts the
-        request's prefixes for admission.  Never raises: the disk tier must
-        never fail a request.
+        priority, so that it never waits behind a prefill: one walk down
+        mlx-lm's trie (RAM within a block of the whole prompt: no disk) and
+        one SHA1 pass over the key (KVStore.find).  The walk stands for
+        mlx-lm's full search (milliseconds in a large trie, and run again by
+        the generation thread, as stock's) unless it cannot decide.  load()
+        reads what it found.  Also counts the request's prefixes for
+        admission.  Never raises: the disk tier must never fail a request.
 
         Returns:
-            Found, or None (nothing stored, or RAM as good).
+            Found, or None (RAM as good, or nothing stored).
         """
         try:
-            if self.admit_after > 1:
-                self.ledger.count_uses(tokens[:-1], tenant, self.key_bytes(tokens[:-1], tenant))
             key = self.key_bytes(tokens[:-1], tenant)
-            entry = self.store.find(key)
-            if entry is None:
-                return None
-            remote = getattr(entry, "remote", None) is not None
-            found = Found(entry, key, "remote" if remote else "disk")
+            if self.admit_after > 1:
+                self.ledger.count_uses(tokens[:-1], tenant, key)
             ns = _ns(self.model_key, tenant)
             with self._lock:
                 lo, hi = self.ram_reuse_bounds(ns, tokens)
-                if lo != hi and self._beats(found, tokens, hi, tenant) != self._beats(found, tokens, lo, tenant):
+            if not self._beats(None, tokens, lo, tenant):
+                return None
+            entry = self.store.find(key)
+            if entry is None:
+                return None
+            found = Found(entry, key, "remote" if getattr(entry, "remote", None) is not None else "disk")
+            if lo != hi and self._beats(found, tokens, hi, tenant) != self._beats(found, tokens, lo, tenant):
+                with self._lock:
                     lo = self.ram_reuse(ns, tokens)
             return found if self._beats(found, tokens, lo, tenant) else None
         except Exception as e:            # noqa: BLE001 - the disk tier must never fail a request
@@ -225,12 +225,14 @@ class TieredPromptCache(ReportingPromptCache):
             return None
 
     def _beats(self, found, tokens, ram, tenant):
-        """True when loading found is worth it while RAM reuses ram of tokens."""
+        """True when loading found (None: anything stored) is worth it while RAM reuses ram of tokens."""
         # Keep at least one token to prefill: the server needs its logits.
         # A RAM hit within MIN_DISK_GAIN of that is not worth a load: the
         # disk could save only those tokens' prefill.
         if len(tokens) - 1 - ram < min(MIN_DISK_GAIN, self.store.block_tokens):
             return False
+        if found is None:
+            return True
         if found.source == "remote":
             # A remote entry's header is read when it is fetched: compare bytes.
             return found.entry.text_bytes > len(self.key_bytes(tokens[:ram], tenant))
