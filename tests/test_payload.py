@@ -460,6 +460,28 @@ def test_default_mlx_loads_let_mx_load_read(tmp_path, monkeypatch):
 
 
 @pytest.mark.store_args(layout="whole")
+def test_threaded_mlx_loads_zero_fill_on_the_bulk_thread(tmp_path, monkeypatch, mlx_threaded):
+    # The zero-fill of a threaded load's fresh memory is bulk work: it runs
+    # on the bulk thread (at the I/O threads' niceness, with its own MLX
+    # stream), not on the loading thread, whose priority a server keeps.
+    import threading
+
+    from kvstore.payload import mlx_io
+    seen = []
+    zeroed = mlx_io._zeroed
+
+    def spy(n):
+        seen.append(threading.current_thread().name)
+        return zeroed(n)
+    monkeypatch.setattr(mlx_io, "_zeroed", spy)
+    rng = np.random.default_rng(5)
+    tensors = {"k": rng.standard_normal((2, 600, 64)).astype(np.float32)}
+    for store, text in _save_both_layouts(tmp_path, tensors, 600):
+        ck = store.load(store.find(text), into="mlx")
+        assert np.array_equal(np.array(ck.tensors["k"]), tensors["k"])
+    assert len(seen) == 2 and all(name.startswith("kvstore-bulk") for name in seen), seen
+
+
 def test_threaded_mlx_load_of_a_corrupt_file_is_a_miss(store, mlx_threaded):
     e = store.save("corrupt threaded", [1, 2, 3], {"a": np.arange(4096, dtype=np.float32)})
     m = parse(e.path)

@@ -20,6 +20,7 @@ rather than by timing, that another request's path does not wait for it:
 import glob
 import os
 import threading
+import time
 
 import pytest
 
@@ -199,3 +200,40 @@ def test_a_writer_that_falls_behind_never_holds_the_batch(model_dir, workdir, tm
         assert server.stop() == 0
     # What was queued is stored once the writer goes on.
     assert glob.glob(os.path.join(cache, "*.kv"))
+
+
+def test_the_admission_wait_ends_when_the_request_it_waits_for_is_queued():
+    # The generation thread waits (at most ADMIT_WAIT_S) for requests still
+    # being prepared; it must take each one as soon as it is queued, not
+    # wait the window out.  The window here is 60 s: a wait that missed the
+    # queued request would take all of it.
+    import queue
+    import types
+
+    from kvstore.mlx.mlxlm import _ReportingQueue
+    from kvstore.serve.generator import TieredResponseGenerator
+    from kvstore.serve.ticket import Ticket
+
+    # The generator's admission state alone: no model, no generation thread.
+    gen = TieredResponseGenerator.__new__(TieredResponseGenerator)
+    gen._admission = threading.Condition()
+    gen._preparing = 0
+    gen._gather_until = time.monotonic() + 20
+    gen.requests = _ReportingQueue(gen.request_queued)        # the queue HookedResponseGenerator gives it
+
+    def stock_next_request(timeout=None):
+        try:
+            return gen.requests.get(timeout=timeout) if timeout is not None else gen.requests.get_nowait()
+        except queue.Empty:
+            return None
+    gen.stock_next_request = stock_next_request
+    ticket = Ticket()
+    with gen._admission:                       # a request in the cheap half of its preparation
+        gen._preparing, ticket.preparing = 1, True
+    request = types.SimpleNamespace(kvstore_ticket=ticket)
+    threading.Timer(0.2, lambda: gen.requests.put((None, request, None))).start()
+    t0 = time.monotonic()
+    got = gen.next_request(None)
+    assert got is not None and got[1] is request
+    assert time.monotonic() - t0 < 10, "the wait ran out its window instead of taking the queued request"
+    assert gen._preparing == 0 and not ticket.preparing          # counted off once taken

@@ -17,6 +17,8 @@ naming the installed release and the supported range; `import kvstore` alone
 never imports mlx-lm.
 """
 
+import queue
+
 import mlx_lm
 
 # The mlx-lm releases kvstore is tested with, as (major, minor): from the
@@ -90,13 +92,35 @@ def requested_model_key(provider, model):
             provider._draft_model_map.get(model.draft, model.draft))
 
 
+class _ReportingQueue(queue.Queue):
+    """The generation thread's request queue, calling on_put after each request is put on it."""
+
+    def __init__(self, on_put):
+        super().__init__()
+        self._on_put = on_put
+
+    def put(self, item, block=True, timeout=None):
+        super().put(item, block, timeout)
+        self._on_put()
+
+
 class HookedResponseGenerator(mlx_server.ResponseGenerator):
     """mlx-lm's ResponseGenerator with its private steps behind public hooks.
 
     mlx-lm's generation thread tokenizes each request, takes the next queued
     request and runs its loop in private methods; each of them here calls a
-    public hook a subclass overrides.  stock_* run mlx-lm's own step.
+    public hook a subclass overrides.  stock_* run mlx-lm's own step.  Its
+    request queue calls request_queued() after each put (on the thread that
+    put it).
     """
+
+    def __init__(self, model_provider, prompt_cache):
+        super().__init__(model_provider, prompt_cache)
+        # Before any request: the generation thread is still loading its model.
+        self.requests = _ReportingQueue(self.request_queued)
+
+    def request_queued(self):
+        """Called on the putting thread once a request is on the generation thread's queue."""
 
     def _tokenize(self, tokenizer, request, args):
         return self.tokenize(tokenizer, request, args)

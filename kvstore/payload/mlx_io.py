@@ -21,7 +21,7 @@ from kvstore import _native
 from kvstore.errors import CorruptCheckpoint
 from kvstore.payload.buffers import bytes_view
 from kvstore.payload.chains import ChainBlob, read_chain_numpy, read_stream, tokens_view
-from kvstore.payload.pool import check_crc
+from kvstore.payload.pool import bulk_thread, check_crc
 from kvstore.payload.whole import VirtualBlob, read_tensors_numpy
 
 # Whether other threads may run MLX while a load into MLX runs (set_mlx_threaded).
@@ -118,16 +118,24 @@ def _fill_blob(src):
     into it, evaluated; src.wait() joins the reads."""
     import mlx.core as mx
     if _mlx_threaded:
-        # Filled 8 bytes at a time (MLX fills a uint8 array a byte at a
-        # time, about twice as slow), then seen as the bytes asked for.
-        n = src.size - len(src.head)
-        blob = mx.zeros((-(-n // 8),), dtype=mx.uint64).view(mx.uint8)[:n]
-        mx.eval(blob)
+        # The zero-fill touches every fresh page: bulk work, done on the
+        # bulk thread's MLX stream (kvstore.payload.pool.bulk_thread).
+        blob = bulk_thread().submit(_zeroed, src.size - len(src.head)).result()
         src.seek(len(src.head))
         src.readinto(memoryview(blob))
     else:
         blob = mx.load(src, format="safetensors")["blob"]
         mx.eval(blob)
+    return blob
+
+
+def _zeroed(n):
+    """n bytes of zeroed MLX memory, evaluated on the calling thread's stream."""
+    import mlx.core as mx
+    # Filled 8 bytes at a time (MLX fills a uint8 array a byte at a time,
+    # about twice as slow), then seen as the bytes asked for.
+    blob = mx.zeros((-(-n // 8),), dtype=mx.uint64).view(mx.uint8)[:n]
+    mx.eval(blob)
     return blob
 
 

@@ -65,6 +65,17 @@ _io = LazyExecutor(lambda: concurrent.futures.ThreadPoolExecutor(IO_THREADS, thr
                                                                  initializer=lower_thread_priority,
                                                                  initargs=(_io_nice,)))
 
+# One thread for the bulk work a load does in MLX itself (the zero-fill of a
+# blob's fresh pages, kvstore.payload.mlx_io): MLX runs a stream's work on a
+# thread of its own, made by the first thread that uses the stream and at
+# that thread's priority, so work made here yields the CPU as the I/O
+# threads' does.  It takes the I/O threads' niceness when first used and
+# keeps its thread for the process's life (a thread that ran MLX must not
+# end before the interpreter: MLX aborts tearing down its stream).
+_bulk = LazyExecutor(lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-bulk",
+                                                                   initializer=lower_thread_priority,
+                                                                   initargs=(_io_nice,)))
+
 
 def lower_thread_priority(nice):
     """Gives the calling thread CPU niceness `nice` (0-19; higher yields more).
@@ -103,6 +114,11 @@ def set_io_priority(nice):
 def io_pool():
     """The I/O threads' executor (IO_THREADS threads), shared with kvstore.seal's chunk jobs."""
     return _io.get()
+
+
+def bulk_thread():
+    """The executor (one thread, at the I/O threads' niceness) of a load's bulk MLX work."""
+    return _bulk.get()
 
 
 def slices(n):

@@ -37,7 +37,8 @@ MODEL_WAIT_S = 600
 ADMIT_WAIT_S = 0.25
 
 # CPU niceness of the payload I/O threads, which move a load's and a save's
-# bytes (reads, writes, CRC32C, with the GIL released): the generation thread
+# bytes (reads, writes, CRC32C, with the GIL released), and of the bulk
+# thread, which zero-fills a load's MLX memory: the generation thread
 # keeps the CPU it needs to prefill and decode, and the bulk of the disk tier
 # takes what is left (Linux; see kvstore.payload.set_io_priority).  No thread
 # that runs Python runs at it: one that held the GIL, or a lock the serving
@@ -202,6 +203,11 @@ class TieredResponseGenerator(HookedResponseGenerator):
         if waited:
             log.info("kvstore: admission_wait ms=%.1f preparing=%d", (time.monotonic() - now) * 1e3, preparing)
         return self._taken(self.stock_next_request(None))
+
+    def request_queued(self):
+        # The admission wait also ends when a request it waits for is queued.
+        with self._admission:
+            self._admission.notify_all()
 
     def _taken(self, request):
         """A request the generation thread takes off the queue, counted off as prepared."""
