@@ -459,7 +459,6 @@ def test_default_mlx_loads_let_mx_load_read(tmp_path, monkeypatch):
         store.close()
 
 
-@pytest.mark.store_args(layout="whole")
 def test_threaded_mlx_loads_zero_fill_on_the_bulk_thread(tmp_path, monkeypatch, mlx_threaded):
     # The zero-fill of a threaded load's fresh memory is bulk work: it runs
     # on the bulk thread (at the I/O threads' niceness, with its own MLX
@@ -482,6 +481,7 @@ def test_threaded_mlx_loads_zero_fill_on_the_bulk_thread(tmp_path, monkeypatch, 
     assert len(seen) == 2 and all(name.startswith("kvstore-bulk") for name in seen), seen
 
 
+@pytest.mark.store_args(layout="whole")
 def test_threaded_mlx_load_of_a_corrupt_file_is_a_miss(store, mlx_threaded):
     e = store.save("corrupt threaded", [1, 2, 3], {"a": np.arange(4096, dtype=np.float32)})
     m = parse(e.path)
