@@ -15,7 +15,9 @@ loads; bench/serve_trace.py: a production-shaped trace (bench/mooncake.py)
 replayed against kvstore serve and stock, open and closed loop, cold and
 after a restart; bench/canary.py: the canary's distances, states the live model made
 against states it did not; bench/remote.py: a hit from an S3 bucket against
-a local one) runs in its own process, from a temporary directory so that the
+a local one; bench/shapes.py: saves, loads, finds, evictions and the
+canary at the KV geometry of the models people run, 8,192 and 32,768 tokens,
+cold page cache included, and the fingerprint of an 8 GB model) runs in its own process, from a temporary directory so that the
 repository's kvstore/ does not shadow the installed package, writes its JSON
 results and prints a markdown report.  A harness whose tools are missing
 here (remote.py without boto3 or `weed`) reports itself skipped; the results
@@ -51,7 +53,8 @@ sys.path.insert(0, HERE)
 import figures  # noqa: E402
 import plots  # noqa: E402
 
-HARNESSES = ["foundation", "store", "ttft", "e2e", "serve", "chains", "serve_load", "serve_trace", "canary", "remote"]
+HARNESSES = ["foundation", "store", "ttft", "e2e", "serve", "chains", "serve_load", "serve_trace", "canary", "remote",
+             "shapes"]
 
 LOAD_NOTE = """\
 ## Why loads stream through `mx.load`, and prefault their pages

@@ -596,7 +596,7 @@ def long_prompt(tok, hf, tokens):
     raise SystemExit(f"no system prompt renders to {tokens} tokens")
 
 
-def write_checkpoint(model, cache_dir, hf, ids, seed):
+def write_checkpoint(model, cache_dir, hf, ids, seed, layout="chain"):
     """Stores a state of ids[:-1] as kvstore serve would, without the minutes of a cold prefill.
 
     Random KV arrays of the model's cache shapes for every token but the
@@ -604,7 +604,8 @@ def write_checkpoint(model, cache_dir, hf, ids, seed):
     one the model would have written after that random history and passes
     the canary (kvstore.mlx.canary recomputes exactly that token).  Named
     by the model's identity as kvstore serve names it (model_fingerprint of
-    the loaded weights, no KV options).
+    the loaded weights, no KV options); the arrays in the model's dtype;
+    layout "chain" (kvstore serve's default) or "whole" (one file).
 
     Returns:
         (bytes of the files written, tensor bytes, blocks).
@@ -626,11 +627,12 @@ def write_checkpoint(model, cache_dir, hf, ids, seed):
     n = len(ids) - 1
     shape = (1, cfg["num_key_value_heads"], n - 1, cfg["head_dim"])
     rng = np.random.default_rng(seed)
+    dtype = loaded.model.embed_tokens.weight.dtype
     cache = []
     for _ in range(cfg["num_hidden_layers"]):
         c = KVCache()
-        c.update_and_fetch(mx.array(rng.random(shape, dtype=np.float32) - 0.5),
-                           mx.array(rng.random(shape, dtype=np.float32) - 0.5))
+        c.update_and_fetch(mx.array(rng.random(shape, dtype=np.float32) - 0.5).astype(dtype),
+                           mx.array(rng.random(shape, dtype=np.float32) - 0.5).astype(dtype))
         cache.append(c)
     loaded(mx.array([[ids[n - 1]]]), cache=cache)
     mx.eval([c.state for c in cache])
@@ -638,7 +640,7 @@ def write_checkpoint(model, cache_dir, hf, ids, seed):
     # with its defaults: chain layout, 256-token blocks.
     store = kvstore.KVStore(cache_dir, quant_bits=16,
                             ctx_size=int(cfg.get("max_position_embeddings") or kvstore.mlx.DEFAULT_CTX_SIZE),
-                            layout="chain", model_identity=identity)
+                            layout=layout, model_identity=identity)
     try:
         token_bytes = token_bytes_function(hf)
         key = token_bytes(ids[:n])

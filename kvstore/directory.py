@@ -60,7 +60,6 @@ class Directory:
         _check_settings(budget_mb, model_id, quant_bits, ctx_size, layout, block_tokens)
         self.layout = layout
         self.block_tokens = block_tokens
-        self.budget_bytes = int(budget_mb * 1024 * 1024)
         self.model_id = int(model_id)
         self.quant_bits = quant_bits
         self.ctx_size = None if ctx_size is None else int(ctx_size)
@@ -74,8 +73,11 @@ class Directory:
         self.stats = dict(hits=0, misses=0, loads=0, bytes_loaded=0, load_s=0.0, saves=0,
                           bytes_saved=0, save_s=0.0, refused=0, save_errors=0, evictions=0,
                           bytes_evicted=0, corrupt=0, consumed=0, stores_skipped_write_budget=0,
-                          canary_checks=0, canary_failures=0)
+                          canary_checks=0, canary_failures=0, chains_over_half_budget=0)
         self._make()
+        self.budget_bytes, self.budget_derived = budget_bytes_for(self.path, budget_mb)
+        log.info("kvstore: store_budget bytes=%d derived_from_filesystem=%s", self.budget_bytes,
+                 "yes" if self.budget_derived else "no")
         # The directory's own counters, shared with every process using it.
         self.counters = counters.DirectoryCounters(self.path)
         if self.write_budget_bytes is not None:
@@ -268,10 +270,19 @@ def still_there(e):
     return None if e.inode and st.st_ino != e.inode else st
 
 
+def budget_bytes_for(path, budget_mb):
+    """(the disk budget in bytes, whether it was derived) of the directory at
+    path: budget_mb MiB (0: unlimited), or for None the default derived from
+    the size of the filesystem that holds path (policy.default_budget_bytes)."""
+    if budget_mb is not None:
+        return int(budget_mb * 1024 * 1024), False
+    return policy.default_budget_bytes(files.filesystem_bytes(path)), True
+
+
 def _check_settings(budget_mb, model_id, quant_bits, ctx_size, layout, block_tokens):
     """ValueError naming the first bad setting of a store."""
-    if budget_mb is None or budget_mb < 0:
-        raise ValueError(f"budget_mb={budget_mb!r} must be a number >= 0")
+    if budget_mb is not None and not budget_mb >= 0:
+        raise ValueError(f"budget_mb={budget_mb!r} must be a number >= 0, or None for the default")
     if not 0 <= int(model_id) <= 255:
         raise ValueError(f"model_id={model_id!r} is outside 0..255")
     Header(quant_bits=quant_bits, tokens=1, ctx_size=0, payload_bytes=0).pack()  # validates

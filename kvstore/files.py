@@ -21,6 +21,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import shutil
 import sys
 import time
 
@@ -141,6 +142,11 @@ def sync_dir(path):
         sync_fd(fd)
     finally:
         os.close(fd)
+
+
+def filesystem_bytes(path):
+    """The size in bytes of the filesystem that holds path (not its free space)."""
+    return shutil.disk_usage(path).total
 
 
 def make_dir(path, durable):

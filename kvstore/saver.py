@@ -123,6 +123,15 @@ class Saver:
         self.after_write(entry, text)
         return entry
 
+    def _note_chain_size(self, last, before, after):
+        """Logs and counts a chain this save took past half the budget: kept,
+        it would evict everything else (its blocks go last, leaves first)."""
+        d = self.d
+        if policy.over_half_budget(before, after, d.budget_bytes):
+            d.count(chains_over_half_budget=1)
+            log.warning("kvstore: chain_over_half_budget tokens=%d bytes=%d budget=%d file=%s", last.tokens, after,
+                        d.budget_bytes, short_name(last.name))
+
     def _header(self, reason, tokens, ctx, plan, ext, abi, now):
         d = self.d
         return Header(quant_bits=d.quant_bits, tokens=tokens, ctx_size=ctx or 0, payload_bytes=plan.payload_bytes,
@@ -168,6 +177,7 @@ class Saver:
         log.info("kvstore: saved reason=%s tokens=%d text=%d blocks=%d written=%d bytes=%d save_ms=%.1f file=%s",
                  reason.name.lower(), last.tokens, last.text_bytes, len(blocks), len(written), sum(nbytes),
                  dt * 1e3, short_name(last.name))
+        self._note_chain_size(last, have, have + total)
         for e in written:
             self.enqueue(e)          # never blocks: a background thread uploads
         entry = kept if kept is not None else written[-1]

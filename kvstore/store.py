@@ -40,8 +40,9 @@ from kvstore.writer import BackgroundWriter
 
 log = logging.getLogger("kvstore")
 
-# ds4's default disk budget (ds4_kvstore.h).
-DEFAULT_BUDGET_MB = 4096
+# The default disk budget: None, derived from the size of the directory's
+# filesystem (kvstore.policy.default_budget_bytes).
+DEFAULT_BUDGET_MB = None
 
 # Openers of remote tiers by URL scheme ("s3"), registered by the tier's own
 # package (kvstore.remote) so that this module never imports a room above it.
@@ -68,7 +69,10 @@ class KVStore:
 
     Args:
         path: the directory; created 0700 if missing.
-        budget_mb: disk budget for every valid .kv file in the directory.
+        budget_mb: disk budget for every valid .kv file in the directory,
+            in MiB; 0: unlimited; None (the default): 10 % of the size of
+            the filesystem that holds the directory, at least 4 GiB and at
+            most 64 GiB (stats()["budget_derived"] says which).
         model_id: header model id of this engine's checkpoints (0..255).
         quant_bits: quant bits of the model weights (2,3,4,5,6,8 or 16).
         ctx_size: the engine's context size; checkpoints made with a larger
@@ -166,6 +170,7 @@ class KVStore:
     write_budget_bytes = _setting("write_budget_bytes", "The write budget's capacity in bytes, or None.")
     model_identity = _setting("model_identity", "The identity string of the store's model, or None.")
     model_tag = _setting("model_tag", "The header model tag of the store's files (0: they name no model).")
+    budget_derived = _setting("budget_derived", "The budget is the default derived from the filesystem's size.")
 
     @property
     def budget_bytes(self):
@@ -174,7 +179,7 @@ class KVStore:
 
     @budget_bytes.setter
     def budget_bytes(self, value):
-        self._dir.budget_bytes = int(value)
+        self._dir.budget_bytes, self._dir.budget_derived = int(value), False
 
     @property
     def sealer(self):
@@ -375,15 +380,9 @@ class KVStore:
         Returns:
             (dict name -> NumPy array, dict name -> recorded dtype or {}).
         """
-        # MLX arrays: NumPy views of their memory, made here, on the caller's
-        # thread and MLX stream, in one evaluation: the writer then only reads
-        # memory (a strided view, a KV buffer cut to its filled length, is
-        # copied contiguous by NumPy as it writes).  An MLX op on the writer's
-        # thread would queue behind a running prefill (seen: a save of 5.8 MB
-        # taking 17-24 s in kvstore serve) and MLX on the CPU is not safe for
-        # ops on two threads at once.  A view keeps today's data: an in-place
-        # update of the caller's array (cache[..., i:j] = x) cannot reuse a
-        # buffer still referenced.  NumPy arrays are copied.
+        # MLX arrays: NumPy views of their memory, made here in one evaluation
+        # (payload.host_tensors says why no MLX op may run on the writer's
+        # thread, and why a view keeps today's data).  NumPy arrays are copied.
         host, dtypes = payload.host_tensors(tensors, dtypes)
         return {k: a if host[k] is not tensors[k] else np.array(a, copy=True) for k, a in host.items()}, dtypes
 
@@ -511,6 +510,7 @@ class KVStore:
             out["entries"] = len(self._dir.index.entries)
             out["bytes"] = self._dir.index.total_bytes()
             out["budget_bytes"] = self.budget_bytes
+            out["budget_derived"] = self.budget_derived
             entries = list(self._dir.index.entries.values())
         # Every model's share of the directory and its one budget (docs/format.md §17).
         out["models"] = registry.summarize(entries, registry.read_registry(self.path))

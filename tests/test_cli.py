@@ -9,6 +9,7 @@ payload byte flipped.  Every prompt text carries SECRET, and no command but
 import functools
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -368,13 +369,17 @@ def test_stats_text_and_json(cache, cwd):
     st = json.loads(p.stdout)
     sizes = [os.path.getsize(os.path.join(d, n)) for n in names(d)]
     assert st["entries"] == 6 and st["bytes"] == sum(sizes)
-    assert st["budget_bytes"] == 4096 * 2**20 and st["budget_use"] == pytest.approx(sum(sizes) / 2**32)
+    # No --budget-mb: the store's default, derived from the filesystem's size.
+    budget = policy.default_budget_bytes(shutil.disk_usage(d).total)
+    assert st["budget_bytes"] == budget and st["budget_derived"] is True
+    assert st["budget_use"] == pytest.approx(sum(sizes) / budget)
     assert st["by_reason"] == {"agent-session": 1, "cold": 3, "continued": 2}
     assert st["hits"] == 5 and st["not_loadable"] == 1
     assert st["oldest"] == 1_700_000_000                  # the ds4 file's created_at
     assert st["newest"] >= roles["corrupt"].created_at
+    assert "the default: 10% of the filesystem" in run(cwd, "stats", d).stdout
     p = run(cwd, "stats", d, "--budget-mb", "2")
-    assert p.returncode == 0
+    assert p.returncode == 0 and "the default" not in p.stdout
     for want in ("entries    6 (1 with a foreign payload ABI)", "of 2.0 MiB budget",
                  "by reason  agent-session 1, cold 3, continued 2", "hits       5", "oldest     2023-"):
         assert want in p.stdout, want

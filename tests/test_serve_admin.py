@@ -268,6 +268,7 @@ def test_get_cache_matches_the_directory(served):
     assert view["entries"] == stats["entries"] == len(entries) == len(checkpoint_files(cache))
     assert view["bytes"] == stats["bytes"] == sum(e.file_size for e in entries)
     assert view["budget_bytes"] == stats["budget_bytes"] and view["budget_used"] == view["bytes"] / view["budget_bytes"]
+    assert view["budget_derived"] is stats["budget_derived"] is True     # no --budget-mb: derived, as here
     assert view["models"] == registry.summarize(entries, registry.read_registry(cache)) == stats["models"]
     assert view["pinned_bytes"] == stats["pinned_bytes"] > 0
     assert [(p["sha"], p["tokens"], p["until"]) for p in view["pins"]] == \

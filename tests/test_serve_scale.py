@@ -323,6 +323,10 @@ def test_metrics_count_requests_by_source_and_the_directory(model_dir, workdir, 
         assert m[("kvstore_tokens_prefilled_total", ())] > 0
         assert m[("kvstore_request_load_seconds_count", (("source", "disk"),))] == 1
         assert m[("kvstore_entries", ())] >= 1 and m[("kvstore_bytes", ())] > 0
+        # No --budget-mb: the default derived from the filesystem; no chain near it.
+        with KVStore(stored) as s:
+            assert s.budget_derived and m[("kvstore_budget_bytes", ())] == s.budget_bytes
+        assert m[("kvstore_chains_over_half_budget_total", ())] == 0
         # The directory's cumulative counters: the first server's saves, this one's load.
         assert m[("kvstore_directory_loads_total", ())] >= 1
         assert m[("kvstore_directory_load_seconds_count", ())] >= 1

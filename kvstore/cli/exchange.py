@@ -18,7 +18,7 @@ from kvstore.exchange import export_checkpoint, file_model, import_checkpoint
 from kvstore.files import checkpoint_names, describe_error
 from kvstore.format import open_checkpoint, read_entry
 from kvstore.payload import read_manifest
-from kvstore.store import DEFAULT_BUDGET_MB, LAYOUTS, KVStore
+from kvstore.store import LAYOUTS, KVStore
 
 
 def model_of_file(d, e, sealer):
@@ -95,6 +95,7 @@ def cmd_import(args):
                         model_identity=file_model(args.file) if e.model_tag else None)
     except UnsafePath:
         raise UsageError(f"{args.dir}: not a directory (kvstore never follows symlinks)") from None
+    budget = store.budget_bytes
     try:
         got = import_checkpoint(store, args.file)
     except CorruptCheckpoint as err:
@@ -103,7 +104,7 @@ def cmd_import(args):
     finally:
         store.close()
     if got is None:
-        print(f"{PROG}: error: {args.file}: not stored (over the {text.size(text.mib_bytes(args.budget_mb))} "
+        print(f"{PROG}: error: {args.file}: not stored (over the {text.size(budget)} "
               "budget; see --budget-mb)", file=sys.stderr)
         return 1
     print(f"imported {e.tokens} tokens as {got.name[:12]} in {args.dir}")
@@ -127,6 +128,6 @@ def add_parsers(sub):
     s.add_argument("--layout", choices=LAYOUTS, default="chain", help="how to store it (default: chain)")
     s.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
                    help=f"chain grid (default {DEFAULT_BLOCK_TOKENS})")
-    s.add_argument("--budget-mb", type=text.megabytes, default=DEFAULT_BUDGET_MB)
+    s.add_argument("--budget-mb", type=text.megabytes, default=None, help="disk budget in MiB (default: 10%% of the filesystem holding DIR, at least 4 GiB, at most 64 GiB; 0: none)")
     keys.add_key_argument(s)
     s.set_defaults(func=cmd_import)

@@ -16,7 +16,7 @@ from kvstore.cli.local import directory
 from kvstore.cli.remote import cmd_remote_ls
 from kvstore.cli.text import UsageError
 from kvstore.files import BrokenChain, ancestors, scan_directory
-from kvstore.store import DEFAULT_BUDGET_MB
+from kvstore.directory import budget_bytes_for
 
 # The columns of the sequence table that hold numbers (right-aligned).
 NUMBER_COLUMNS = ("TOKENS", "BLOCKS", "HITS", "CTX", "QUANT", "SIZE")
@@ -113,7 +113,7 @@ def sequence_table(ranked, chains, titles, models, now, has_blocks):
     return text.table(rows, head, right={i for i, h in enumerate(head) if h in NUMBER_COLUMNS})
 
 
-def print_totals(entries, seqs, bad, sealer, budget):
+def print_totals(entries, seqs, bad, sealer, budget, budget_derived=False):
     """The lines under the table: files, bytes against the budget, sealed, foreign and bad ones."""
     blocks = sum(1 for e in entries if e.is_block)
     total = sum(e.file_size for e in entries)
@@ -121,9 +121,9 @@ def print_totals(entries, seqs, bad, sealer, budget):
     foreign = sum(1 for e in entries if not e.loadable) - ours
     if blocks:
         print(f"{text.plural(len(seqs), 'stored sequence')} in {text.plural(len(entries), 'file')} "
-              f"({text.plural(blocks, 'chain block')}), {text.budget_line(total, budget)}")
+              f"({text.plural(blocks, 'chain block')}), {text.budget_line(total, budget, budget_derived)}")
     else:
-        print(f"{len(entries)} checkpoint{'s' if len(entries) != 1 else ''}, {text.budget_line(total, budget)}")
+        print(f"{len(entries)} checkpoint{'s' if len(entries) != 1 else ''}, {text.budget_line(total, budget, budget_derived)}")
     if ours:
         print(f"{ours} sealed with this key")
     if foreign:
@@ -163,7 +163,7 @@ def cmd_ls(args):
         print(sequence_table(ranked, chains, titles, models, now, any(e.is_block for e in entries)))
     else:
         print(f"no checkpoints in {d}")
-    print_totals(entries, seqs, bad, sealer, text.mib_bytes(args.budget_mb))
+    print_totals(entries, seqs, bad, sealer, *budget_bytes_for(d, args.budget_mb))
     return 0
 
 
@@ -172,8 +172,9 @@ def add_parsers(sub):
     s = sub.add_parser("ls", help="list checkpoints, best kept first (or a bucket's, with --remote)")
     s.add_argument("dir", metavar="DIR", nargs="?")
     s.add_argument("--json", action="store_true", help="a JSON list of objects")
-    s.add_argument("--budget-mb", type=text.megabytes, default=DEFAULT_BUDGET_MB,
-                   help=f"budget shown against the total (default {DEFAULT_BUDGET_MB}; 0: none)")
+    s.add_argument("--budget-mb", type=text.megabytes, default=None,
+                   help="budget shown against the total, in MiB (default: the store's default, 10%% of the "
+                        "filesystem holding DIR, at least 4 GiB, at most 64 GiB; 0: none)")
     s.add_argument("--blocks", action="store_true", help="one row per chain block (parent, range), not per sequence")
     remote.add_arguments(s)
     keys.add_key_argument(s)

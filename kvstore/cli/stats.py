@@ -16,10 +16,10 @@ from kvstore import counters, files, registry
 from kvstore.cli import text
 from kvstore.cli.local import directory
 from kvstore.files import scan_directory
-from kvstore.store import DEFAULT_BUDGET_MB
+from kvstore.directory import budget_bytes_for
 
 
-def summary(d, entries, bad, budget):
+def summary(d, entries, bad, budget, budget_derived=False):
     """What `kvstore stats --json` prints (the counters as read, infinities and all)."""
     total = sum(e.file_size for e in entries)
     by_reason = collections.Counter(text.reason_name(e.reason) for e in entries)
@@ -29,6 +29,7 @@ def summary(d, entries, bad, budget):
         "entries": len(entries),
         "bytes": total,
         "budget_bytes": budget,
+        "budget_derived": budget_derived,
         "budget_use": (total / budget) if budget else None,
         "by_reason": {r: by_reason[r] for r in sorted(by_reason)},
         "hits": sum(e.hits for e in entries),
@@ -59,7 +60,7 @@ def totals_rows(out, now):
     rows = [
         ("entries", f"{out['entries']}" + (f" ({out['not_loadable']} with a foreign payload ABI)"
                                            if out["not_loadable"] else "")),
-        ("bytes", text.budget_line(out["bytes"], out["budget_bytes"])),
+        ("bytes", text.budget_line(out["bytes"], out["budget_bytes"], out["budget_derived"])),
         ("by reason", ", ".join(f"{r} {n}" for r, n in out["by_reason"].items()) or "-"),
         ("hits", out["hits"]),
         ("tokens", out["tokens"]),
@@ -96,7 +97,7 @@ def cmd_stats(args):
     d = directory(args.dir)
     entries, bad = scan_directory(d)
     now = int(time.time())
-    out = summary(d, entries, bad, text.mib_bytes(args.budget_mb))
+    out = summary(d, entries, bad, *budget_bytes_for(d, args.budget_mb))
     if args.json:
         print(json.dumps(dict(out, directory=json_counters(out["directory"])), indent=2))
         return 0
@@ -111,5 +112,5 @@ def add_parsers(sub):
     s = sub.add_parser("stats", help="totals: entries, bytes, reasons, hits, ages; the directory's cumulative counters")
     s.add_argument("dir", metavar="DIR")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--budget-mb", type=text.megabytes, default=DEFAULT_BUDGET_MB)
+    s.add_argument("--budget-mb", type=text.megabytes, default=None, help="disk budget in MiB (default: 10%% of the filesystem holding DIR, at least 4 GiB, at most 64 GiB; 0: none)")
     s.set_defaults(func=cmd_stats)

@@ -143,10 +143,11 @@ def pairs(rows, indent=""):
     return "\n".join(f"{indent}{k.ljust(w)}  {v}" for k, v in rows)
 
 
-def budget_line(total, budget):
+def budget_line(total, budget, derived=False):
     if not budget:
         return f"{size(total)} (no budget)"
-    return f"{size(total)} of {size(budget)} budget ({100.0 * total / budget:.1f}%)"
+    how = ", the default: 10% of the filesystem" if derived else ""
+    return f"{size(total)} of {size(budget)} budget ({100.0 * total / budget:.1f}%{how})"
 
 
 def plural(n, word):

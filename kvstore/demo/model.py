@@ -236,16 +236,20 @@ def model_config(layers=2, hidden=64, heads=4, kv_heads=2, vocab=VOCAB_SIZE, hea
     return cfg
 
 
-def make_model(seed=0, layers=2, hidden=64, heads=4, kv_heads=2, vocab=VOCAB_SIZE, **kw):
+def make_model(seed=0, layers=2, hidden=64, heads=4, kv_heads=2, vocab=VOCAB_SIZE, dtype=None, **kw):
     """A random-weight mlx_lm llama Model (float32), the same for the same arguments.
 
     Args:
         seed: mx.random seed for the weights.
+        dtype: the weights' dtype by name ("bfloat16": the KV cache is then
+            bfloat16 too); None: float32.
         kw: head_dim, intermediate, sliding_window, sliding_layers (see model_config).
     """
     cfg = model_config(layers, hidden, heads, kv_heads, vocab, **kw)
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     model.config = cfg
     return model

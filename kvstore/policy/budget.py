@@ -13,9 +13,34 @@ from kvstore.policy.options import check_count
 # pass deletes at once (ds4 kv_cache_budget_required: 1%, rounded up).
 BUDGET_SLACK_PERCENT = 1
 
+# The default disk budget, when none is set: this share of the filesystem
+# that holds the directory, within these bounds.  ds4's fixed 4 GiB holds
+# one 30,000-token session of an 8B model (128-144 KiB of KV a token) or
+# none; a share of the disk grows with the machine, and the bounds keep a
+# small disk useful and a large one from filling with checkpoints.
+DEFAULT_BUDGET_SHARE = 0.10
+DEFAULT_BUDGET_MIN_BYTES = 4 << 30
+DEFAULT_BUDGET_MAX_BYTES = 64 << 30
+
 # Sizes in the envelope are u64 (docs/format.md §2); ds4 refuses a file whose
 # size does not fit, and so do we.
 _U64_MAX = 2**64 - 1
+
+
+def default_budget_bytes(filesystem_bytes):
+    """The disk budget of a directory whose filesystem holds filesystem_bytes
+    (its size, not its free space): DEFAULT_BUDGET_SHARE of it, at least
+    DEFAULT_BUDGET_MIN_BYTES, at most DEFAULT_BUDGET_MAX_BYTES."""
+    check_count("filesystem_bytes", filesystem_bytes)
+    share = int(filesystem_bytes * DEFAULT_BUDGET_SHARE)
+    return min(max(share, DEFAULT_BUDGET_MIN_BYTES), DEFAULT_BUDGET_MAX_BYTES)
+
+
+def over_half_budget(before_bytes, after_bytes, budget_bytes):
+    """Whether a save took one chain from at most half the budget to over it
+    (the chain would then evict everything else to be kept); never for an
+    unlimited budget (0)."""
+    return bool(budget_bytes) and before_bytes * 2 <= budget_bytes < after_bytes * 2
 
 
 def file_size_fits(text_bytes, payload_bytes, trailer_bytes, budget_bytes):

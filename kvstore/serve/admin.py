@@ -37,6 +37,7 @@ GET /v1/cache (numbers are ints unless said; "sha" is a name's first 12 hex digi
 
     entries, bytes            checkpoint files of the directory (every model) and their bytes
     budget_bytes              the directory's disk budget (0: none)
+    budget_derived            true when the budget is the default derived from the filesystem's size
     budget_used               bytes / budget_bytes (a float, 0..1 or above), null without a budget
     pinned_bytes              bytes live pins keep (each file once)
     pins                      [{sha, tokens, bytes, until (unix s), ttl_left_s, tenant (8 hex or null)}]
@@ -279,6 +280,7 @@ class Admin:
             ram = {"entries": len(self.tier), "bytes": int(self.tier.nbytes)}
         return {
             "entries": len(entries), "bytes": size, "budget_bytes": budget,
+            "budget_derived": store.budget_derived,
             "budget_used": size / budget if budget else None,
             "pinned_bytes": pins_mod.kept(live, by_sha)[1],
             "pins": [pin_view(p, now) for p in live],

@@ -137,6 +137,9 @@ class _StoreCollector:
         yield g("kvstore_entries", "Checkpoint files in the directory", value=stats["entries"])
         yield g("kvstore_bytes", "Bytes of checkpoint files in the directory", value=stats["bytes"])
         yield g("kvstore_budget_bytes", "The directory's disk budget", value=stats["budget_bytes"])
+        yield CounterMetricFamily("kvstore_chains_over_half_budget",
+                                  "Saves that took one session's chain past half the disk budget (this process)",
+                                  value=stats["chains_over_half_budget"])
         if "pinned_bytes" in stats:
             yield g("kvstore_pinned_bytes", "Bytes live pins keep in the directory", value=stats["pinned_bytes"])
             yield g("kvstore_live_pins", "Live pins in the directory", value=stats["pins"])

@@ -32,7 +32,7 @@ from kvstore.serve.http import handler_class
 from kvstore.serve.tier import TieredPromptCache
 from kvstore.serve.warm import Warmer, checked_open, read_file
 from kvstore.serve.warm import add_arguments as add_warm_arguments
-from kvstore.store import DEFAULT_BUDGET_MB, LAYOUTS, KVStore
+from kvstore.store import LAYOUTS, KVStore
 
 log = logging.getLogger("kvstore")
 
@@ -108,8 +108,9 @@ def _open_store(cache_dir, opts, config, options, identity):
         # run in the background); a remote that is down costs one
         # connect timeout here and nothing afterwards.
         store.remote.refresh()
-    log.info("kvstore: store_open cache_dir=%s model=%s tag=%s entries=%d", cache_dir,
-             identity.label, tag_hex(identity.tag), len(store.entries()))
+    log.info("kvstore: store_open cache_dir=%s model=%s tag=%s entries=%d budget_bytes=%d budget=%s", cache_dir,
+             identity.label, tag_hex(identity.tag), len(store.entries()), store.budget_bytes,
+             "derived" if store.budget_derived else "set")
     return store
 
 
@@ -219,8 +220,9 @@ def build_parser():
     p.add_argument("--model", help="the mlx-lm model directory (required)")
     p.add_argument("--cache-dir", help="checkpoint directory, shared by every model (each file names its "
                    f"model; default: {DEFAULT_CACHE_ROOT})")
-    p.add_argument("--budget-mb", type=float, default=DEFAULT_BUDGET_MB,
-                   help=f"disk budget of the directory, all models together, in MiB (default {DEFAULT_BUDGET_MB})")
+    p.add_argument("--budget-mb", type=float, default=None,
+                   help="disk budget of the directory, all models together, in MiB (default: 10%% of the "
+                        "filesystem holding it, at least 4 GiB, at most 64 GiB; 0: none)")
     p.add_argument("--stale-after-days", type=float, default=DEFAULT_STALE_AFTER_S / 86400,
                    help="checkpoints nobody has used for this many days go first when the directory is over "
                         f"its budget, whatever their model (default {DEFAULT_STALE_AFTER_S // 86400}; 0: never)")
