@@ -17,7 +17,9 @@ after a restart; bench/canary.py: the canary's distances, states the live model 
 against states it did not; bench/remote.py: a hit from an S3 bucket against
 a local one; bench/shapes.py: saves, loads, finds, evictions and the
 canary at the KV geometry of the models people run, 8,192 and 32,768 tokens,
-cold page cache included, and the fingerprint of an 8 GB model) runs in its own process, from a temporary directory so that the
+cold page cache included, and the fingerprint of an 8 GB model;
+bench/serve_sizes.py: kvstore serve storing and loading a 1.1 GiB state
+while two sessions decode) runs in its own process, from a temporary directory so that the
 repository's kvstore/ does not shadow the installed package, writes its JSON
 results and prints a markdown report.  A harness whose tools are missing
 here (remote.py without boto3 or `weed`) reports itself skipped; the results
@@ -54,7 +56,7 @@ import figures  # noqa: E402
 import plots  # noqa: E402
 
 HARNESSES = ["foundation", "store", "ttft", "e2e", "serve", "chains", "serve_load", "serve_trace", "canary", "remote",
-             "shapes"]
+             "shapes", "serve_sizes"]
 
 LOAD_NOTE = """\
 ## Why loads stream through `mx.load`, and prefault their pages

@@ -363,3 +363,38 @@ def test_ram_reuse_bounds_at_the_edges():
                          ([9], 0)):
         lo, hi = cache.ram_reuse_bounds("m", prompt)
         assert cache.ram_reuse("m", prompt) == want and lo <= want <= hi, (prompt, lo, hi)
+
+
+# ---- a sequence's KV out of a batch: views, not copies ------------------------------
+
+def test_extract_views_hands_out_views_of_the_batch_with_the_same_values(monkeypatch):
+    """kvstore serve's batches hand a finished sequence's KV out as views of
+    the batch's buffers (nothing to copy on the generation thread before a
+    store can read it), holding what mlx-lm's own extract holds."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from kvstore.mlx import mlxlm
+    stock = BatchKVCache.extract
+    monkeypatch.setattr(BatchKVCache, "extract", stock)       # restored after the test
+    caches = []
+    for n in (5, 9):
+        c = KVCache()
+        c.update_and_fetch(mx.random.normal((1, 2, n, 4)), mx.random.normal((1, 2, n, 4)))
+        caches.append(c)
+    batch = BatchKVCache.merge(caches)
+    mx.eval(batch.keys, batch.values)
+    want = [stock(batch, i) for i in range(2)]
+    mlxlm.extract_views()
+    assert BatchKVCache.extract is not stock
+    mlxlm.extract_views()                                      # idempotent
+    for i, n in enumerate((5, 9)):
+        got = batch.extract(i)
+        assert got.offset == want[i].offset == n
+        for a, b, buf in ((got.keys, want[i].keys, batch.keys), (got.values, want[i].values, batch.values)):
+            assert np.array_equal(np.array(a), np.array(b))
+            mx.eval(a)
+            assert np.shares_memory(np.asarray(a), np.asarray(buf))      # a view: no copy was made
+        if i == 0:          # left-padded in the batch: a strided slice, which stock copies
+            assert not np.shares_memory(np.asarray(want[i].keys), np.asarray(batch.keys))

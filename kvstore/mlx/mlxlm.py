@@ -54,7 +54,7 @@ check_version()
 # After the check: an unsupported release fails with the message above, not
 # with whatever these imports would raise.
 from mlx_lm import server as mlx_server                                   # noqa: E402
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache     # noqa: E402
+from mlx_lm.models.cache import BatchKVCache, KVCache, LRUPromptCache, can_trim_prompt_cache  # noqa: E402
 
 
 # ---- caches and tokenizers ----------------------------------------------------
@@ -67,6 +67,38 @@ def rotating_write_index(cache):
 def set_rotating_write_index(cache, idx):
     """Sets a rebuilt RotatingKVCache's write index (see rotating_write_index)."""
     cache._idx = idx
+
+
+def _extract_view(self, idx):
+    """BatchKVCache.extract without the contiguous copy: sequence idx's keys
+    and values as views of the batch's buffers (the same values)."""
+    import mlx.core as mx
+    mx.eval(self.left_padding)
+    padding = self.left_padding.tolist()[idx]
+    cache = KVCache()
+    cache.keys = self.keys[idx:idx + 1, :, padding:self._idx]
+    cache.values = self.values[idx:idx + 1, :, padding:self._idx]
+    cache.offset = cache.keys.shape[2]
+    return cache
+
+
+def extract_views():
+    """Makes mlx-lm's batches hand out a finished or segmented sequence's KV
+    as views of the batch's buffers instead of lazy contiguous copies
+    (kvstore serve calls it at start; idempotent).
+
+    mlx-lm's BatchKVCache.extract returns mx.contiguous of the sequence's
+    slice, a copy computed only when something evaluates it: stock keeps it
+    lazy in its RAM cache, but a store must read the bytes, and evaluating
+    the copy on the generation thread held the batch for the whole copy
+    (seen: 0.72 s for a 2,048-token state at 144 KiB a token, every decoding
+    session waiting).  A view costs nothing to evaluate; the writer writes
+    its contiguous runs (kvstore.payload.plan.contiguous_runs).  Like the
+    lazy copy, a view keeps the batch's old buffer alive while it is held;
+    the batch itself moves on to new buffers (its filter after a finished
+    sequence, its merges).
+    """
+    BatchKVCache.extract = _extract_view
 
 
 def hf_tokenizer(tokenizer):

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 
-from kvstore.mlx.mlxlm import HookedResponseGenerator, requested_model_key
+from kvstore.mlx.mlxlm import HookedResponseGenerator, extract_views, requested_model_key
 from kvstore.serve.pinning import BadPin, shared_prefix
 from kvstore.serve.ticket import Ticket
 from kvstore.serve.tier import WAYPOINT_TYPE
@@ -60,6 +60,9 @@ class TieredResponseGenerator(HookedResponseGenerator):
 
     def __init__(self, model_provider, prompt_cache):
         self.tier = prompt_cache
+        # A finished request's KV reaches the store as views of the batch's
+        # buffers: no copy evaluated on this thread (mlxlm.extract_views).
+        extract_views()
         # One tokenization at a time: a tokenizer object is not meant to be
         # shared by threads (the HTTP threads and the generation thread).
         self._tokenizer_lock = threading.Lock()
