@@ -284,6 +284,9 @@ def child_evict(geometry, tokens, path):
     return dict(kv_s=kv_s, peer_s=time.perf_counter() - t0, files=files)
 
 
+CANARY_VOCAB = 1024
+
+
 def canary_model(g):
     """A llama model with geometry g's attention and a tiny hidden size (random weights)."""
     import mlx.core as mx
@@ -291,7 +294,7 @@ def canary_model(g):
     name, layers, heads, kd, vd, *_ = g
     args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=layers, intermediate_size=512,
                            num_attention_heads=heads * 2, num_key_value_heads=heads, head_dim=kd,
-                           rms_norm_eps=1e-5, vocab_size=1024, rope_theta=500000.0, tie_word_embeddings=True)
+                           rms_norm_eps=1e-5, vocab_size=CANARY_VOCAB, rope_theta=500000.0, tie_word_embeddings=True)
     model = llama.Model(args)
     model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
@@ -307,7 +310,7 @@ def child_canary(geometry, tokens, repeats=5):
     g = geometry_named(geometry)
     model = canary_model(g)
     cache = build_cache(g, tokens, tokens + repeats + 1, SEED)
-    ids = list(range(tokens))
+    ids = [i % CANARY_VOCAB for i in range(tokens)]        # token ids the model's vocabulary holds
     kv, peer = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
