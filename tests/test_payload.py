@@ -12,7 +12,7 @@ import pytest
 
 from kvstore import _reference
 from kvstore.payload import DTYPES
-from kvhelpers import checkpoint_files
+from kvhelpers import checkpoint_files, make_store
 
 mx = pytest.importorskip("mlx.core")
 
@@ -550,3 +550,51 @@ def test_strided_views_are_written_as_runs_and_read_back_exact(tmp_path, monkeyp
         assert np.array_equal(ck.tensors[name], want), name
     assert sorted(written) == [2, 4]            # long_runs (4 runs), two_axes (2); the rest copied
     assert calls == ([] if sealed else [4, 2])  # the sealing sink takes pieces without a vectored write
+
+
+# ---- loads too large for one MLX array ------------------------------------------------
+
+def _save_big(store, text, n_tensors, rows):
+    """A chain (or whole file) of n_tensors (1, 8, rows, 4096) uint8 tensors, every one the same data."""
+    base = np.arange(8 * rows * 4096, dtype=np.uint32).astype(np.uint8).reshape(1, 8, rows, 4096)
+    tensors = {f"t{i}": base for i in range(n_tensors)}
+    e = store.save(text, list(range(rows)), tensors, positional={k: 2 for k in tensors},
+                   text_offsets=lambda i: i)
+    assert e is not None and e.tokens == rows
+    return base
+
+
+@pytest.mark.parametrize("layout", ["chain", "whole"])
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_load_larger_than_one_mlx_array_goes_through_numpy(tmp_path, monkeypatch, layout, threaded):
+    # MLX's shapes are 32-bit: a blob of 2 GiB or more cannot be one array.
+    # Loads past the limit (here lowered) take the NumPy route and come back whole.
+    pytest.importorskip("mlx.core")
+    from kvstore.payload import mlx_io
+    assert mlx_io.MLX_BLOB_MAX < 2 ** 31
+    monkeypatch.setattr(mlx_io, "MLX_BLOB_MAX", 1 << 20)
+    monkeypatch.setattr(mlx_io, "_fill_blob", lambda src: pytest.fail("no blob past MLX_BLOB_MAX"))
+    old = mlx_io.set_mlx_threaded(threaded)
+    try:
+        with make_store(tmp_path / "kv", layout=layout, block_tokens=64) as s:
+            base = _save_big(s, b"b" * 128, 4, 128)                # 4 MiB of tensors
+            ck = s.load(s.find(b"b" * 128), into="mlx")
+            assert ck is not None and s.stats()["corrupt"] == 0
+            for i in range(4):
+                assert np.array_equal(np.array(ck.tensors[f"t{i}"]), base)
+    finally:
+        mlx_io.set_mlx_threaded(old)
+
+
+def test_a_state_of_over_2_gib_loads_into_mlx(tmp_path):
+    # 2.25 GiB of tensors (one 64 MiB array stored 36 times): past MLX's
+    # 32-bit sizes, the load must not read a wrapped size and call the
+    # files corrupt (it removed them).
+    pytest.importorskip("mlx.core")
+    with make_store(tmp_path / "kv", block_tokens=1024) as s:
+        base = _save_big(s, b"g" * 2048, 36, 2048)
+        ck = s.load(s.find(b"g" * 2048), into="mlx")
+        assert ck is not None and s.stats()["corrupt"] == 0
+        for i in (0, 17, 35):
+            assert np.array_equal(np.array(ck.tensors[f"t{i}"]), base)
+        del ck

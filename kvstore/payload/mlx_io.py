@@ -170,6 +170,13 @@ def load_blob(fd, entry, tensors, lo, hi, verify, defer):
     return _filled(src, entry.path), src
 
 
+# MLX's array dimensions are 32-bit ints: a blob of 2 GiB or more cannot be
+# one uint8 array (mx.load then reads a wrapped size, and every CRC of the
+# load fails as if the files were corrupt).  A load whose blob would be
+# larger goes through NumPy arrays and MLX copies of them instead.
+MLX_BLOB_MAX = (1 << 31) - 1
+
+
 def _mx_dtype(mx, name):
     return mx.bool_ if name == "bool" else getattr(mx, name)
 
@@ -206,9 +213,11 @@ def read_tensors_mlx(fd, entry, manifest, verify=True):
     wide = copy.copy(manifest)
     wide.tensors = [t for t in manifest.tensors if t[1] == "float64"]
     direct = [t for t in manifest.tensors if t[1] != "float64" and t[4]]
+    lo = min((t[3] for t in direct), default=0)
+    hi = max((t[3] + t[4] for t in direct), default=0)
+    if hi - lo > MLX_BLOB_MAX:
+        wide.tensors, direct = [t for t in manifest.tensors if t[4] or t[1] == "float64"], []   # all via NumPy
     if direct:
-        lo = min(t[3] for t in direct)
-        hi = max(t[3] + t[4] for t in direct)
         blob, src = load_blob(fd, entry, direct, lo, hi, verify, defer=True)
         if src.address is not None and _native.buffer_address(memoryview(blob)) != src.address:
             # MLX did not read into the blob's own memory: no deferring.
@@ -221,8 +230,8 @@ def read_tensors_mlx(fd, entry, manifest, verify=True):
     for name, dtype, shape, off, n, crc in manifest.tensors:
         if not n and dtype != "float64":
             out[name] = mx.zeros(shape, dtype=_mx_dtype(mx, dtype))
-    for name, a in read_tensors_numpy(fd, entry, wide, verify).items():
-        out[name] = mx.array(a, dtype=mx.float64)
+    arrays = read_tensors_numpy(fd, entry, wide, verify)
+    out.update(_numpy_to_mlx(arrays, {t[0]: t[1] for t in wide.tensors}))
     if out:
         mx.eval(list(out.values()))
     return {t[0]: out[t[0]] for t in manifest.tensors}
@@ -249,9 +258,11 @@ def read_chain_mlx(layout, verify=True):
     out = {}
     if direct:
         src = ChainBlob(layout, direct, others, verify)
-        blob = _filled(src, layout.target.path)
-        if src.partial or src.address is None or _native.buffer_address(memoryview(blob)) != src.address:
-            # MLX did not hand over the blob's own memory in one call.
+        blob = None if src.size - len(src.head) > MLX_BLOB_MAX else _filled(src, layout.target.path)
+        if blob is None or src.partial or src.address is None or \
+                _native.buffer_address(memoryview(blob)) != src.address:
+            # Too large for one MLX array, or MLX did not hand over the
+            # blob's own memory in one call.
             tokens, arrays = read_chain_numpy(layout, verify)
             out.update(_numpy_to_mlx({t.name: arrays[t.name] for t in layout.tensors if t.nbytes},
                                      {t.name: t.dtype for t in layout.tensors}))
