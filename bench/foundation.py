@@ -214,6 +214,18 @@ class Report(Table):
         self._row(comparison, kv, peer, kind, ratio, ratio_min, target_text, ok, note)
 
 
+def drop_page_cache():
+    """Empties the kernel's page cache for cold-disk rows (True), or says it
+    could not (False: not root, or not Linux)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
 def harness_arguments(doc, quick_help, argv, strict_help=None):
     """The command line of every harness: --quick, --json PATH and, where targets are judged, --strict."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])

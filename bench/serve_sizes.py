@@ -53,7 +53,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from foundation import TextTable, finish, harness_arguments, machine_info, machine_lines  # noqa: E402
+from foundation import TextTable, drop_page_cache, finish, harness_arguments, machine_info, machine_lines  # noqa: E402
 from serve import start  # noqa: E402
 from serve_load import (SETTLE_S, ServerStuck, decoding_sessions, log_events, log_tail, long_prompt,  # noqa: E402
                         progress, rate, stop_server, stream_chat, wait_for_chunks, warm_up, write_checkpoint)
@@ -70,17 +70,6 @@ NO_STORE = ["--admit-after", "1000000"]
 RATE_TARGET = 0.9
 GAP_TARGET_STEPS = 3
 LOAD_TARGET = 0.8
-DROP_CACHES = "/proc/sys/vm/drop_caches"
-
-
-def drop_page_cache():
-    os.sync()
-    try:
-        with open(DROP_CACHES, "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def fresh_copy(src, dst):

@@ -56,7 +56,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from foundation import TextTable, finish, harness_arguments, machine_info, machine_lines  # noqa: E402
+from foundation import TextTable, drop_page_cache, finish, harness_arguments, machine_info, machine_lines  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES, QUICK_SIZES = (8192, 32768), (2048,)
@@ -69,7 +69,6 @@ SEED = 36
 # the cache objects around it, or a save's arrays and its page cache), under
 # this share of the machine's memory.
 MEMORY_SHARE = 0.8
-DROP_CACHES = "/proc/sys/vm/drop_caches"
 
 # name, layers, KV heads, key dim, value dim, sliding layers, window, canary architecture
 GEOMETRIES = [
@@ -427,17 +426,6 @@ def child_main(op, kw):
 FINGERPRINT_MAX_S = 1.0
 FINGERPRINT_MAX_READ = 64 * MiB
 TIME_TARGET = 1.05                # a kvstore time / mlx-lm time, medians; 5% for this shared machine's noise
-
-
-def drop_page_cache():
-    """Empties the page cache (True), or says it could not (False: not root)."""
-    os.sync()
-    try:
-        with open(DROP_CACHES, "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def cell_s(s):
