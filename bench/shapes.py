@@ -507,9 +507,9 @@ def bench_geometry(report, tmp, g, tokens, order, dropped):
                 evict=evicted, canary=canary)
 
 
-def plan(quick):
+def plan(quick, sizes=None):
     """[(geometry, tokens)] to run and [(geometry, tokens, why)] skipped."""
-    sizes = QUICK_SIZES if quick else SIZES
+    sizes = sizes or (QUICK_SIZES if quick else SIZES)
     geometries = [g for g in GEOMETRIES if not quick or g[0] in QUICK_GEOMETRIES]
     limit = MEMORY_SHARE * memory_total()
     run, skipped = [], []
@@ -527,12 +527,17 @@ def plan(quick):
 def main(argv=None):
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
         return child_main(sys.argv[2], sys.argv[3])
+    sizes = None
+    if argv is None and "--sizes" in sys.argv:       # e.g. --sizes 8192: some of SIZES only
+        i = sys.argv.index("--sizes")
+        sizes = tuple(int(x) for x in sys.argv[i + 1].split(","))
+        del sys.argv[i:i + 2]
     args = harness_arguments(__doc__, "three geometries at 2,048 tokens", argv)
     args.strict = False
     t_start = time.perf_counter()
     info = machine_info()
     report = TextTable()
-    todo, skipped = plan(args.quick)
+    todo, skipped = plan(args.quick, sizes)
     dropped = drop_page_cache()
     results = []
     for i, (g, tokens) in enumerate(todo):
