@@ -188,7 +188,8 @@ def med(recs, key):
 
 def report_rows(report, recs, size, stored_tokens):
     store, none = recs["store"], recs["none"]
-    ratio = med(store, "window_tps") / med(none, "window_tps")
+    # (A quick run's window can be shorter than one step: no token, no ratio.)
+    ratio = med(store, "window_tps") / med(none, "window_tps") if med(none, "window_tps") else float("nan")
     report.add(f"decode rate of 2 streaming sessions while a finished request's {size} chain "
                f"({stored_tokens:,} tokens) is stored, vs the same window without the store",
                {"text": f"{med(store, 'window_tps'):.1f} tok/s"}, {"text": f"{med(none, 'window_tps'):.1f} tok/s"},
