@@ -204,7 +204,9 @@ def free_port():
 class Server:
     """One server child process and its log."""
 
-    def __init__(self, cmd, cwd, log_path):
+    def __init__(self, cmd, cwd, log_path, ready=True):
+        """Starts cmd and waits until its /health says ok; with ready=False,
+        only until it answers /health at all (a 503 "loading" too)."""
         self.port = free_port()
         self.log_path = log_path
         self.log = open(log_path, "wb")
@@ -217,7 +219,9 @@ class Server:
             try:
                 urllib.request.urlopen(self.url("/health"), timeout=2).read()
                 return
-            except OSError:
+            except OSError as e:
+                if not ready and isinstance(e, urllib.error.HTTPError) and e.code == 503:
+                    return
                 if time.monotonic() > deadline:
                     self.kill()
                     raise AssertionError(f"server not up after {STARTUP_S} s:\n{self.text()}")

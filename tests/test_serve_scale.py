@@ -21,6 +21,8 @@ import shutil
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -165,11 +167,19 @@ def test_a_disk_load_does_not_stop_other_sessions_decoding(model_dir, workdir, s
 
 def test_a_request_that_comes_while_the_model_loads_still_gets_its_disk_hit(model_dir, workdir, stored):
     cmd = [sys.executable, "-c", _SLOW_START, "serve", "--model", model_dir, "--cache-dir", str(stored)]
-    server = Server(cmd, workdir, os.path.join(workdir, "slow-start.log"))
+    server = Server(cmd, workdir, os.path.join(workdir, "slow-start.log"), ready=False)
     try:
+        # Until its store is open the server is not ready: /health says so,
+        # and the store's directory may not exist yet.
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(server.url("/health"), timeout=10)
+        assert e.value.code == 503 and json.loads(e.value.read()) == {"status": "loading"}
+        assert e.value.headers["Retry-After"]
         server.chat(messages_b(), max_tokens=4)         # sent at once: the model is still loading
         assert server.request_lines()[0].startswith("request source=disk "), server.request_lines()
         assert "load_on_generation_thread" not in server.text()      # loaded on its HTTP thread
+        with urllib.request.urlopen(server.url("/health"), timeout=10) as r:
+            assert r.status == 200 and json.load(r)["status"] == "ok"
     finally:
         server.stop()
 

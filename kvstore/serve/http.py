@@ -124,6 +124,8 @@ class _Handler(HookedAPIHandler):
             self._metrics()
         elif self.path == "/health" and self.kv_drain.draining:
             self._error(503, "draining", retry_after=RETRY_AFTER_S, key="status")
+        elif self.path == "/health" and self._kv_loading():
+            self._error(503, "loading", retry_after=RETRY_AFTER_S, key="status")
         elif self.path == "/health" and self.kv_warm is not None and self.response_generator.is_healthy:
             self.send_json_headers(200)
             self.end_headers()
@@ -149,6 +151,13 @@ class _Handler(HookedAPIHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def _kv_loading(self):
+        """True while the generation thread loads the model and opens its
+        store: /health answers 503 "loading" until a request can be served
+        from the store (mlx-lm's own /health says ok as soon as it listens)."""
+        generator = self.response_generator
+        return generator.generation_available() and not generator.tier.ready.is_set()
 
     def _error(self, status, message, retry_after=None, key="error"):
         self.send_json_headers(status)
