@@ -554,34 +554,66 @@ def test_strided_views_are_written_as_runs_and_read_back_exact(tmp_path, monkeyp
 
 # ---- loads too large for one MLX array ------------------------------------------------
 
-def _save_big(store, text, n_tensors, rows):
-    """A chain (or whole file) of n_tensors (1, 8, rows, 4096) uint8 tensors, every one the same data."""
+def _save_big(store, text, n_tensors, rows, distinct=False):
+    """A chain (or whole file) of n_tensors (1, 8, rows, 4096) uint8 tensors,
+    every one the same data (or, with distinct, tensor i the data + i)."""
     base = np.arange(8 * rows * 4096, dtype=np.uint32).astype(np.uint8).reshape(1, 8, rows, 4096)
-    tensors = {f"t{i}": base for i in range(n_tensors)}
+    tensors = {f"t{i}": base + np.uint8(i) if distinct else base for i in range(n_tensors)}
     e = store.save(text, list(range(rows)), tensors, positional={k: 2 for k in tensors},
                    text_offsets=lambda i: i)
     assert e is not None and e.tokens == rows
-    return base
+    return tensors
 
 
 @pytest.mark.parametrize("layout", ["chain", "whole"])
 @pytest.mark.parametrize("threaded", [False, True])
-def test_a_load_larger_than_one_mlx_array_goes_through_numpy(tmp_path, monkeypatch, layout, threaded):
+def test_a_load_larger_than_one_mlx_array_is_read_into_several(tmp_path, monkeypatch, layout, threaded):
     # MLX's shapes are 32-bit: a blob of 2 GiB or more cannot be one array.
-    # Loads past the limit (here lowered) take the NumPy route and come back whole.
+    # A load past the limit (here lowered to 2.5 MiB) is read into several
+    # blobs of whole tensors, each within the limit, straight into MLX's
+    # memory; each tensor comes back whole and in its place.
     pytest.importorskip("mlx.core")
     from kvstore.payload import mlx_io
     assert mlx_io.MLX_BLOB_MAX < 2 ** 31
+    monkeypatch.setattr(mlx_io, "MLX_BLOB_MAX", 5 << 19)
+    blobs = []
+    fill = mlx_io._fill_blob
+
+    def spy(src):
+        blobs.append(src.size - len(src.head))
+        return fill(src)
+    monkeypatch.setattr(mlx_io, "_fill_blob", spy)
+    to_mlx = mlx_io._numpy_to_mlx
+    monkeypatch.setattr(mlx_io, "_numpy_to_mlx", lambda arrays, dtypes: to_mlx(arrays, dtypes) if not arrays
+                        else pytest.fail(f"no NumPy route: {sorted(arrays)}"))
+    old = mlx_io.set_mlx_threaded(threaded)
+    try:
+        with make_store(tmp_path / "kv", layout=layout, block_tokens=16) as s:
+            want = _save_big(s, b"b" * 32, 5, 32, distinct=True)        # 5 tensors of 1 MiB
+            ck = s.load(s.find(b"b" * 32), into="mlx")
+            assert ck is not None and s.stats()["corrupt"] == 0
+            for name, a in want.items():
+                assert np.array_equal(np.array(ck.tensors[name]), a), name
+    finally:
+        mlx_io.set_mlx_threaded(old)
+    assert len(blobs) == 3 and max(blobs) <= 5 << 19, blobs
+
+
+@pytest.mark.parametrize("layout", ["chain", "whole"])
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_tensor_larger_than_one_mlx_array_goes_through_numpy(tmp_path, monkeypatch, layout, threaded):
+    pytest.importorskip("mlx.core")
+    from kvstore.payload import mlx_io
     monkeypatch.setattr(mlx_io, "MLX_BLOB_MAX", 1 << 20)
     monkeypatch.setattr(mlx_io, "_fill_blob", lambda src: pytest.fail("no blob past MLX_BLOB_MAX"))
     old = mlx_io.set_mlx_threaded(threaded)
     try:
         with make_store(tmp_path / "kv", layout=layout, block_tokens=64) as s:
-            base = _save_big(s, b"b" * 128, 4, 128)                # 4 MiB of tensors
+            want = _save_big(s, b"b" * 128, 4, 128, distinct=True)     # 4 tensors of 4 MiB
             ck = s.load(s.find(b"b" * 128), into="mlx")
             assert ck is not None and s.stats()["corrupt"] == 0
-            for i in range(4):
-                assert np.array_equal(np.array(ck.tensors[f"t{i}"]), base)
+            for name, a in want.items():
+                assert np.array_equal(np.array(ck.tensors[name]), a), name
     finally:
         mlx_io.set_mlx_threaded(old)
 
@@ -592,7 +624,7 @@ def test_a_state_of_over_2_gib_loads_into_mlx(tmp_path):
     # files corrupt (it removed them).
     pytest.importorskip("mlx.core")
     with make_store(tmp_path / "kv", block_tokens=1024) as s:
-        base = _save_big(s, b"g" * 2048, 36, 2048)
+        base = _save_big(s, b"g" * 2048, 36, 2048)["t0"]
         ck = s.load(s.find(b"g" * 2048), into="mlx")
         assert ck is not None and s.stats()["corrupt"] == 0
         for i in (0, 17, 35):

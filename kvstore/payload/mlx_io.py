@@ -21,6 +21,7 @@ from kvstore import _native
 from kvstore.errors import CorruptCheckpoint
 from kvstore.payload.buffers import bytes_view
 from kvstore.payload.chains import ChainBlob, read_chain_numpy, read_stream, tokens_view
+from kvstore.payload.manifest import BLOCK_ALIGN, align
 from kvstore.payload.pool import bulk_thread, check_crc
 from kvstore.payload.whole import VirtualBlob, read_tensors_numpy
 
@@ -172,9 +173,26 @@ def load_blob(fd, entry, tensors, lo, hi, verify, defer):
 
 # MLX's array dimensions are 32-bit ints: a blob of 2 GiB or more cannot be
 # one uint8 array (mx.load then reads a wrapped size, and every CRC of the
-# load fails as if the files were corrupt).  A load whose blob would be
-# larger goes through NumPy arrays and MLX copies of them instead.
+# load fails as if the files were corrupt).  A larger load is cut into
+# several blobs of whole tensors (blob_groups); only a single tensor that
+# large goes through NumPy arrays and MLX copies of them.
 MLX_BLOB_MAX = (1 << 31) - 1
+
+
+def blob_groups(spans):
+    """The blobs a load into MLX reads: [[index, ...], ...], consecutive runs
+    of spans (each a tensor's (start, end) in the blob order, ascending)
+    whose first start and last end are at most MLX_BLOB_MAX bytes apart;
+    None when one tensor alone is larger."""
+    groups, lo = [], None
+    for i, (start, end) in enumerate(spans):
+        if end - start > MLX_BLOB_MAX:
+            return None
+        if lo is None or end - lo > MLX_BLOB_MAX:
+            groups.append([])
+            lo = start
+        groups[-1].append(i)
+    return groups
 
 
 def _mx_dtype(mx, name):
@@ -202,9 +220,10 @@ def _numpy_to_mlx(arrays, dtypes):
 
 
 def read_tensors_mlx(fd, entry, manifest, verify=True):
-    """Every tensor as an MLX array: views of one blob read straight into MLX's memory.
+    """Every tensor as an MLX array: views of blobs read straight into MLX's
+    memory, one blob unless the tensors span more than MLX_BLOB_MAX bytes.
 
-    The tensors share that one buffer: it is freed when the last of them is.
+    The tensors of a blob share its buffer: it is freed when the last of them is.
     """
     import mlx.core as mx
     out = {}
@@ -212,21 +231,12 @@ def read_tensors_mlx(fd, entry, manifest, verify=True):
     # CPU only): those tensors are read through NumPy and copied into MLX.
     wide = copy.copy(manifest)
     wide.tensors = [t for t in manifest.tensors if t[1] == "float64"]
-    direct = [t for t in manifest.tensors if t[1] != "float64" and t[4]]
-    lo = min((t[3] for t in direct), default=0)
-    hi = max((t[3] + t[4] for t in direct), default=0)
-    if hi - lo > MLX_BLOB_MAX:
-        wide.tensors, direct = [t for t in manifest.tensors if t[4] or t[1] == "float64"], []   # all via NumPy
-    if direct:
-        blob, src = load_blob(fd, entry, direct, lo, hi, verify, defer=True)
-        if src.address is not None and _native.buffer_address(memoryview(blob)) != src.address:
-            # MLX did not read into the blob's own memory: no deferring.
-            blob, src = load_blob(fd, entry, direct, lo, hi, verify, defer=False)
-        for name, dtype, shape, off, n, crc in direct:
-            a = blob[off - lo:off - lo + n]
-            if src.partial and verify:
-                check_crc(_native.crc32c(memoryview(a)), crc, entry.path, f"tensor {name!r}")
-            out[name] = a.view(_mx_dtype(mx, dtype)).reshape(shape)
+    direct = sorted((t for t in manifest.tensors if t[1] != "float64" and t[4]), key=lambda t: t[3])
+    groups = blob_groups([(t[3], t[3] + t[4]) for t in direct])
+    if groups is None:
+        wide.tensors, groups = [t for t in manifest.tensors if t[4] or t[1] == "float64"], []   # all via NumPy
+    for group in groups:
+        out.update(_blob_tensors(mx, fd, entry, [direct[i] for i in group], verify))
     for name, dtype, shape, off, n, crc in manifest.tensors:
         if not n and dtype != "float64":
             out[name] = mx.zeros(shape, dtype=_mx_dtype(mx, dtype))
@@ -235,6 +245,24 @@ def read_tensors_mlx(fd, entry, manifest, verify=True):
     if out:
         mx.eval(list(out.values()))
     return {t[0]: out[t[0]] for t in manifest.tensors}
+
+
+def _blob_tensors(mx, fd, entry, rows, verify):
+    """{name: MLX array} of manifest rows (ascending offsets, at most
+    MLX_BLOB_MAX bytes from the first's start to the last's end): views of
+    one blob read into MLX's memory."""
+    lo, hi = rows[0][3], rows[-1][3] + rows[-1][4]
+    blob, src = load_blob(fd, entry, rows, lo, hi, verify, defer=True)
+    if src.address is not None and _native.buffer_address(memoryview(blob)) != src.address:
+        # MLX did not read into the blob's own memory: no deferring.
+        blob, src = load_blob(fd, entry, rows, lo, hi, verify, defer=False)
+    out = {}
+    for name, dtype, shape, off, n, crc in rows:
+        a = blob[off - lo:off - lo + n]
+        if src.partial and verify:
+            check_crc(_native.crc32c(memoryview(a)), crc, entry.path, f"tensor {name!r}")
+        out[name] = a.view(_mx_dtype(mx, dtype)).reshape(shape)
+    return out
 
 
 def read_chain_mlx(layout, verify=True):
@@ -257,19 +285,20 @@ def read_chain_mlx(layout, verify=True):
     others[-1] = tok_mv
     out = {}
     if direct:
-        src = ChainBlob(layout, direct, others, verify)
-        blob = None if src.size - len(src.head) > MLX_BLOB_MAX else _filled(src, layout.target.path)
-        if blob is None or src.partial or src.address is None or \
-                _native.buffer_address(memoryview(blob)) != src.address:
-            # Too large for one MLX array, or MLX did not hand over the
-            # blob's own memory in one call.
+        groups = blob_groups(_chain_spans(layout, direct))
+        blobs = None if groups is None else _chain_blobs(layout, [[direct[i] for i in g] for g in groups],
+                                                         others, verify)
+        if blobs is None:
+            # A tensor too large for one MLX array, or MLX did not hand
+            # over a blob's own memory in one call.
             tokens, arrays = read_chain_numpy(layout, verify)
             out.update(_numpy_to_mlx({t.name: arrays[t.name] for t in layout.tensors if t.nbytes},
                                      {t.name: t.dtype for t in layout.tensors}))
         else:
-            for s, at in zip(direct, src.places):
-                t = layout.tensors[s]
-                out[t.name] = blob[at:at + t.nbytes].view(_mx_dtype(mx, t.dtype)).reshape(t.shape)
+            for src, blob in blobs:
+                for s, at in zip(src.direct, src.places):
+                    t = layout.tensors[s]
+                    out[t.name] = blob[at:at + t.nbytes].view(_mx_dtype(mx, t.dtype)).reshape(t.shape)
             for s, a in wide.items():
                 out[layout.tensors[s].name] = mx.array(a, dtype=mx.float64)
     else:
@@ -287,3 +316,28 @@ def read_chain_mlx(layout, verify=True):
     if out:
         mx.eval(list(out.values()))
     return tokens.astype(np.uint32, copy=False), {t.name: out[t.name] for t in layout.tensors}
+
+
+def _chain_spans(layout, direct):
+    """(start, end) of each direct tensor where one ChainBlob of them all would place it."""
+    spans, at = [], 0
+    for s in direct:
+        at = align(at, BLOCK_ALIGN)
+        spans.append((at, at + layout.tensors[s].nbytes))
+        at += layout.tensors[s].nbytes
+    return spans
+
+
+def _chain_blobs(layout, groups, others, verify):
+    """[(ChainBlob, its MLX blob)], one per group of tensor slots, read in
+    turn (the first also reads others: the token ids and the float64
+    tensors); None when MLX did not hand over a blob's own memory in one
+    call (the caller reads through NumPy instead)."""
+    out = []
+    for i, slots in enumerate(groups):
+        src = ChainBlob(layout, slots, others if i == 0 else {}, verify)
+        blob = _filled(src, layout.target.path)
+        if src.partial or src.address is None or _native.buffer_address(memoryview(blob)) != src.address:
+            return None
+        out.append((src, blob))
+    return out
