@@ -26,6 +26,8 @@ processes, kvstore's and mlx-lm's one after the other, on the same arrays
   and load, canary off: its cost is a row of its own) against mlx-lm's
   load_prompt_cache, each followed by mx.eval of every array;
 - load, warm: the same, right after, with the file in the page cache;
+  both sides take turns, three rounds (one in a quick run), and each
+  side's median is reported (measure_loads says why the turns);
 - peak memory of each load (the child's maximum resident set above what it
   held before loading) against the arrays' size;
 - find: KVStore.find of the prompt 200 bytes longer, in the directory that
@@ -64,6 +66,7 @@ TURN_TOKENS = 1000
 FIND_EXTRA = 200                  # the prompt of the find row: the session's text and this many bytes more
 TOKEN_TEXT = 8                    # bytes of text per token: "t0000001 "-like words
 BLOCK_TOKENS = 256
+LOAD_ROUNDS = 3                   # cold and warm loads of each side per row (the median is reported)
 SEED = 36
 # Memory a child may use: the arrays of a state, twice (a load's blob and
 # the cache objects around it, or a save's arrays and its page cache), under
@@ -454,18 +457,29 @@ def measure_saves(tmp, g, tokens, order):
     return out
 
 
-def measure_loads(tmp, g, tokens, order, dropped):
-    out = {"cold": {}, "warm": {}}
-    for side in order:
-        path = os.path.join(tmp, "kv" if side == "kvstore" else "peer")
-        if dropped:
-            drop_page_cache()
-        out["cold"][side] = run_child("load", side=side, geometry=g[0], tokens=tokens, path=path)
-        out["warm"][side] = run_child("load", side=side, geometry=g[0], tokens=tokens, path=path)
-    return out
+def measure_loads(tmp, g, tokens, order, dropped, rounds):
+    """Cold and warm loads of both sides, alternating (A B A B...: each cold
+    load follows the other side's, so the storage under this VM cannot
+    keep one side's bytes warmer than the other's: seen here, a file read
+    again right after itself 30-50% faster than after the other side's,
+    page cache dropped both times); each side's median of rounds."""
+    samples = {"cold": {s: [] for s in order}, "warm": {s: [] for s in order}}
+    for _ in range(rounds):
+        for side in order:
+            path = os.path.join(tmp, "kv" if side == "kvstore" else "peer")
+            if dropped:
+                drop_page_cache()
+            samples["cold"][side].append(run_child("load", side=side, geometry=g[0], tokens=tokens, path=path))
+            samples["warm"][side].append(run_child("load", side=side, geometry=g[0], tokens=tokens, path=path))
+    return {temp: {side: median_run(runs) for side, runs in sides.items()} for temp, sides in samples.items()}
 
 
-def bench_geometry(report, tmp, g, tokens, order, dropped):
+def median_run(runs):
+    """The run of median time among runs (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+
+
+def bench_geometry(report, tmp, g, tokens, order, dropped, rounds):
     """Every row of one geometry at one size; returns the raw measurements."""
     total = tokens + TURN_TOKENS
     arrays = state_bytes(g, total)
@@ -484,7 +498,7 @@ def bench_geometry(report, tmp, g, tokens, order, dropped):
                {"text": f"{found['kv_ns'] / 1e3:,.0f} µs"}, {"text": f"{found['peer_ns'] / 1e3:,.0f} µs"},
                "time", found["kv_ns"] / found["peer_ns"], target="context",
                note="peer: one hashlib.sha1 of the prompt")
-    loads = measure_loads(tmp, g, total, order, dropped)
+    loads = measure_loads(tmp, g, total, order, dropped, rounds)
     for temp in ("cold", "warm"):
         k, p = loads[temp]["kvstore"], loads[temp]["peer"]
         note = "" if temp == "warm" or dropped else "page cache NOT dropped (not root)"
@@ -544,7 +558,7 @@ def main(argv=None):
         order = ("kvstore", "peer") if i % 2 == 0 else ("peer", "kvstore")
         print(f"shapes: {g[0]} at {tokens:,} tokens", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="kvstore-bench-shapes-", dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
-            results.append(bench_geometry(report, tmp, g, tokens, order, dropped))
+            results.append(bench_geometry(report, tmp, g, tokens, order, dropped, 1 if args.quick else LOAD_ROUNDS))
         gc.collect()
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-shapes-", dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
         fingerprint = bench_fingerprint(report, tmp, args.quick, dropped)
