@@ -30,7 +30,9 @@ RESULTS = os.path.join(HERE, "results")
 MACHINE_FIELDS = ("cpu", "cpu_flags", "cores", "usable_cores", "platform")
 VERSION_FIELDS = ("python", "mlx", "mlx_lm", "kvstore", "implementation", "openssl")
 
-# The rows quoted in the README: (harness, substring of the comparison).
+# The rows quoted in the README: (harness, substring of the comparison), or
+# (harness, substring, substrings its section must hold) where a harness
+# repeats a comparison per section (bench/shapes.py: per geometry and size).
 HEADLINE = [
     ("foundation", "sha1 400 KB vs hashlib.sha1"),
     ("foundation", "sha1_prefixes 400 KB × 1000 lengths, random order vs one hashlib"),
@@ -43,6 +45,16 @@ HEADLINE = [
     ("store", "load 512 MiB chain (16 blocks), 1st in a fresh process, into MLX, CRC on vs mlx_lm"),
     ("store", "save 512 MiB chain (16 blocks), durable=True (KVStore defaults) vs mlx_lm save_prompt_cache + fsync"),
     ("store", "save 512 MiB chain (16 blocks), durable=True (KVStore defaults) vs mlx_lm save_prompt_cache (no fsync)"),
+    ("shapes", "durable save, 32,768 tokens", ("Qwen3-8B:",)),
+    ("shapes", "a turn of 1,000 tokens: bytes written", ("Qwen3-8B:", "32,768 tokens")),
+    ("shapes", "load into MLX, cold", ("Qwen3-8B:", "32,768 tokens")),
+    ("shapes", "load into MLX, warm", ("Qwen3-8B:", "32,768 tokens")),
+    ("shapes", "load into MLX, cold", ("Qwen3-32B:", "32,768 tokens")),
+    ("shapes", "load into MLX, cold", ("DeepSeek-V3", "32,768 tokens")),
+    ("shapes", "model_fingerprint after mlx_lm's load"),
+    ("serve_sizes", "decode rate of 2 streaming sessions while"),
+    ("serve_sizes", "the longest gap between two tokens"),
+    ("serve_sizes", "decode rate of 2 sessions while P's"),
     ("ttft", "TTFT 4,096 + 128 tokens: kvstore disk hit vs cold prefill"),
     ("ttft", "TTFT 4,096 + 128 tokens: kvstore disk hit vs mlx-lm"),
     ("ttft", "file 4,096 + 128: kvstore .kv vs mlx-lm .safetensors with the prompt text"),
@@ -67,6 +79,37 @@ HEADLINE = [
     ("canary", "canary llama bfloat16, tail: largest rounding vs smallest wrong-model distance"),
 ]
 
+# The KV behind each harness's rows, as its configuration sets it (the
+# harness's docstring says more).  "toy": a model far smaller than any
+# served one, whose figures say nothing about real sizes (bench/shapes.py
+# and bench/serve_sizes.py measure those); bench/shapes.py rows name their
+# own geometry (their section).
+TOY = "toy: 3 layers × 2 KV heads × 32, float32 (1.5 KiB a token)"
+GEOMETRY = {
+    "foundation": "no model (bytes)",
+    "store": "Llama-3.1-8B's, float16 (128 KiB a token), 4,096 tokens; warm page cache",
+    "ttft": TOY,
+    "e2e": "toy: the demo's model, 4 layers × 2 KV heads × 32, float32 (2 KiB a token)",
+    "serve": TOY,
+    "chains": "2 layers × 8 KV heads × 128, float16 (8 KiB a token)",
+    "serve_load": TOY + "; its decode-while-loading rows: 16 layers × 16 KV heads × 128, float32 (256 KiB a token)",
+    "serve_trace": TOY,
+    "canary": "toy: a llama of 4 layers, hidden 256",
+    "serve_sizes": "Qwen3-8B's: 36 layers × 8 KV heads × 128, bfloat16 (144 KiB a token)",
+}
+GEOMETRY_ROWS = {
+    # serve_load's decode row runs its own model (bench/serve_load.py LOAD_MODEL).
+    ("serve_load", "cold page cache, vs without load"): "16 layers × 16 KV heads × 128, float32 (256 KiB a token)",
+}
+
+
+def headline_geometry(name, needle, row):
+    """The KV a headline row was measured at (GEOMETRY), or its section's first part."""
+    if name == "shapes":
+        return row.get("section", "").split(";")[0] + ", bfloat16"
+    return GEOMETRY_ROWS.get((name, needle), GEOMETRY.get(name, ""))
+
+
 # docs/format.md §16's cost table: (operation, substring of bench/store.py's sealed row).
 SEAL_ROWS = [
     ("find, 10,000 files of distinct lengths, miss", "find, N=10,000 sealed (keyed names), miss"),
@@ -90,9 +133,11 @@ def load_results(results, name):
         return json.load(f)
 
 
-def find_row(data, needle):
-    """The first row of a harness's results whose comparison contains needle, or None."""
-    return next((r for r in (data or {}).get("rows", []) if needle in r.get("comparison", "")), None)
+def find_row(data, needle, section=()):
+    """The first row of a harness's results whose comparison contains needle
+    (and whose section contains every string of section), or None."""
+    return next((r for r in (data or {}).get("rows", []) if needle in r.get("comparison", "")
+                 and all(part in (r.get("section") or "") for part in section)), None)
 
 
 def median_text(cell):
@@ -146,16 +191,18 @@ def provenance(results, names):
 
 def headline_block(results):
     """README.md's table: the HEADLINE rows, then the runs they come from."""
-    lines = ["| comparison | kvstore | peer | ratio (median) | target | result |", "|---|---|---|---|---|---|"]
-    for name, needle in HEADLINE:
-        r = find_row(load_results(results, name), needle)
+    lines = ["| comparison | KV measured at | kvstore | peer | ratio (median) | target | result |",
+             "|---|---|---|---|---|---|---|"]
+    for name, needle, *section in HEADLINE:
+        r = find_row(load_results(results, name), needle, *section)
         if r is None:
             continue
         ratio = r.get("ratio_text") or (f"{r['ratio']:.3g}" if isinstance(r["ratio"], (int, float)) else r["ratio"])
-        lines.append(f"| {r['comparison']} | {r.get('kvstore_cell', '')} | {r.get('peer_cell', '')} "
-                     f"| {ratio} | {r.get('target', '')} | {r.get('result') or '—'} |")
-    lines += ["", f"Rows from {provenance(results, [n for n, _ in HEADLINE])} (bench/README.md stamps each "
-                  "table with its run, machine and date)."]
+        lines.append(f"| {r['comparison']} | {headline_geometry(name, needle, r)} | {r.get('kvstore_cell', '')} "
+                     f"| {r.get('peer_cell', '')} | {ratio} | {r.get('target', '')} | {r.get('result') or '—'} |")
+    lines += ["", f"Rows from {provenance(results, [h[0] for h in HEADLINE])} (bench/README.md stamps each "
+                  "table with its run, machine and date). Rows marked toy come from models far smaller than "
+                  "any served one; the real-size rows are bench/shapes.py's and bench/serve_sizes.py's."]
     return "\n".join(lines)
 
 
