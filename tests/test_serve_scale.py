@@ -336,6 +336,9 @@ def test_metrics_count_requests_by_source_and_the_directory(model_dir, workdir, 
         # No --budget-mb: the default derived from the filesystem; no chain near it.
         with KVStore(stored) as s:
             assert s.budget_derived and m[("kvstore_budget_bytes", ())] == s.budget_bytes
+        # Said once at start, with where it came from.
+        said = [line for line in server.text().splitlines() if "budget" in line and "kvstore:" in line]
+        assert len(said) == 1 and f"store_budget bytes={s.budget_bytes} derived_from_filesystem=yes" in said[0], said
         assert m[("kvstore_chains_over_half_budget_total", ())] == 0
         # The directory's cumulative counters: the first server's saves, this one's load.
         assert m[("kvstore_directory_loads_total", ())] >= 1

@@ -128,6 +128,6 @@ def add_parsers(sub):
     s.add_argument("--layout", choices=LAYOUTS, default="chain", help="how to store it (default: chain)")
     s.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
                    help=f"chain grid (default {DEFAULT_BLOCK_TOKENS})")
-    s.add_argument("--budget-mb", type=text.megabytes, default=None, help="disk budget in MiB (default: 10%% of the filesystem holding DIR, at least 4 GiB, at most 64 GiB; 0: none)")
+    s.add_argument("--budget-mb", type=text.megabytes, default=None, help=text.budget_help("disk budget in MiB"))
     keys.add_key_argument(s)
     s.set_defaults(func=cmd_import)

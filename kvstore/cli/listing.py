@@ -173,8 +173,7 @@ def add_parsers(sub):
     s.add_argument("dir", metavar="DIR", nargs="?")
     s.add_argument("--json", action="store_true", help="a JSON list of objects")
     s.add_argument("--budget-mb", type=text.megabytes, default=None,
-                   help="budget shown against the total, in MiB (default: the store's default, 10%% of the "
-                        "filesystem holding DIR, at least 4 GiB, at most 64 GiB; 0: none)")
+                   help=text.budget_help("budget shown against the total, in MiB"))
     s.add_argument("--blocks", action="store_true", help="one row per chain block (parent, range), not per sequence")
     remote.add_arguments(s)
     keys.add_key_argument(s)

@@ -112,5 +112,5 @@ def add_parsers(sub):
     s = sub.add_parser("stats", help="totals: entries, bytes, reasons, hits, ages; the directory's cumulative counters")
     s.add_argument("dir", metavar="DIR")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--budget-mb", type=text.megabytes, default=None, help="disk budget in MiB (default: 10%% of the filesystem holding DIR, at least 4 GiB, at most 64 GiB; 0: none)")
+    s.add_argument("--budget-mb", type=text.megabytes, default=None, help=text.budget_help("disk budget in MiB"))
     s.set_defaults(func=cmd_stats)

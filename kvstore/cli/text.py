@@ -12,6 +12,7 @@ import sys
 import time
 import unicodedata
 
+from kvstore import policy
 from kvstore.format import ExtFlag, Reason
 
 PROG = "kvstore"
@@ -143,10 +144,15 @@ def pairs(rows, indent=""):
     return "\n".join(f"{indent}{k.ljust(w)}  {v}" for k, v in rows)
 
 
+def budget_help(what, where="DIR"):
+    """An argparse help text of a --budget-mb option: what, then the default in words."""
+    return f"{what} (default: {policy.default_budget_text(where)}; 0: none)".replace("%", "%%")
+
+
 def budget_line(total, budget, derived=False):
     if not budget:
         return f"{size(total)} (no budget)"
-    how = ", the default: 10% of the filesystem" if derived else ""
+    how = f", the default: {policy.default_budget_text('the store')}" if derived else ""
     return f"{size(total)} of {size(budget)} budget ({100.0 * total / budget:.1f}%{how})"
 
 

@@ -7,13 +7,15 @@ the chain's full length and reads every block's slice straight into place
 snapshot, read from the target block alone.
 """
 
+import bisect
 import dataclasses
+import itertools
 import math
 import os
 
 import numpy as np
 
-from kvstore import _native
+from kvstore import _native, host
 from kvstore.errors import CorruptCheckpoint
 from kvstore.payload.buffers import bytes_view
 from kvstore.payload.manifest import BLOCK_ALIGN, DTYPES, align, numpy_dtype, read_manifest
@@ -300,6 +302,45 @@ def read_stream(layout, buffers, slots, verify):
         raise late
 
 
+# How far ahead of its reads a chain load asks the kernel to read its blocks
+# (host.prefetch): deep enough to keep a cold disk's queue full, small
+# enough that the pages are still cached when the reads reach them.
+PREFETCH_BYTES = 256 << 20
+
+
+class Prefetcher:
+    """Asks the kernel to read a chain's blocks ahead of the load's reads
+    (host.prefetch), at most PREFETCH_BYTES beyond the block being queued.
+
+    A block is asked for whole when the load reads all of it: a block that
+    holds only its slices of the growing tensors, or the target.  A
+    restorable block before the target in a chain with snapshots (the
+    sliding windows of an earlier turn's last block) holds snapshots this
+    load does not read: it is left to the reads.  Sealed blocks read ahead
+    on their own (kvstore.seal.source).
+    """
+
+    def __init__(self, layout, limit=None):
+        self.limit = PREFETCH_BYTES if limit is None else limit
+        snapshots = any(t.name not in layout.axes for t in layout.tensors)
+        last = len(layout.blocks) - 1
+        self.todo = [(i, fd, e.file_size) for i, (fd, e) in enumerate(layout.blocks)
+                     if type(fd) is int and (i == last or not snapshots or not e.restorable)]
+        self.at = [i for i, _, _ in self.todo]
+        self.ends = list(itertools.accumulate(size for _, _, size in self.todo))
+        self.next = 0                       # todo[:next] asked for
+
+    def advance(self, i):
+        """Block i is being queued: asks for the blocks from it on, up to the limit ahead."""
+        first = bisect.bisect_left(self.at, i)
+        start = self.ends[first - 1] if first else 0
+        self.next = max(self.next, first)
+        while self.next < len(self.todo) and (self.next == first or self.ends[self.next] - start <= self.limit):
+            _, fd, size = self.todo[self.next]
+            host.prefetch(fd, 0, size)
+            self.next += 1
+
+
 def queue_pieces(layout, batch, slots):
     """Adds layout.pieces() to batch as the blocks come, at least QUEUE_BYTES
     at a time (small blocks are gathered: a pool job costs about as much as
@@ -313,8 +354,11 @@ def queue_pieces(layout, batch, slots):
     """
     pending, size, late = [], 0, None
     step = QUEUE_BYTES if not layout.blocks or type(layout.blocks[0][0]) is int else float("inf")
+    ahead = Prefetcher(layout)
+    ahead.advance(0)
     try:
-        for pieces in layout.pieces():
+        for i, pieces in enumerate(layout.pieces()):
+            ahead.advance(i + 1)
             for s, p in pieces:
                 if slots[s] is not None:
                     pending.append((slots[s], p))

@@ -20,7 +20,8 @@ budgets, and misfit: which checkpoints an engine can load).
 
 from kvstore.policy.budget import (BUDGET_SLACK_PERCENT, DEFAULT_BUDGET_MAX_BYTES, DEFAULT_BUDGET_MIN_BYTES,
                                    DEFAULT_BUDGET_SHARE, WRITE_BUDGET_FLOORS, bytes_fit, default_budget_bytes,
-                                   file_size_fits, misfit, over_half_budget, write_allowed, write_budget_floor)
+                                   default_budget_text, file_size_fits, misfit, over_half_budget, write_allowed,
+                                   write_budget_floor)
 from kvstore.policy.eviction import (ANCHOR_SCORE_FACTOR, MIN_EFFECTIVE_HITS, SUPERSEDED_HIT_FACTOR,
                                      SUPERSEDED_MIN_FACTOR, effective_hits, eviction_order, eviction_score,
                                      is_anchor, pick_victim, select_victims)
@@ -49,6 +50,7 @@ __all__ = [
     "effective_hits", "eviction_score", "eviction_order", "select_victims", "pick_victim",
     # budget
     "BUDGET_SLACK_PERCENT", "DEFAULT_BUDGET_SHARE", "DEFAULT_BUDGET_MIN_BYTES", "DEFAULT_BUDGET_MAX_BYTES",
-    "default_budget_bytes", "over_half_budget", "file_size_fits", "bytes_fit", "WRITE_BUDGET_FLOORS", "write_budget_floor",
+    "default_budget_bytes", "default_budget_text", "over_half_budget", "file_size_fits", "bytes_fit",
+    "WRITE_BUDGET_FLOORS", "write_budget_floor",
     "write_allowed", "misfit",
 ]

@@ -27,6 +27,12 @@ DEFAULT_BUDGET_MAX_BYTES = 64 << 30
 _U64_MAX = 2**64 - 1
 
 
+def default_budget_text(where="the directory"):
+    """How the default budget is chosen, in words (help texts, kvstore stats)."""
+    return (f"{DEFAULT_BUDGET_SHARE:.0%} of the filesystem holding {where}, at least "
+            f"{DEFAULT_BUDGET_MIN_BYTES >> 30} GiB, at most {DEFAULT_BUDGET_MAX_BYTES >> 30} GiB")
+
+
 def default_budget_bytes(filesystem_bytes):
     """The disk budget of a directory whose filesystem holds filesystem_bytes
     (its size, not its free space): DEFAULT_BUDGET_SHARE of it, at least

@@ -21,7 +21,7 @@ from kvstore.chain import DEFAULT_BLOCK_TOKENS
 # SUPPORTED_MLX_LM (kvstore.serve shows it): an mlx-lm release outside it fails the import of kvstore.mlx.
 from kvstore.mlx import DEFAULT_CTX_SIZE, SUPPORTED_MLX_LM  # noqa: F401
 from kvstore.identity import tag_hex
-from kvstore.policy import DEFAULT_STALE_AFTER_S, Options
+from kvstore.policy import DEFAULT_STALE_AFTER_S, Options, default_budget_text
 from kvstore.serve import admin as admin_mod
 from kvstore.serve import pinning
 from kvstore.serve import metrics as metrics_mod
@@ -108,9 +108,9 @@ def _open_store(cache_dir, opts, config, options, identity):
         # run in the background); a remote that is down costs one
         # connect timeout here and nothing afterwards.
         store.remote.refresh()
-    log.info("kvstore: store_open cache_dir=%s model=%s tag=%s entries=%d budget_bytes=%d budget=%s", cache_dir,
-             identity.label, tag_hex(identity.tag), len(store.entries()), store.budget_bytes,
-             "derived" if store.budget_derived else "set")
+    # (The budget has its own line, store_budget, from the store's open.)
+    log.info("kvstore: store_open cache_dir=%s model=%s tag=%s entries=%d", cache_dir,
+             identity.label, tag_hex(identity.tag), len(store.entries()))
     return store
 
 
@@ -221,8 +221,8 @@ def build_parser():
     p.add_argument("--cache-dir", help="checkpoint directory, shared by every model (each file names its "
                    f"model; default: {DEFAULT_CACHE_ROOT})")
     p.add_argument("--budget-mb", type=float, default=None,
-                   help="disk budget of the directory, all models together, in MiB (default: 10%% of the "
-                        "filesystem holding it, at least 4 GiB, at most 64 GiB; 0: none)")
+                   help="disk budget of the directory, all models together, in MiB (default: "
+                        f"{default_budget_text('it')}; 0: none)".replace("%", "%%"))
     p.add_argument("--stale-after-days", type=float, default=DEFAULT_STALE_AFTER_S / 86400,
                    help="checkpoints nobody has used for this many days go first when the directory is over "
                         f"its budget, whatever their model (default {DEFAULT_STALE_AFTER_S // 86400}; 0: never)")
