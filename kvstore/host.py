@@ -1,21 +1,45 @@
 """What kvstore asks of the operating system where Linux and macOS differ, chosen in one place.
 
-Each call has one function per platform and the one this process uses is
-picked once, here, at import; the others stay importable so that tests on
-one platform run the other's branch with the system call injected.
+Each call has one function per platform, and the one this process uses is
+picked once, here, at import (``_choose``); the others stay importable, so
+that tests on one platform run the other's branch with its system call
+injected.
 
 - prefetch: ask the kernel to start reading a file's range in the
-  background (POSIX_FADV_WILLNEED on Linux; F_RDADVISE on macOS, which has
-  no posix_fadvise).  A chain load asks it for the blocks ahead of its reads:
-  on a cold disk the reads then find a deep queue of the kernel's own
-  requests instead of two threads' worth (kvstore.payload.chains).
+  background: POSIX_FADV_WILLNEED on Linux; F_RDADVISE on macOS, which has
+  no posix_fadvise.  A chain load asks for the blocks ahead of its reads: on
+  a cold disk the reads then find a deep queue of the kernel's own requests
+  instead of two threads' worth (kvstore.payload.chains).
+- lower_thread_priority: let the calling thread yield the CPU to decoding:
+  a thread's own niceness on Linux (a thread is a task there); on macOS,
+  where niceness is the process's, the utility QoS class
+  (pthread_set_qos_class_self_np), Apple's class for work a user waits on
+  without watching it.  The background class is not used: it also throttles
+  the thread's disk I/O, and a load is what a request waits for.
+- boot_time: /proc/stat's btime on Linux; sysctlbyname("kern.boottime") on
+  macOS (no process started, nothing on PATH needed).
+- preallocate: a new file's blocks in one call before it is written
+  (fallocate on Linux, in csrc/io.c; F_PREALLOCATE and ftruncate on macOS),
+  so that a full disk fails the save before any data is written.
+- default_cache_root: where kvstore serve keeps checkpoints by default:
+  ~/.cache/kvstore on Linux; on macOS
+  ~/Library/Caches/kvstore, the platform's cache folder, which Time Machine
+  does not back up (multi-GB checkpoints would fill its backups).
 """
 
+import errno
 import os
 import struct
 import sys
 
+from kvstore import _native
+from kvstore.errors import CheckpointOSError
+
 MACOS = sys.platform == "darwin"
+LINUX = sys.platform.startswith("linux")
+
+
+# ---- prefetch -----------------------------------------------------------------------
 
 # <sys/fcntl.h> on macOS: fcntl(fd, F_RDADVISE, struct radvisory *).
 F_RDADVISE = 44
@@ -23,6 +47,13 @@ F_RDADVISE = 44
 RADVISORY = struct.Struct("=qi4x")
 # ra_count is an int: a longer range is asked for in parts of this size.
 RDADVISE_MAX = 1 << 30
+
+
+def _fcntl(fcntl_call):
+    if fcntl_call is None:
+        import fcntl
+        fcntl_call = fcntl.fcntl
+    return fcntl_call
 
 
 def prefetch_posix(fd, offset, length):
@@ -41,9 +72,7 @@ def prefetch_macos(fd, offset, length, fcntl_call=None):
     Args:
         fcntl_call: the fcntl function (fcntl.fcntl; tests inject their own).
     """
-    if fcntl_call is None:
-        import fcntl
-        fcntl_call = fcntl.fcntl
+    fcntl_call = _fcntl(fcntl_call)
     end = offset + length
     try:
         while offset < end:
@@ -60,17 +89,6 @@ def prefetch_none(fd, offset, length):
     return False
 
 
-def _choose_prefetch():
-    if hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED"):
-        return prefetch_posix
-    if MACOS:
-        return prefetch_macos
-    return prefetch_none
-
-
-_prefetch = _choose_prefetch()
-
-
 def prefetch(fd, offset, length):
     """Asks the kernel to read [offset, offset + length) of fd in the
     background, without waiting for it; False where nothing was asked (no
@@ -79,3 +97,205 @@ def prefetch(fd, offset, length):
     if length <= 0:
         return False
     return _prefetch(fd, offset, length)
+
+
+# ---- thread priority ------------------------------------------------------------------
+
+# <sys/qos.h>: qos_class_t values.
+QOS_CLASS_UTILITY = 0x11
+
+
+def lower_priority_linux(nice, setpriority=None):
+    """Gives the calling thread niceness nice (setpriority on its thread id); True when it took."""
+    setpriority = os.setpriority if setpriority is None else setpriority
+    import threading
+    try:
+        setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError:
+        return False
+    return True
+
+
+def lower_priority_macos(nice, qos_call=None):
+    """Puts the calling thread in the utility QoS class; True when it took.
+
+    Args:
+        qos_call: pthread_set_qos_class_self_np(qos_class, relative_priority)
+            -> 0 on success (libSystem's, through ctypes; tests inject their own).
+    """
+    if qos_call is None:
+        import ctypes
+        import ctypes.util
+        try:
+            qos_call = ctypes.CDLL(ctypes.util.find_library("c")).pthread_set_qos_class_self_np
+        except (OSError, AttributeError, TypeError):
+            return False
+    return qos_call(QOS_CLASS_UTILITY, 0) == 0
+
+
+def lower_priority_none(nice):
+    return False
+
+
+def lower_thread_priority(nice):
+    """Lets the calling thread yield the CPU to the process's other work.
+
+    Args:
+        nice: 0-19 (higher yields more); 0 changes nothing.  On macOS any
+            nice above 0 means the utility QoS class.
+
+    Returns:
+        True when the thread's priority is now lowered.
+    """
+    if nice <= 0:
+        return False
+    return _lower_priority(nice)
+
+
+# ---- boot time ------------------------------------------------------------------------
+
+# struct timeval { time_t tv_sec; suseconds_t tv_usec; }: 16 bytes on 64-bit macOS.
+TIMEVAL = struct.Struct("=qi4x")
+
+
+def boot_time_linux(path="/proc/stat"):
+    """btime from /proc/stat, or 0.0 where it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if line.startswith(b"btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
+def boot_time_macos(sysctlbyname=None):
+    """kern.boottime through sysctlbyname, or 0.0 where it cannot be read.
+
+    Args:
+        sysctlbyname: libSystem's (through ctypes; tests inject their own),
+            called as (name, buffer, size pointer, None, 0) -> 0 on success.
+    """
+    import ctypes
+    if sysctlbyname is None:
+        import ctypes.util
+        try:
+            sysctlbyname = ctypes.CDLL(ctypes.util.find_library("c")).sysctlbyname
+        except (OSError, AttributeError, TypeError):
+            return 0.0
+    buf = ctypes.create_string_buffer(TIMEVAL.size)
+    size = ctypes.c_size_t(TIMEVAL.size)
+    if sysctlbyname(b"kern.boottime", buf, ctypes.byref(size), None, ctypes.c_size_t(0)) != 0 \
+            or size.value < TIMEVAL.size:
+        return 0.0
+    sec, usec = TIMEVAL.unpack(buf.raw)
+    return sec + usec / 1e6
+
+
+def boot_time_none():
+    return 0.0
+
+
+def boot_time():
+    """When this machine booted (seconds since the epoch), or 0.0 where unknown."""
+    return _boot_time()
+
+
+# ---- preallocation ------------------------------------------------------------------
+
+# <sys/fcntl.h> on macOS: fcntl(fd, F_PREALLOCATE, fstore_t *).
+F_PREALLOCATE = 42
+F_ALLOCATECONTIG, F_ALLOCATEALL = 0x2, 0x4
+F_PEOFPOSMODE = 3
+# fstore_t { u_int32_t fst_flags; int fst_posmode; off_t fst_offset; off_t fst_length; off_t fst_bytesalloc; }
+FSTORE = struct.Struct("=Iiqqq")
+# Errors that mean "this filesystem or file cannot", not "no room".
+NO_PREALLOCATE = frozenset(getattr(errno, n) for n in ("EOPNOTSUPP", "ENOTSUP", "ENOSYS", "EINVAL", "ENODEV",
+                                                       "EPERM", "ESPIPE", "ENOTTY") if hasattr(errno, n))
+
+
+def preallocate_linux(fd, length, path=None):
+    """fallocate (csrc/io.c); see preallocate."""
+    return _native.preallocate(fd, length, path)
+
+
+def preallocate_macos(fd, length, path=None, fcntl_call=None, ftruncate=None):
+    """F_PREALLOCATE (contiguous first, then anywhere), then ftruncate to
+    length; see preallocate.
+
+    Args:
+        fcntl_call, ftruncate: fcntl.fcntl and os.ftruncate (tests inject their own).
+    """
+    fcntl_call = _fcntl(fcntl_call)
+    ftruncate = os.ftruncate if ftruncate is None else ftruncate
+    if length <= 0:
+        return True
+    try:
+        try:
+            fcntl_call(fd, F_PREALLOCATE, FSTORE.pack(F_ALLOCATECONTIG | F_ALLOCATEALL, F_PEOFPOSMODE, 0, length, 0))
+        except OSError:
+            fcntl_call(fd, F_PREALLOCATE, FSTORE.pack(F_ALLOCATEALL, F_PEOFPOSMODE, 0, length, 0))
+        ftruncate(fd, length)
+    except OSError as e:
+        if e.errno in NO_PREALLOCATE:
+            return False
+        raise CheckpointOSError(e.errno, f"preallocate: {os.strerror(e.errno)}",
+                                path if path is not None else f"fd {fd}") from None
+    return True
+
+
+def preallocate_none(fd, length, path=None):
+    return False
+
+
+def preallocate(fd, length, path=None):
+    """Allocates a new file's first length bytes and sets its size.
+
+    Returns:
+        True when allocated, False where the filesystem or platform cannot
+        (the writes then allocate as they go).
+
+    Raises:
+        CheckpointOSError: no room (ENOSPC, EDQUOT, EFBIG) or an I/O error.
+    """
+    return _preallocate(fd, length, path)
+
+
+# ---- the default cache folder -----------------------------------------------------------
+
+def cache_root_linux():
+    return os.path.join("~", ".cache", "kvstore")
+
+
+def cache_root_macos():
+    return os.path.join("~", "Library", "Caches", "kvstore")
+
+
+def default_cache_root():
+    """The folder kvstore keeps checkpoints in by default (with ~ not yet expanded)."""
+    return _cache_root()
+
+
+# ---- the choice, made once ------------------------------------------------------------
+
+def _choose(macos=MACOS, linux=LINUX):
+    """{call: the function this platform uses}: macOS's, Linux's (or, for
+    prefetch, any POSIX system's with posix_fadvise), or the fallback."""
+    has_fadvise = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED")
+    return {
+        "prefetch": prefetch_macos if macos else prefetch_posix if has_fadvise else prefetch_none,
+        "lower_priority": lower_priority_macos if macos else
+        lower_priority_linux if linux and hasattr(os, "setpriority") else lower_priority_none,
+        "boot_time": boot_time_macos if macos else boot_time_linux if linux else boot_time_none,
+        "preallocate": preallocate_macos if macos else preallocate_linux if linux else preallocate_none,
+        "cache_root": cache_root_macos if macos else cache_root_linux,
+    }
+
+
+_chosen = _choose()
+_prefetch = _chosen["prefetch"]
+_lower_priority = _chosen["lower_priority"]
+_boot_time = _chosen["boot_time"]
+_preallocate = _chosen["preallocate"]
+_cache_root = _chosen["cache_root"]

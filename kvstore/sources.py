@@ -21,7 +21,7 @@ as_source() is the one place that tells a descriptor from a Source.
 
 import os
 
-from kvstore import _native
+from kvstore import _native, host
 
 _pwritev = getattr(os, "pwritev", None)
 _IOV_MAX = 1024                 # POSIX's minimum for IOV_MAX is 16; Linux and macOS allow 1024
@@ -70,7 +70,7 @@ class FdSource:
 
     def reserve(self, size, path=None):
         # All blocks at once: faster writes, and a disk without room fails here.
-        _native.preallocate(self.fd, size, path)
+        host.preallocate(self.fd, size, path)
 
     def set_size(self, size):
         os.ftruncate(self.fd, size)

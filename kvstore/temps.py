@@ -11,8 +11,9 @@ is more than a day old (a writer on another host of a shared mount).
 
 import os
 import re
-import subprocess
 import time
+
+from kvstore import host
 
 # A temporary file is "<40 hex>.kv.tmp.<pid>.<random>" (or the directory's
 # model registry's, ".models.tmp...", or its index snapshot's, ".index.tmp...").  One whose writer is
@@ -54,18 +55,7 @@ _boot_time = None
 
 
 def _read_boot_time():
-    try:
-        with open("/proc/stat", "rb") as f:              # Linux
-            for line in f:
-                if line.startswith(b"btime "):
-                    return float(line.split()[1])
-    except OSError:
-        pass
-    try:                                                 # macOS, the BSDs: "{ sec = 1700000000, usec = 0 } ..."
-        out = subprocess.run(["sysctl", "-n", "kern.boottime"], capture_output=True, text=True, timeout=5).stdout
-        return float(out.split("sec =")[1].split(",")[0])
-    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
-        return 0.0
+    return host.boot_time()
 
 
 def _writer_gone(path, pid, mtime):

@@ -20,6 +20,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -30,8 +31,16 @@ import kvstore
 from kvstore import KVStore
 from kvstore.policy import Options
 
-# fork is fast and needs nothing importable; spawn where fork does not exist.
-CTX = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+# How test processes start: fork (fast, needs nothing importable) on Linux;
+# spawn on macOS, where a fork after MLX has loaded Metal is unsafe (CPython
+# spawns there by default for that reason), and where fork does not exist.
+# KVSTORE_TEST_START=spawn runs the macOS way here.
+START_METHOD = os.environ.get("KVSTORE_TEST_START") or (
+    "fork" if sys.platform != "darwin" and "fork" in multiprocessing.get_all_start_methods() else "spawn")
+CTX = multiprocessing.get_context(START_METHOD)
+
+# The longest unix socket path the platforms take (sockaddr_un's sun_path: 104 bytes on macOS).
+SOCKET_PATH_MAX = 104
 
 # The bucket of the S3 test server (WeedServer below; the fixtures are in conftest.py).
 S3_BUCKET = "kvtest"
@@ -369,6 +378,34 @@ def _bindable(port):
     return True
 
 
+def drop_root(scratch):
+    """In a test child run as root, becomes nobody (root ignores file modes),
+    after a save and a load in scratch (a folder removed afterwards): a
+    spawned child (macOS) has imported nothing yet, and what a store imports
+    on first use may sit where nobody cannot read (root's own Python)."""
+    if os.geteuid() != 0:
+        return
+    with make_store(scratch) as s:
+        e = s.save(b"warm-up", [1, 2, 3], {"k": np.zeros((1, 2, 3, 4), np.float32)})
+        s.save_async(b"warm-up 2", [1, 2, 3], {"k": np.zeros((1, 2, 3, 4), np.float32)}).result()
+        s.load(e)
+    import shutil
+    shutil.rmtree(scratch)
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+def folds_case(directory):
+    """True when the filesystem holding directory takes two names that differ
+    only in case for one file (APFS and HFS+ as macOS formats them): there a
+    checkpoint's upper-case twin is the file itself."""
+    probe = tempfile.mkdtemp(prefix="Case-", dir=directory)
+    try:
+        return os.path.isdir(os.path.join(directory, os.path.basename(probe).swapcase()))
+    finally:
+        os.rmdir(probe)
+
+
 class WeedServer:
     """One `weed mini` (master, volume, filer and S3 gateway in one process)."""
 
@@ -400,7 +437,12 @@ class WeedServer:
                                                     "secretKey": self.keys["reader"][1]}],
                  "actions": ["Read", "List"]},
             ]}, f)
-        self.sockets = [os.path.join(self.root, "filer.sock"), os.path.join(self.root, "s3.sock")]
+        # A unix socket's path must fit sockaddr_un (104 bytes on macOS, 108
+        # on Linux): pytest's folders on macOS (/private/var/folders/...)
+        # are longer, so the sockets live in a short folder of their own.
+        self.socket_dir = tempfile.mkdtemp(prefix="kvw-", dir="/tmp")
+        self.sockets = [os.path.join(self.socket_dir, "filer.sock"), os.path.join(self.socket_dir, "s3.sock")]
+        assert all(len(p.encode()) < SOCKET_PATH_MAX for p in self.sockets), self.sockets
         self.proc = None
 
     def command(self):
@@ -418,6 +460,7 @@ class WeedServer:
                 f"-bucket={self.bucket}"]
 
     def start(self, timeout=60):
+        os.makedirs(self.socket_dir, mode=0o700, exist_ok=True)
         self._remove_sockets()
         log = open(os.path.join(self.root, "weed.log"), "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
@@ -459,6 +502,8 @@ class WeedServer:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._remove_sockets()
+        with contextlib.suppress(OSError):
+            os.rmdir(self.socket_dir)
 
     def _remove_sockets(self):
         for path in self.sockets:

@@ -10,6 +10,7 @@ one log line, and counting resumes where it can.
 import json
 import logging
 import math
+import multiprocessing
 import os
 import shutil
 import stat
@@ -24,7 +25,7 @@ import pytest
 from kvstore import counters
 from kvstore.counters import BUCKETS, COUNTER_NAMES, COUNTERS_NAME, FILE_SIZE, HISTOGRAMS, SLOTS
 from kvstore.format import Reason
-from kvhelpers import CTX, checkpoint_files, flip, make_store, make_tensors
+from kvhelpers import CTX, checkpoint_files, drop_root, flip, make_store, make_tensors
 
 TEXT = "a system prompt and a user turn"
 PROMPT = TEXT + ", and the rest of the request"
@@ -270,6 +271,7 @@ def _hammer(dc, n, q):
         q.put(repr(e))
 
 
+@pytest.mark.skipif(sys.platform == "darwin", reason="a fork after MLX has loaded Metal is unsafe on macOS")
 def test_no_increment_is_lost_across_processes_and_a_fork(tmp_path):
     # The children use the parent's own counters object, opened before the
     # fork: each must open the file again (a shared descriptor would share
@@ -278,8 +280,9 @@ def test_no_increment_is_lost_across_processes_and_a_fork(tmp_path):
     with make_store(tmp_path / "kv") as s:
         dc = counters.DirectoryCounters(s.path)
         dc.add(saves=0)
-        q = CTX.Queue()
-        procs = [CTX.Process(target=_hammer, args=(dc, n, q)) for _ in range(3)]
+        fork = multiprocessing.get_context("fork")         # the object itself goes to the children
+        q = fork.Queue()
+        procs = [fork.Process(target=_hammer, args=(dc, n, q)) for _ in range(3)]
         for p in procs:
             p.start()
         _hammer(dc, n, q)
@@ -400,9 +403,7 @@ def test_a_directory_in_its_place_never_fails_a_save_or_a_load(tmp_path, caplog)
 
 def _read_only_child(path, q):
     try:
-        if os.geteuid() == 0:                              # root ignores modes: drop to nobody
-            os.setgid(65534)
-            os.setuid(65534)
+        drop_root(os.path.join(path, "warm-up"))         # root ignores modes: drop to nobody
         out = {"euid": os.geteuid()}
         d = os.path.join(path, "kv")
         with make_store(d) as s:

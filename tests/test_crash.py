@@ -132,9 +132,12 @@ def check_loaded(ck, base, text, seeds):
 
 # ---- the writer ----------------------------------------------------------------------
 
-def _writer(d, w, base, plan):
-    """Saves the checkpoints in plan until killed; reports begin/done lines on fd w."""
+def _writer(d, progress, base, plan):
+    """Saves the checkpoints in plan until killed; reports begin/done lines
+    appended to the file at progress (a write done survives the kill; a file,
+    not a pipe, so that a spawned child has it too)."""
     os.umask(0)                      # the store's modes must not depend on it
+    w = os.open(progress, os.O_WRONLY | os.O_APPEND)
     store = KVStore(d, budget_mb=0, options=OPTS, durable=True)
     for i, (kind, name, text, seed, ctx, title) in enumerate(plan):
         os.write(w, f"begin {i}\n".encode())
@@ -147,14 +150,10 @@ def _writer(d, w, base, plan):
         time.sleep(1)
 
 
-def read_rest(r):
-    """Everything left in the pipe, up to end of file (the writer is dead)."""
-    data = b""
-    while True:
-        chunk = os.read(r, 65536)
-        if not chunk:
-            return data
-        data += chunk
+def read_progress(path):
+    """The writer's lines so far."""
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def wait_for(pred, timeout, step=0.0002):
@@ -207,32 +206,25 @@ class Rounds:
 
     def one(self, strategy):
         plan = self.plan()
-        r, w = os.pipe()
-        p = CTX.Process(target=_writer, args=(self.d, w, self.base, plan), daemon=True)
+        progress = f"{self.d}.progress"
+        with open(progress, "wb"):
+            pass
+        p = CTX.Process(target=_writer, args=(self.d, progress, self.base, plan), daemon=True)
         p.start()
-        os.close(w)
-        os.set_blocking(r, False)
-        self.got = b""
         try:
-            self._kill_when(p, r, strategy)
+            self._kill_when(p, progress, strategy)
         finally:
             os.kill(p.pid, signal.SIGKILL)
             p.join(30)
-            os.set_blocking(r, True)
-            lines = (self.got + read_rest(r)).decode().splitlines()
-            os.close(r)
+            lines = read_progress(progress).decode().splitlines()
         assert p.exitcode == -signal.SIGKILL, (p.exitcode, lines[-3:])
         self.stats["kills"] += 1
         self.check(plan, lines)
 
-    def _done_seen(self, r):
-        try:
-            self.got += os.read(r, 65536)
-        except BlockingIOError:
-            pass
-        return b"done " in self.got
+    def _done_seen(self, progress):
+        return b"done " in read_progress(progress)
 
-    def _kill_when(self, p, r, strategy):
+    def _kill_when(self, p, progress, strategy):
         """Kills p at a moment chosen by strategy; counts the system call it was in.
 
         delay: a random delay from the start, up to about one save;
@@ -241,7 +233,7 @@ class Rounds:
         after_fsync: the moment the first file fsync() ends (rename, the
         directory's fsync, what follows).
         """
-        if strategy == "second_save" and not wait_for(lambda: self._done_seen(r), 10 * self.save_s + 10):
+        if strategy == "second_save" and not wait_for(lambda: self._done_seen(progress), 10 * self.save_s + 10):
             raise AssertionError("the writer never finished a save")
         if strategy in ("delay", "second_save") or not _SYSCALLS:
             time.sleep(self.rng.uniform(0, 1.2 * self.save_s) + 0.005)

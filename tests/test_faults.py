@@ -19,7 +19,7 @@ import pytest
 
 import kvstore
 from kvstore.files import QUARANTINE_DIR
-from kvhelpers import CTX, flip, listing, make_store, make_tensors
+from kvhelpers import CTX, drop_root, flip, listing, make_store, make_tensors
 
 PAYLOAD_HEAD = struct.Struct("<4sIQII")
 TEXT = "a system prompt and a user turn"
@@ -272,9 +272,7 @@ def test_hostile_names_and_types_are_ignored(store, tmp_path):
 
 def _read_only_child(path, q):
     try:
-        if os.geteuid() == 0:                              # root ignores modes: drop to nobody
-            os.setgid(65534)
-            os.setuid(65534)
+        drop_root(os.path.join(path, "warm-up"))         # root ignores modes: drop to nobody
         out = {"euid": os.geteuid()}
         d = os.path.join(path, "kv")
         with make_store(d) as s:

@@ -41,7 +41,7 @@ def test_prefetch_on_linux_asks_posix_fadvise_willneed(tmp_path, monkeypatch):
 
 def test_prefetch_picks_this_platforms_call_and_works_on_a_real_file(tmp_path):
     want = host.prefetch_macos if host.MACOS else host.prefetch_posix
-    assert host._choose_prefetch() is want
+    assert host._prefetch is want
     path = tmp_path / "f"
     path.write_bytes(b"x" * 65536)
     fd = os.open(path, os.O_RDONLY)
@@ -120,3 +120,144 @@ def test_a_chain_load_asks_for_every_block_whole_and_loads_the_same(tmp_path, mo
     assert ck is not None and np.array_equal(np.array(ck.tensors["k"]), k)
     # Four blocks, each asked for once, whole.
     assert len(asked) == 4 and all(off == 0 and n == size for size, off, n in asked), asked
+
+
+# ---- thread priority ---------------------------------------------------------------
+
+def test_lowering_a_thread_on_macos_puts_it_in_the_utility_qos_class():
+    calls = []
+    assert host.lower_priority_macos(19, qos_call=lambda qos, rel: calls.append((qos, rel)) or 0)
+    assert calls == [(0x11, 0)]                                       # QOS_CLASS_UTILITY, not background
+    assert host.lower_priority_macos(19, qos_call=lambda qos, rel: 1) is False   # refused
+    assert host.lower_thread_priority(0) is False                     # 0 changes nothing anywhere
+
+
+def test_lowering_a_thread_on_linux_sets_its_own_niceness():
+    import threading
+    calls = []
+    assert host.lower_priority_linux(7, setpriority=lambda *a: calls.append(a))
+    assert calls == [(os.PRIO_PROCESS, threading.get_native_id(), 7)]
+
+    def refuse(*a):
+        raise PermissionError(1, "Operation not permitted")
+    assert host.lower_priority_linux(7, setpriority=refuse) is False
+
+
+# ---- boot time -------------------------------------------------------------------------
+
+def test_boot_time_on_macos_reads_kern_boottime_without_a_process():
+    import ctypes
+    seen = []
+
+    def sysctlbyname(name, buf, size_p, new, newlen):
+        seen.append(name)
+        raw = host.TIMEVAL.pack(1_700_000_000, 250_000)
+        ctypes.memmove(buf, raw, len(raw))
+        size_p._obj.value = len(raw)
+        return 0
+    assert host.boot_time_macos(sysctlbyname) == 1_700_000_000.25
+    assert seen == [b"kern.boottime"]
+    assert host.boot_time_macos(lambda *a: -1) == 0.0                 # unknown, not an error
+
+
+def test_boot_time_on_linux_reads_proc_stat(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_bytes(b"cpu  1 2 3\nbtime 1712345678\nprocesses 9\n")
+    assert host.boot_time_linux(str(stat)) == 1712345678.0
+    assert host.boot_time_linux(str(tmp_path / "absent")) == 0.0
+    if host.LINUX:
+        assert abs(host.boot_time() - host.boot_time_linux()) < 1e-9 and host.boot_time() > 0
+
+
+# ---- preallocation ----------------------------------------------------------------------
+
+def test_preallocating_on_macos_asks_contiguous_then_any_blocks_then_sets_the_size():
+    import errno
+    calls, sizes = [], []
+
+    def fcntl_call(fd, cmd, arg):
+        flags, mode, off, length, _ = host.FSTORE.unpack(arg)
+        calls.append((fd, cmd, flags, mode, off, length))
+        if flags & host.F_ALLOCATECONTIG:
+            raise OSError(errno.ENOSPC, "no contiguous run")
+        return arg
+    assert host.preallocate_macos(9, 1 << 20, "x", fcntl_call=fcntl_call, ftruncate=lambda fd, n: sizes.append(n))
+    assert calls == [(9, host.F_PREALLOCATE, host.F_ALLOCATECONTIG | host.F_ALLOCATEALL, host.F_PEOFPOSMODE, 0, 1 << 20),
+                     (9, host.F_PREALLOCATE, host.F_ALLOCATEALL, host.F_PEOFPOSMODE, 0, 1 << 20)]
+    assert sizes == [1 << 20]
+
+
+def test_preallocating_on_macos_fails_early_on_a_full_disk_and_steps_aside_where_unsupported():
+    import errno
+
+    from kvstore.errors import CheckpointOSError
+
+    def full(fd, cmd, arg):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(CheckpointOSError) as e:
+        host.preallocate_macos(3, 4096, "/store/a.kv", fcntl_call=full, ftruncate=lambda *a: None)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == "/store/a.kv"
+
+    def unsupported(fd, cmd, arg):
+        raise OSError(errno.ENOTSUP, "Operation not supported")
+    assert host.preallocate_macos(3, 4096, fcntl_call=unsupported, ftruncate=lambda *a: None) is False
+
+
+def test_preallocating_here_allocates_and_sizes_the_file(tmp_path):
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        # Both platforms' filesystems here (ext4, tmpfs; APFS) allocate.
+        assert host.preallocate(fd, 1 << 20, "f") is True
+        assert os.fstat(fd).st_size == 1 << 20
+    finally:
+        os.close(fd)
+
+
+# ---- the choice --------------------------------------------------------------------------
+
+def test_each_platform_gets_its_own_calls():
+    mac = host._choose(macos=True, linux=False)
+    assert (mac["prefetch"], mac["lower_priority"], mac["boot_time"], mac["preallocate"], mac["cache_root"]) == \
+        (host.prefetch_macos, host.lower_priority_macos, host.boot_time_macos, host.preallocate_macos,
+         host.cache_root_macos)
+    lin = host._choose(macos=False, linux=True)
+    assert (lin["lower_priority"], lin["boot_time"], lin["preallocate"], lin["cache_root"]) == \
+        (host.lower_priority_linux, host.boot_time_linux, host.preallocate_linux, host.cache_root_linux)
+    other = host._choose(macos=False, linux=False)
+    assert (other["lower_priority"], other["boot_time"], other["preallocate"]) == \
+        (host.lower_priority_none, host.boot_time_none, host.preallocate_none)
+
+
+def test_the_default_cache_folder_is_the_platforms_and_kept_out_of_backups_on_macos():
+    assert host.cache_root_linux() == os.path.join("~", ".cache", "kvstore")
+    # ~/Library/Caches: Time Machine leaves it out of backups.
+    assert host.cache_root_macos() == os.path.join("~", "Library", "Caches", "kvstore")
+    pytest.importorskip("mlx_lm")
+    from kvstore.serve import server
+    assert server.DEFAULT_CACHE_ROOT == os.path.join(host.default_cache_root(), "serve")
+
+
+# ---- the tests' own platform differences ------------------------------------------------
+
+def test_the_s3_servers_sockets_fit_a_unix_socket_path_on_macos(tmp_path):
+    import kvhelpers
+    deep = tmp_path / ("d" * 80) / ("e" * 80)               # as long as macOS's /private/var/folders/...
+    deep.mkdir(parents=True)
+    server = kvhelpers.WeedServer(deep, "weed", "b")
+    try:
+        assert all(len(p.encode()) < kvhelpers.SOCKET_PATH_MAX for p in server.sockets)
+        assert all(str(deep) not in p for p in server.sockets)
+    finally:
+        server.stop()
+    assert not os.path.exists(server.socket_dir)
+
+
+def test_folds_case_tells_a_case_folding_filesystem(tmp_path, monkeypatch):
+    import kvhelpers
+    assert kvhelpers.folds_case(tmp_path) is False                      # ext4, tmpfs
+    # As on APFS: any case of a name finds the file.
+    real = os.path.isdir
+    monkeypatch.setattr(os.path, "isdir", lambda p: real(p) or real(os.path.join(os.path.dirname(p),
+                                                                                  os.path.basename(p).swapcase())))
+    assert kvhelpers.folds_case(tmp_path) is True
+    assert os.listdir(tmp_path) == []                                  # the probe is gone

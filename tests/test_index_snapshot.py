@@ -25,7 +25,7 @@ from kvstore.format import read_entry
 from kvstore.index import DirectoryIndex
 from kvstore.index_snapshot import SNAPSHOT_NAME
 from kvstore.journal import JOURNAL_NAME
-from kvhelpers import checkpoint_files, make_store, make_tensors
+from kvhelpers import checkpoint_files, folds_case, make_store, make_tensors
 
 BLOCK = 8                 # tokens per chain block: many small blocks
 CHAIN_TOKENS = 10 * BLOCK
@@ -463,6 +463,8 @@ def test_a_long_running_store_writes_the_snapshot_as_it_goes(tmp_path, monkeypat
 def test_two_names_of_one_digest_are_both_kept(tmp_path, reads):
     d = tmp_path / "kv"
     saved = fill(d)
+    if folds_case(d):
+        pytest.skip("this filesystem folds case: a digest's upper-case name is its lower-case file")
     whole = saved[-1]
     shutil.copy2(whole.path, d / (whole.name[:40].upper() + ".kv"))
     with open_store(d) as s:

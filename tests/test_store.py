@@ -532,6 +532,7 @@ def test_no_prompt_text_in_logs(tmp_path, caplog):
         assert "TOP-SECRET" not in text and "hunter2" not in text
 
 
+@pytest.mark.skipif(sys.platform == "darwin", reason="a fork after MLX has loaded Metal is unsafe on macOS")
 def test_store_works_in_a_forked_child_after_parallel_io(tmp_path):
     """A child forked after the parent used the I/O pool and the writer can save and load."""
     import multiprocessing as mp

@@ -8,10 +8,10 @@ a lower CPU priority (set_io_priority), and a forked child starts its own.
 import atexit
 import concurrent.futures
 import os
-import sys
 import threading
 
 from kvstore import _native
+from kvstore.host import lower_thread_priority
 from kvstore.errors import CorruptCheckpoint
 from kvstore.payload.buffers import bytes_view, pread_into
 
@@ -75,24 +75,6 @@ _io = LazyExecutor(lambda: concurrent.futures.ThreadPoolExecutor(IO_THREADS, thr
 _bulk = LazyExecutor(lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-bulk",
                                                                    initializer=lower_thread_priority,
                                                                    initargs=(_io_nice,)))
-
-
-def lower_thread_priority(nice):
-    """Gives the calling thread CPU niceness `nice` (0-19; higher yields more).
-
-    Linux only (there a thread is its own schedulable task); elsewhere, or
-    when the kernel refuses, nothing changes.
-
-    Returns:
-        True when the thread's niceness is now `nice`.
-    """
-    if nice <= 0 or not sys.platform.startswith("linux") or not hasattr(os, "setpriority"):
-        return False
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except OSError:
-        return False
-    return True
 
 
 def set_io_priority(nice):

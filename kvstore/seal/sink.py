@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from kvstore import _native, payload, publish
+from kvstore import _native, host, payload, publish
 from kvstore.format import PREFIX_SIZE, entry_from_fd
 from kvstore.seal.cipher import encrypt_pieces
 from kvstore.seal.layout import (BODY_OFFSET, CHUNK_BYTES, FILE_ID_BYTES, TAG_BYTES, Grid, chunk_aad, chunk_nonce,
@@ -43,7 +43,7 @@ def stage_sealed(sealer, path, header, text, plan, trailer_raw=b"", head=b"", lo
     aad = file_aad(path, prefix, clear)
     tmp = publish.TempFile(path)
     try:
-        _native.preallocate(tmp.fd, total, tmp.path)
+        host.preallocate(tmp.fd, total, tmp.path)
         _native.pwrite_from(tmp.fd, prefix + clear, 0, tmp.path)
         sink = SealingSink(sealer.file_key(file_id), aad, tmp.fd, tmp.path, grid, data_start)
         try:

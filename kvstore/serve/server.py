@@ -16,7 +16,7 @@ from http.server import ThreadingHTTPServer
 import mlx.core as mx
 from mlx_lm import server as mlx_server
 
-from kvstore import payload, remote, seal
+from kvstore import host, payload, remote, seal
 from kvstore.chain import DEFAULT_BLOCK_TOKENS
 # SUPPORTED_MLX_LM (kvstore.serve shows it): an mlx-lm release outside it fails the import of kvstore.mlx.
 from kvstore.mlx import DEFAULT_CTX_SIZE, SUPPORTED_MLX_LM  # noqa: F401
@@ -39,7 +39,8 @@ log = logging.getLogger("kvstore")
 # Where checkpoints go when --cache-dir is not given: one directory, and one
 # budget, for every model served from this machine; each file names its
 # model (docs/format.md §17), so models never load each other's state.
-DEFAULT_CACHE_ROOT = os.path.join("~", ".cache", "kvstore", "serve")
+# ~/.cache/kvstore/serve; on macOS ~/Library/Caches/kvstore/serve (kvstore.host).
+DEFAULT_CACHE_ROOT = os.path.join(host.default_cache_root(), "serve")
 
 # The mlx_lm.server options that change the KV state (kv quantisation): part
 # of the model's identity, as its weights are.
