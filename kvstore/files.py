@@ -75,7 +75,23 @@ def describe_error(err):
 # the platter (or the drive's flush), and fdatasync suffices for a change
 # that does not need the file's metadata (an in-place byte of a header).
 
-# errno values that mean "this filesystem does not do F_FULLFSYNC".
+#
+# A full flush is slow on Apple's SSDs (the drive empties its whole cache),
+# and a chained save makes two syncs per block.  Apple's answer for ordering
+# is fcntl(F_BARRIERFSYNC): an fsync, then a barrier, so that the drive
+# writes nothing issued after it before what was issued before it.  So on
+# macOS the steps of a durable save (each block's data, each link in the
+# directory) are barriers, and the save's last step is an F_FULLFSYNC of the
+# directory, which flushes the drive's cache: every step before it is then
+# durable.  A power cut before that flush keeps a prefix of the steps in
+# their order (a chain prefix, as on Linux); a save that returned is durable.
+# Elsewhere each step's fsync is durable already and the end adds nothing
+# (docs/format.md §11).
+
+# <sys/fcntl.h> on macOS; Python's fcntl module does not name it everywhere.
+F_BARRIERFSYNC = 85
+
+# errno values that mean "this filesystem does not do F_FULLFSYNC" (or F_BARRIERFSYNC).
 _FULLFSYNC_REFUSED = frozenset(getattr(errno, n) for n in ("ENOTSUP", "EOPNOTSUPP", "EINVAL", "ENOTTY")
                                if hasattr(errno, n))
 
@@ -95,6 +111,21 @@ def sync_primitive(platform=None):
 SYNC_PRIMITIVE = sync_primitive()
 
 
+def step_primitive(platform=None):
+    """The primitive of a durable save's steps on a platform: "F_BARRIERFSYNC"
+    on macOS (the save then ends with sync_primitive's F_FULLFSYNC), else
+    "fsync", the same as the end.
+
+    Args:
+        platform: a ``sys.platform`` value (default: this one's).
+    """
+    platform = sys.platform if platform is None else platform
+    return "F_BARRIERFSYNC" if platform == "darwin" else "fsync"
+
+
+STEP_PRIMITIVE = step_primitive()
+
+
 def sync_fd(fd, data_only=False, primitive=None):
     """Makes what was written to fd durable: the one place kvstore syncs.
 
@@ -102,15 +133,26 @@ def sync_fd(fd, data_only=False, primitive=None):
         fd: an open file or directory.
         data_only: the change needs no metadata to be found again (a byte
             rewritten in place): fdatasync where the platform has it.
-        primitive: "F_FULLFSYNC" or "fsync" (default: SYNC_PRIMITIVE).
+        primitive: "F_FULLFSYNC", "F_BARRIERFSYNC" (order_fd) or "fsync"
+            (default: SYNC_PRIMITIVE).
 
     Returns:
-        the primitive that took effect: "F_FULLFSYNC", "fsync" or
-        "fdatasync" (F_FULLFSYNC falls back to fsync where the filesystem
-        refuses it, or the platform has no such call).
+        the primitive that took effect: "F_FULLFSYNC", "F_BARRIERFSYNC",
+        "fsync" or "fdatasync" (F_BARRIERFSYNC falls back to F_FULLFSYNC,
+        and F_FULLFSYNC to fsync, where the filesystem refuses it or the
+        platform has no such call).
     """
     global _sync_fallbacks
     primitive = SYNC_PRIMITIVE if primitive is None else primitive
+    if primitive == "F_BARRIERFSYNC":
+        if sys.platform == "darwin" or getattr(fcntl, "F_BARRIERFSYNC", None) is not None:
+            try:
+                fcntl.fcntl(fd, getattr(fcntl, "F_BARRIERFSYNC", F_BARRIERFSYNC))
+                return "F_BARRIERFSYNC"
+            except OSError as e:
+                if e.errno not in _FULLFSYNC_REFUSED:
+                    raise
+        primitive = "F_FULLFSYNC"           # no barrier here: a full flush orders too
     if primitive == "F_FULLFSYNC":
         op = getattr(fcntl, "F_FULLFSYNC", None)
         if op is not None:
@@ -135,13 +177,27 @@ def sync_fallbacks():
     return _sync_fallbacks
 
 
-def sync_dir(path):
-    """Makes a rename or unlink in the directory at path durable."""
+def sync_dir(path, primitive=None):
+    """Makes a rename or unlink in the directory at path durable (or, with
+    primitive STEP_PRIMITIVE, ordered before what follows: order_dir)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        sync_fd(fd)
+        return sync_fd(fd, primitive=primitive)
     finally:
         os.close(fd)
+
+
+def order_fd(fd):
+    """A step of a durable save: what was written to fd reaches the disk
+    before anything written after it (F_BARRIERFSYNC on macOS; elsewhere
+    fsync, which also makes it durable).  The save's last step is a
+    sync_dir, which makes every step before it durable."""
+    return sync_fd(fd, primitive=STEP_PRIMITIVE)
+
+
+def order_dir(path):
+    """order_fd of the directory at path: a rename or link in it, ordered."""
+    return sync_dir(path, primitive=STEP_PRIMITIVE)
 
 
 def filesystem_bytes(path):

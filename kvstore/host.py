@@ -9,7 +9,10 @@ injected.
   background: POSIX_FADV_WILLNEED on Linux; F_RDADVISE on macOS, which has
   no posix_fadvise.  A chain load asks for the blocks ahead of its reads: on
   a cold disk the reads then find a deep queue of the kernel's own requests
-  instead of two threads' worth (kvstore.payload.chains).
+  instead of two threads' worth (kvstore.payload.chains).  cached says
+  whether a file's page is in the page cache already (a one-byte preadv
+  with RWF_NOWAIT on Linux; macOS cannot say), so that a warm load does not
+  pay for asking.
 - lower_thread_priority: let the calling thread yield the CPU to decoding:
   a thread's own niceness on Linux (a thread is a task there); on macOS,
   where niceness is the process's, the utility QoS class
@@ -87,6 +90,31 @@ def prefetch_macos(fd, offset, length, fcntl_call=None):
 def prefetch_none(fd, offset, length):
     """No way to ask: the reads alone fetch the data."""
     return False
+
+
+def cached_linux(fd, offset):
+    """Whether the byte at offset of fd is in the page cache: a one-byte
+    preadv with RWF_NOWAIT, which fails with EAGAIN rather than wait for
+    the disk; None where the filesystem cannot say."""
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT) == 1
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+
+
+def cached_unknown(fd, offset):
+    return None
+
+
+def cached(fd, offset):
+    """True when the page holding byte offset of fd is in the page cache,
+    False when it is not, None where this platform cannot tell.  A reader
+    asks for a file ahead (prefetch) only when it is not cached already:
+    asking walks every page of the range, a cost a warm load would pay for
+    nothing."""
+    return _cached(fd, offset)
 
 
 def prefetch(fd, offset, length):
@@ -285,6 +313,7 @@ def _choose(macos=MACOS, linux=LINUX):
     has_fadvise = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED")
     return {
         "prefetch": prefetch_macos if macos else prefetch_posix if has_fadvise else prefetch_none,
+        "cached": cached_linux if linux and hasattr(os, "RWF_NOWAIT") else cached_unknown,
         "lower_priority": lower_priority_macos if macos else
         lower_priority_linux if linux and hasattr(os, "setpriority") else lower_priority_none,
         "boot_time": boot_time_macos if macos else boot_time_linux if linux else boot_time_none,
@@ -295,6 +324,7 @@ def _choose(macos=MACOS, linux=LINUX):
 
 _chosen = _choose()
 _prefetch = _chosen["prefetch"]
+_cached = _chosen["cached"]
 _lower_priority = _chosen["lower_priority"]
 _boot_time = _chosen["boot_time"]
 _preallocate = _chosen["preallocate"]

@@ -69,16 +69,23 @@ class TempFile:
         durable publish() then waits for it instead of syncing again.
         Nothing may be written to fd after this call."""
         if self._synced is None:
-            self._synced = _sync.get().submit(files.sync_fd, self.fd)
+            self._synced = _sync.get().submit(files.order_fd, self.fd)
 
-    def publish(self, durable, exclusive=False):
+    def publish(self, durable, exclusive=False, last=True):
         """Sync the data (durable), put it in place, sync the directory (durable).
+
+        The data's sync is a step of the save (files.order_fd: ordered
+        before the name); so is the directory's, unless last.
 
         Args:
             exclusive: only if no file has the name yet (a hard link, which
                 fails on an existing name): the first of two writers of the
                 same checkpoint wins.  Where the filesystem has no hard
                 links, a rename.
+            last: the last file of a durable save: its directory's sync
+                makes every step of the save durable (files.sync_dir); a
+                chained save's earlier blocks only order theirs
+                (files.order_dir: a barrier on macOS).
 
         Returns:
             True, or False when exclusive and another file had the name.
@@ -100,12 +107,12 @@ class TempFile:
             os.rename(self.path, self.final)
         self.published = True
         if durable:
-            files.sync_dir(os.path.dirname(self.final) or ".")
+            (files.sync_dir if last else files.order_dir)(os.path.dirname(self.final) or ".")
         return True
 
     def _wait_sync(self):
         if self._synced is None:
-            files.sync_fd(self.fd)
+            files.order_fd(self.fd)
         else:
             self._synced.result()       # its OSError, if the sync failed
 

@@ -240,28 +240,31 @@ class Saver:
                                                             lookup_tag=b.lookup_tag)))
                 if d.durable:
                     staged[-1][2].sync_soon()
-            for b, restorable, tmp in staged:
-                written.append(self._publish_block(tmp, b, restorable, nbytes))
+            for k, (b, restorable, tmp) in enumerate(staged):
+                written.append(self._publish_block(tmp, b, restorable, nbytes, last=k == len(staged) - 1))
         finally:
             for _, _, tmp in staged:
                 tmp.close()
             with d.lock:
                 d.index.add(*written)
 
-    def _publish_block(self, tmp, b, restorable, nbytes):
+    def _publish_block(self, tmp, b, restorable, nbytes, last):
         """Puts one staged block in place; its Entry, or the same block another
         writer put there first (the chains that already continue it keep
-        their parent)."""
+        their parent).  last: the save's last block (its directory sync
+        makes the save durable: TempFile.publish)."""
         d = self.d
         # A new name is taken only if still free: of two writers of the
         # same block the first wins.
-        if tmp.publish(d.durable, exclusive=not os.path.lexists(tmp.final)):
+        if tmp.publish(d.durable, exclusive=not os.path.lexists(tmp.final), last=last):
             nbytes.append(tmp.entry.file_size)
             return tmp.entry
         e = d.codec.current(tmp.final)
         if chain.same_block(e, b) and (e.restorable or not restorable):
+            if last and d.durable:
+                files.sync_dir(d.path)   # the save's earlier steps, made durable
             return e
-        tmp.publish(d.durable)           # another file had the name: this block replaces it
+        tmp.publish(d.durable, last=last)    # another file had the name: this block replaces it
         nbytes.append(tmp.entry.file_size)
         return tmp.entry
 

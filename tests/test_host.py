@@ -104,9 +104,10 @@ def test_the_prefetcher_leaves_earlier_restorable_blocks_of_a_chain_with_snapsho
 
 
 @pytest.mark.parametrize("into", ["numpy", "mlx"])
-def test_a_chain_load_asks_for_every_block_whole_and_loads_the_same(tmp_path, monkeypatch, into):
+def test_a_cold_chain_load_asks_for_every_block_whole_and_loads_the_same(tmp_path, monkeypatch, into):
     if into == "mlx":
         pytest.importorskip("mlx.core")
+    monkeypatch.setattr(host, "cached", lambda fd, off: False)         # as after a restart
     asked = []
     real = host.prefetch
     monkeypatch.setattr(host, "prefetch", lambda fd, off, n: asked.append((os.fstat(fd).st_size, off, n))
@@ -261,3 +262,27 @@ def test_folds_case_tells_a_case_folding_filesystem(tmp_path, monkeypatch):
                                                                                   os.path.basename(p).swapcase())))
     assert kvhelpers.folds_case(tmp_path) is True
     assert os.listdir(tmp_path) == []                                  # the probe is gone
+
+
+@pytest.mark.skipif(not host.LINUX, reason="RWF_NOWAIT is Linux's")
+def test_cached_tells_a_cached_page_from_an_evicted_one(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert host.cached(fd, (1 << 20) - 1) is True                  # just written
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)             # clean pages dropped
+        assert host.cached(fd, (1 << 20) - 1) is False
+        os.pread(fd, 4096, (1 << 20) - 4096)
+        assert host.cached(fd, (1 << 20) - 1) is True
+    finally:
+        os.close(fd)
+    assert host.cached_unknown(0, 0) is None
+
+
+def test_a_cached_block_is_not_asked_for(monkeypatch):
+    asked = _asked(monkeypatch)
+    monkeypatch.setattr(host, "cached", lambda fd, off: fd == 101)     # block 1 is warm
+    chains.Prefetcher(_layout([10, 10, 10], [False, False, True], snapshots=False), limit=100).advance(0)
+    assert [fd for fd, _, _ in asked] == [100, 102]

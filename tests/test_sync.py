@@ -227,3 +227,74 @@ def test_a_durable_chained_save_syncs_blocks_while_writing_and_links_them_in_ord
     # Parent first: each block names the one linked before it.
     parents = [read_entry(str(d / name)).parent for name in linked]
     assert parents == [""] + [name[:-3] for name in linked[:-1]]
+
+
+@pytest.mark.parametrize("platform,expect", [("darwin", "F_BARRIERFSYNC"), ("linux", "fsync")])
+def test_the_steps_of_a_save_are_barriers_on_macos(platform, expect):
+    assert files.step_primitive(platform) == expect
+    assert files.STEP_PRIMITIVE == files.step_primitive(sys.platform)
+
+
+def test_a_refused_barrier_is_a_full_flush(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_fcntl(fd, op, *a):
+        calls.append(op)
+        if op == 85:
+            raise OSError(errno.ENOTSUP, "Operation not supported")
+        return 0
+    monkeypatch.setattr(fcntl, "F_BARRIERFSYNC", 85, raising=False)
+    monkeypatch.setattr(fcntl, "F_FULLFSYNC", 51, raising=False)
+    monkeypatch.setattr(fcntl, "fcntl", fake_fcntl)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert files.sync_fd(fd, primitive="F_BARRIERFSYNC") == "F_FULLFSYNC"
+    finally:
+        os.close(fd)
+    assert calls == [85, 51]
+
+
+def test_a_durable_chained_save_on_macos_orders_its_steps_and_flushes_once(tmp_path, monkeypatch):
+    """macOS's sequence, run here with fcntl recorded: each block's data and
+    each link a barrier, in the chain's order, and one full flush, the
+    save's last step (docs/format.md §11)."""
+    if not os.path.exists("/proc/self/fd"):
+        pytest.skip("names a descriptor's file through /proc/self/fd")
+    from kvstore import publish
+    events = []
+    monkeypatch.setattr(fcntl, "F_BARRIERFSYNC", 85, raising=False)
+    monkeypatch.setattr(fcntl, "F_FULLFSYNC", 51, raising=False)
+
+    def fake_fcntl(fd, op, *a):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        events.append(({85: "barrier", 51: "flush"}[op], name.split(".tmp.")[0] if ".kv.tmp." in name
+                       else "dir:" + name))
+        return 0
+
+    def spy_link(src, dst, *a, **kw):
+        events.append(("link", os.path.basename(os.fspath(dst))))
+        return real_link(src, dst, *a, **kw)
+    real_link = os.link
+    d = tmp_path / "d"
+    n_blocks = 5
+    ids = np.arange(n_blocks * 4, dtype=np.uint32)
+    text = b"".join(f"t{i} ".encode() for i in ids)
+    offsets = [0] + [sum(len(f"t{j} ") for j in range(i + 1)) for i in range(ids.size)]
+    kv = {"k": np.repeat(ids[None, None, :, None], 8, axis=3).astype(np.float16)}
+    with kvstore.KVStore(d, options=Options(min_tokens=1), block_tokens=4) as store:
+        monkeypatch.setattr(files, "SYNC_PRIMITIVE", "F_FULLFSYNC")
+        monkeypatch.setattr(files, "STEP_PRIMITIVE", "F_BARRIERFSYNC")
+        monkeypatch.setattr(fcntl, "fcntl", fake_fcntl)
+        monkeypatch.setattr(publish.os, "link", spy_link)
+        last = store.save(text, ids, kv, positional={"k": 2}, text_offsets=offsets)
+        monkeypatch.undo()
+        assert last is not None and last.tokens == ids.size
+    links = [i for i, e in enumerate(events) if e[0] == "link"]
+    assert len(links) == n_blocks
+    linked = [events[i][1] for i in links]
+    for k, i in enumerate(links):
+        assert ("barrier", linked[k]) in events[:i], events          # its data ordered before its link
+        if k:
+            assert ("barrier", "dir:d") in events[links[k - 1] + 1:i], events   # the parent's link before it
+    # One full flush, of the directory, after the last link: the save's end.
+    assert [e for e in events if e[0] == "flush"] == [("flush", "dir:d")] and events[-1] == ("flush", "dir:d")

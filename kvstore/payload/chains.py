@@ -312,7 +312,8 @@ class Prefetcher:
     """Asks the kernel to read a chain's blocks ahead of the load's reads
     (host.prefetch), at most PREFETCH_BYTES beyond the block being queued.
 
-    A block is asked for whole when the load reads all of it: a block that
+    A block is asked for whole when the load reads all of it (and its
+    last page is not cached already, host.cached): a block that
     holds only its slices of the growing tensors, or the target.  A
     restorable block before the target in a chain with snapshots (the
     sliding windows of an earlier turn's last block) holds snapshots this
@@ -337,7 +338,8 @@ class Prefetcher:
         self.next = max(self.next, first)
         while self.next < len(self.todo) and (self.next == first or self.ends[self.next] - start <= self.limit):
             _, fd, size = self.todo[self.next]
-            host.prefetch(fd, 0, size)
+            if not host.cached(fd, size - 1):       # a warm block: nothing to ask for
+                host.prefetch(fd, 0, size)
             self.next += 1
 
 
