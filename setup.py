@@ -25,6 +25,11 @@ if platform.machine().lower() in ("arm64", "aarch64") and platform.system() == "
     # core without them still runs the portable code.
     extra.append("-march=armv8-a+crc+crypto")
 
+if platform.system() == "Darwin" and not os.environ.get("MACOSX_DEPLOYMENT_TARGET"):
+    # preadv() (csrc/io.c) is macOS 11's; MLX itself needs macOS 14.  A
+    # python.org build would otherwise target 10.9 and take the slower path.
+    os.environ["MACOSX_DEPLOYMENT_TARGET"] = "11.0"
+
 ext = Extension(
     "kvstore._native",
     sources=["kvstore/_native.pyx"] + CSRC,

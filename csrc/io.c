@@ -9,6 +9,15 @@
 #include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
+#if defined(__APPLE__)
+#include <AvailabilityMacros.h>
+#endif
+/* preadv(): Linux; macOS from 11, which every Apple Silicon Mac runs (setup.py
+ * builds for 11.0 or later there). */
+#if defined(__linux__) || (defined(__APPLE__) && defined(MAC_OS_X_VERSION_MIN_REQUIRED) && \
+                           MAC_OS_X_VERSION_MIN_REQUIRED >= 110000)
+#define KVS_HAVE_PREADV 1
+#endif
 #if defined(__linux__)
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -106,14 +115,14 @@ static int read_runs(kvs_piece *p, size_t first, size_t k, int with_crc)
         populate((uint8_t *)iov[i].iov_base, p->run);
     }
     ssize_t got;
-#if defined(__linux__)
+#if defined(KVS_HAVE_PREADV)
     do {
         got = preadv(p->fd, iov, (int)k, (off_t)off);
     } while (got < 0 && errno == EINTR);
     if (got < 0) return -errno;
 #else
-    /* No preadv() to count on (macOS has it only from 11): the first run,
-     * and the rest as a short transfer below. */
+    /* No preadv() to count on (macOS before 11): the first run, and the
+     * rest as a short transfer below. */
     do {
         got = pread(p->fd, iov[0].iov_base, iov[0].iov_len, (off_t)off);
     } while (got < 0 && errno == EINTR);
