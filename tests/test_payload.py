@@ -565,6 +565,22 @@ def _save_big(store, text, n_tensors, rows, distinct=False):
     return tensors
 
 
+def _round_trip_into_mlx(tmp_path, layout, threaded, n_tensors, rows):
+    """Saves n_tensors distinct (1, 8, rows, 4096) tensors, loads them into
+    MLX (threaded or not) and checks each came back whole and in its place."""
+    from kvstore.payload import mlx_io
+    old = mlx_io.set_mlx_threaded(threaded)
+    try:
+        with make_store(tmp_path / "kv", layout=layout, block_tokens=rows // 2) as s:
+            want = _save_big(s, b"b" * rows, n_tensors, rows, distinct=True)
+            ck = s.load(s.find(b"b" * rows), into="mlx")
+            assert ck is not None and s.stats()["corrupt"] == 0
+            for name, a in want.items():
+                assert np.array_equal(np.array(ck.tensors[name]), a), name
+    finally:
+        mlx_io.set_mlx_threaded(old)
+
+
 @pytest.mark.parametrize("layout", ["chain", "whole"])
 @pytest.mark.parametrize("threaded", [False, True])
 def test_a_load_larger_than_one_mlx_array_is_read_into_several(tmp_path, monkeypatch, layout, threaded):
@@ -586,16 +602,7 @@ def test_a_load_larger_than_one_mlx_array_is_read_into_several(tmp_path, monkeyp
     to_mlx = mlx_io._numpy_to_mlx
     monkeypatch.setattr(mlx_io, "_numpy_to_mlx", lambda arrays, dtypes: to_mlx(arrays, dtypes) if not arrays
                         else pytest.fail(f"no NumPy route: {sorted(arrays)}"))
-    old = mlx_io.set_mlx_threaded(threaded)
-    try:
-        with make_store(tmp_path / "kv", layout=layout, block_tokens=16) as s:
-            want = _save_big(s, b"b" * 32, 5, 32, distinct=True)        # 5 tensors of 1 MiB
-            ck = s.load(s.find(b"b" * 32), into="mlx")
-            assert ck is not None and s.stats()["corrupt"] == 0
-            for name, a in want.items():
-                assert np.array_equal(np.array(ck.tensors[name]), a), name
-    finally:
-        mlx_io.set_mlx_threaded(old)
+    _round_trip_into_mlx(tmp_path, layout, threaded, 5, 32)              # 5 tensors of 1 MiB
     assert len(blobs) == 3 and max(blobs) <= 5 << 19, blobs
 
 
@@ -606,16 +613,7 @@ def test_a_tensor_larger_than_one_mlx_array_goes_through_numpy(tmp_path, monkeyp
     from kvstore.payload import mlx_io
     monkeypatch.setattr(mlx_io, "MLX_BLOB_MAX", 1 << 20)
     monkeypatch.setattr(mlx_io, "_fill_blob", lambda src: pytest.fail("no blob past MLX_BLOB_MAX"))
-    old = mlx_io.set_mlx_threaded(threaded)
-    try:
-        with make_store(tmp_path / "kv", layout=layout, block_tokens=64) as s:
-            want = _save_big(s, b"b" * 128, 4, 128, distinct=True)     # 4 tensors of 4 MiB
-            ck = s.load(s.find(b"b" * 128), into="mlx")
-            assert ck is not None and s.stats()["corrupt"] == 0
-            for name, a in want.items():
-                assert np.array_equal(np.array(ck.tensors[name]), a), name
-    finally:
-        mlx_io.set_mlx_threaded(old)
+    _round_trip_into_mlx(tmp_path, layout, threaded, 4, 128)             # 4 tensors of 4 MiB
 
 
 def test_a_state_of_over_2_gib_loads_into_mlx(tmp_path):
