@@ -730,6 +730,23 @@ def decoding_sessions(base, label, ban):
         raise errors[0]
 
 
+def baseline_then_p(base, messages, ban, baseline_s):
+    """With the decoding sessions running: SETTLE_S, a baseline window of
+    baseline_s, then P sent (max_tokens=1) and streamed to its end.
+
+    Returns:
+        (the baseline window's start in perf_counter ns, P's stream record,
+        the wall / perf_counter clock pair taken when P was sent).
+    """
+    time.sleep(SETTLE_S)
+    t_base = time.perf_counter_ns()
+    time.sleep(baseline_s)
+    clocks = {}
+    p = stream_chat(base, messages, 1, ban,
+                    on_start=lambda: clocks.update(wall=time.time(), ns=time.perf_counter_ns()))
+    return t_base, p, clocks
+
+
 def decode_phase(base, source, messages, ban, baseline_s):
     """SESSIONS fresh streaming sessions decode; a baseline window; then P (max_tokens=1).
 
@@ -738,12 +755,7 @@ def decode_phase(base, source, messages, ban, baseline_s):
         wall clock pair taken when P was sent.
     """
     with decoding_sessions(base, f"{source} phase", ban) as (live, errors):
-        time.sleep(SETTLE_S)
-        t_base = time.perf_counter_ns()
-        time.sleep(baseline_s)
-        clocks = {}
-        p = stream_chat(base, messages, 1, ban,
-                        on_start=lambda: clocks.update(wall=time.time(), ns=time.perf_counter_ns()))
+        t_base, p, clocks = baseline_then_p(base, messages, ban, baseline_s)
         if p["ttft_ns"] is None:
             raise SystemExit(f"P ({source}) got no token: {p}")
         first = p["sent_ns"] + p["ttft_ns"]

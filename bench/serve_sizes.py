@@ -55,8 +55,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from foundation import TextTable, drop_page_cache, finish, harness_arguments, machine_info, machine_lines  # noqa: E402
 from serve import start  # noqa: E402
-from serve_load import (SETTLE_S, ServerStuck, decoding_sessions, log_events, log_tail, long_prompt,  # noqa: E402
-                        progress, rate, stop_server, stream_chat, wait_for_chunks, warm_up, write_checkpoint)
+from serve_load import (ServerStuck, baseline_then_p, decoding_sessions, log_events, log_tail,  # noqa: E402
+                        long_prompt, progress, rate, stop_server, wait_for_chunks, warm_up, write_checkpoint)
 
 GiB = 1 << 30
 # Qwen3-8B's KV geometry, a tiny hidden size, bfloat16.
@@ -129,12 +129,7 @@ def one_round(cmd, tmp, index, src, messages, ban, tokens, window_s):
     try:
         warm_up(base, ban)
         with decoding_sessions(base, f"round {index}", ban) as (live, errors):
-            time.sleep(SETTLE_S)
-            t_base = time.perf_counter_ns()
-            time.sleep(BASELINE_S)
-            clocks = {}
-            p = stream_chat(base, messages, 1, ban,
-                            on_start=lambda: clocks.update(wall=time.time(), ns=time.perf_counter_ns()))
+            t_base, p, clocks = baseline_then_p(base, messages, ban, BASELINE_S)
             answered = time.perf_counter_ns()
             if window_s is None:
                 lo, hi = wait_for_save(path, tokens, clocks)

@@ -11,8 +11,8 @@ import os
 import threading
 
 from kvstore import _native
-from kvstore.host import lower_thread_priority
 from kvstore.errors import CorruptCheckpoint
+from kvstore.host import lower_thread_priority
 from kvstore.payload.buffers import bytes_view, pread_into
 
 # Parallel I/O: a block of at least 2 MiB is split into up to IO_THREADS
@@ -78,7 +78,8 @@ _bulk = LazyExecutor(lambda: concurrent.futures.ThreadPoolExecutor(1, thread_nam
 
 
 def set_io_priority(nice):
-    """Runs the payload I/O threads at CPU niceness `nice` (0: the process's own).
+    """Runs the payload I/O threads at CPU niceness `nice` (0: the process's own;
+    on macOS any other value means the utility QoS class: kvstore.host).
 
     kvstore serve loads checkpoints while its generation thread decodes: at a
     lower priority the loads' copies and CRCs take the CPU time decoding
