@@ -66,7 +66,7 @@ TURN_TOKENS = 1000
 FIND_EXTRA = 200                  # the prompt of the find row: the session's text and this many bytes more
 TOKEN_TEXT = 8                    # bytes of text per token: "t0000001 "-like words
 BLOCK_TOKENS = 256
-LOAD_ROUNDS = 3                   # cold and warm loads of each side per row (the median is reported)
+LOAD_ROUNDS = 5                   # cold and warm loads of each side per row (the median is reported)
 SEED = 36
 # Memory a child may use: the arrays of a state, twice (a load's blob and
 # the cache objects around it, or a save's arrays and its page cache), under
@@ -469,10 +469,11 @@ def measure_loads(tmp, g, tokens, order, dropped, rounds):
     load follows the other side's, so the storage under this VM cannot
     keep one side's bytes warmer than the other's: seen here, a file read
     again right after itself 30-50% faster than after the other side's,
-    page cache dropped both times); each side's median of rounds."""
+    page cache dropped both times); the sides' order turns each round
+    (A B, B A, ...); each side's median of rounds."""
     samples = {"cold": {s: [] for s in order}, "warm": {s: [] for s in order}}
-    for _ in range(rounds):
-        for side in order:
+    for r in range(rounds):
+        for side in (order if r % 2 == 0 else order[::-1]):
             path = os.path.join(tmp, "kv" if side == "kvstore" else "peer")
             if dropped:
                 drop_page_cache()

@@ -21,7 +21,11 @@ then writes what a reboot would find into a fresh directory:
   size either the synced one or the current one) and of each directory's
   pending name changes (applied in their order, a rename whole or not at
   all): the reorderings a drive's cache may make, as LazyFS and the ALICE
-  study model them.
+  study model them;
+- mode "barrier", on a mount reset with barriers=True (macOS's
+  F_BARRIERFSYNC and F_FULLFSYNC): there an fdatasync is a barrier that
+  orders, an fsync a full flush, and what survives is the flushed state plus
+  a prefix of the barriers' snapshots (tests/powerfs_ledger.py).
 
 The filesystem runs in its own process (``python powerfs.py BACKING MOUNT``),
 its FUSE loop on the main thread; the test drives it through PowerFS, a
@@ -98,7 +102,7 @@ def _filesystem(root):
 
         # -- control ------------------------------------------------------------------
 
-        def reset(self, seed_from=None):
+        def reset(self, seed_from=None, barriers=False):
             with self.mutex:
                 for fd, _ in self.fds.values():
                     try:
@@ -116,6 +120,7 @@ def _filesystem(root):
                     os.makedirs(backing)
                 os.makedirs(graveyard)
                 self.model = Ledger(backing, graveyard)
+                self.model.barriers = bool(barriers)
                 if old is not None:
                     shutil.rmtree(old.backing, ignore_errors=True)
                     shutil.rmtree(old.graveyard, ignore_errors=True)
@@ -126,7 +131,7 @@ def _filesystem(root):
             with self.mutex:
                 m = self.model
                 if cmd == "reset":
-                    return self.reset(req.get("seed_from"))
+                    return self.reset(req.get("seed_from"), req.get("barriers", False))
                 if cmd == "arm":
                     m.arm_at = m.ops + req["after"]
                     return {}
@@ -134,7 +139,7 @@ def _filesystem(root):
                     m.frozen = True
                     return {}
                 if cmd == "state":
-                    return {"ops": m.ops, "frozen": m.frozen, "trace": m.trace[-60:]}
+                    return {"ops": m.ops, "frozen": m.frozen, "trace": m.trace[-60:], "barriers": m.barrier_calls}
                 if cmd == "survive":
                     m.frozen = True
                     return m.survive(req["dest"], req["mode"], random.Random(req["seed"]))
@@ -277,13 +282,13 @@ def _filesystem(root):
             with self.mutex:
                 m = self._mutate("fsync", path, fh)
                 fd, i = self.fds[fh]
-                m.synced_file(i, fd)
+                m.synced_file(i, fd, bool(datasync))
             return 0
 
         def fsyncdir(self, path, datasync, fh):
             with self.mutex:
                 m = self._mutate("fsyncdir", path, fh)
-                m.synced_dir(self.dirs[fh] if path is None else self._rel(path))
+                m.synced_dir(self.dirs[fh] if path is None else self._rel(path), bool(datasync))
             return 0
 
         def opendir(self, path):
@@ -465,9 +470,11 @@ class PowerFS:
             raise RuntimeError(reply["error"])
         return reply
 
-    def reset(self, seed_from=None):
-        """A new backing tree (a copy of seed_from, all of it durable; else empty)."""
-        return self._call(cmd="reset", seed_from=seed_from and os.fspath(seed_from))
+    def reset(self, seed_from=None, barriers=False):
+        """A new backing tree (a copy of seed_from, all of it durable; else
+        empty).  barriers: an fdatasync is a barrier, an fsync a full flush
+        (powerfs_ledger's docstring: macOS's F_BARRIERFSYNC and F_FULLFSYNC)."""
+        return self._call(cmd="reset", seed_from=seed_from and os.fspath(seed_from), barriers=bool(barriers))
 
     def arm(self, after):
         self._call(cmd="arm", after=int(after))
@@ -476,7 +483,8 @@ class PowerFS:
         self._call(cmd="cut")
 
     def state(self):
-        """{"ops": mutating calls since the reset, "frozen": bool, "trace": the last calls}."""
+        """{"ops": mutating calls since the reset, "frozen": bool, "trace": the last calls,
+        "barriers": the barriers made (a mount reset with barriers)}."""
         return self._call(cmd="state")
 
     def survive(self, dest, mode, seed):

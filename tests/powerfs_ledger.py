@@ -6,6 +6,17 @@ pending.  A directory's names at its last fsync survive; the names created,
 renamed, linked or removed since are pending.  survive() writes the synced
 state ("synced"), or that plus a random subset of the pending pages and
 name changes ("reorder").
+
+With barriers on (reset's barriers=True, the model of macOS's
+F_BARRIERFSYNC), an fdatasync of a file or directory is a barrier, not a
+flush: it snapshots the file's bytes (or the directory's names) as the next
+epoch, ordered after every epoch before it, and nothing of it is durable
+yet.  An fsync (datasync off: F_FULLFSYNC's drive flush) makes every epoch
+durable, then the file or directory itself.  survive(mode="barrier") writes
+the durable state plus a random prefix of the epochs, in their order (a
+drive that keeps its barriers writes nothing of a later epoch before an
+earlier one); when the prefix is all of them, plus a random subset of what
+was written since (as "reorder").
 """
 
 import os
@@ -32,6 +43,9 @@ class Ledger:
         self.trace = []           # the mutating calls, for a failure's report
         self.arm_at = None
         self.frozen = False
+        self.barriers = False     # fdatasync is a barrier (the module docstring)
+        self.epochs = []          # ("file", id, bytes) or ("dir", id, {name: id}), in barrier order
+        self.barrier_calls = 0
         self._adopt("")
 
     def _new(self, kind):
@@ -93,16 +107,34 @@ class Ledger:
         if hi > lo:
             self.pages[i].update(range(lo // PAGE, (hi - 1) // PAGE + 1))
 
-    def synced_file(self, i, fd):
+    def synced_file(self, i, fd, datasync=False):
         size = os.fstat(fd).st_size
-        self.data[i] = os.pread(fd, size, 0) if size else b""
+        snapshot = os.pread(fd, size, 0) if size else b""
         self.pages[i] = set()
+        if self._ordered(("file", i, snapshot), datasync):
+            self.data[i] = snapshot
 
-    def synced_dir(self, rel):
+    def synced_dir(self, rel, datasync=False):
         d = self.ids[rel]
-        self.names[d] = {name: self.ids[os.path.join(rel, name) if rel else name]
-                         for name in os.listdir(self.path(rel)) if not hidden(name)}
+        names = {name: self.ids[os.path.join(rel, name) if rel else name]
+                 for name in os.listdir(self.path(rel)) if not hidden(name)}
         self.log[d] = []
+        if self._ordered(("dir", d, names), datasync):
+            self.names[d] = names
+
+    def _ordered(self, epoch, datasync):
+        """With barriers on, a datasync queues epoch (False: not durable yet)
+        and a full sync makes the queued epochs durable first.  True when
+        the sync makes its own file or directory durable."""
+        if not self.barriers:
+            return True
+        if datasync:
+            self.barrier_calls += 1
+            self.epochs.append(epoch)
+            return False
+        _settle(self.epochs, self.names, self.data)
+        self.epochs = []
+        return True
 
     def hide(self, old, new):
         """FUSE's stand-in for unlinking an open file: old is renamed to the
@@ -181,12 +213,20 @@ class Ledger:
 
     def survive(self, dest, mode, rng):
         os.makedirs(dest, exist_ok=True)
-        kept = {"pages_pending": 0, "pages_kept": 0, "names_pending": 0, "names_kept": 0}
-        self._write_dir(self.ids[""], dest, mode, rng, kept, set())
+        kept = {"pages_pending": 0, "pages_kept": 0, "names_pending": 0, "names_kept": 0,
+                "epochs_pending": 0, "epochs_kept": 0}
+        names, data = self.names, self.data
+        if mode == "barrier":
+            n = rng.randint(0, len(self.epochs))
+            kept["epochs_pending"], kept["epochs_kept"] = len(self.epochs), n
+            names, data = {d: dict(v) for d, v in names.items()}, dict(data)
+            _settle(self.epochs[:n], names, data)
+            mode = "reorder" if n == len(self.epochs) else "synced"
+        self._write_dir(self.ids[""], dest, mode, rng, kept, set(), (names, data))
         return kept
 
-    def _write_dir(self, d, dest, mode, rng, kept, seen):
-        names = dict(self.names[d])
+    def _write_dir(self, d, dest, mode, rng, kept, seen, state):
+        names = dict(state[0][d])
         if mode == "reorder":
             for change in self.log[d]:
                 kept["names_pending"] += 1
@@ -199,13 +239,13 @@ class Ledger:
                 if i in seen:
                     continue
                 os.makedirs(target, exist_ok=True)
-                self._write_dir(i, target, mode, rng, kept, seen | {i})
+                self._write_dir(i, target, mode, rng, kept, seen | {i}, state)
             else:
                 with open(target, "wb") as f:
-                    f.write(self._contents(i, mode, rng, kept))
+                    f.write(self._contents(i, mode, rng, kept, state[1]))
 
-    def _contents(self, i, mode, rng, kept):
-        base = self.data.get(i, b"")
+    def _contents(self, i, mode, rng, kept, data):
+        base = data.get(i, b"")
         if mode != "reorder" or not self.pages.get(i):
             return base
         try:
@@ -224,6 +264,12 @@ class Ledger:
                     chunk = now[lo:min(lo + PAGE, size)]
                     out[lo:lo + len(chunk)] = chunk
         return bytes(out)
+
+
+def _settle(epochs, names, data):
+    """Applies epochs, in order, to the durable names and data."""
+    for kind, i, value in epochs:
+        (names if kind == "dir" else data)[i] = value
 
 
 def hidden(name):

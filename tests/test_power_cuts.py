@@ -15,12 +15,16 @@ fresh KVStore opened on the copy must hold:
 - counters that open, and a store that still saves and loads.
 
 The default run makes CUTS_PER_SCENARIO cuts of every scenario, half in
-each mode; ``pytest -m soak`` makes SOAK_CUTS_PER_SCENARIO.  A failure names
+each mode, and MACOS_CUTS_PER_SCENARIO with macOS's sequence (each step a
+F_BARRIERFSYNC, a save ending with one F_FULLFSYNC), run here by mapping
+those to fdatasync and fsync on a mount whose fdatasync is a barrier: what
+survives is the flushed state and a random prefix of the barriers; ``pytest -m soak`` makes SOAK_CUTS_PER_SCENARIO.  A failure names
 the seed, the scenario, k and the mode, and the filesystem's last calls;
 POWER_CUT_SEED=<seed> replays it.
 """
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -30,7 +34,7 @@ import shutil
 import numpy as np
 import pytest
 
-from kvstore import KVStore, Reason
+from kvstore import KVStore, Reason, files
 from kvstore.errors import CorruptCheckpoint
 from kvstore.exchange import export_checkpoint, import_checkpoint
 from kvstore.format import is_checkpoint_name, read_entry
@@ -45,6 +49,7 @@ pytestmark = pytest.mark.skipif(fuse_unavailable() is not None, reason=f"no FUSE
 SEED = int(os.environ.get("POWER_CUT_SEED", "20261202"))
 CUTS_PER_SCENARIO = 12            # 11 scenarios: 132 cuts, 66 in each mode
 SOAK_CUTS_PER_SCENARIO = 210      # 10 scenarios: 2,100 cuts
+MACOS_CUTS_PER_SCENARIO = 6       # with macOS's sync sequence, in the "barrier" mode
 BLOCK = 64                        # tokens per chain block: several blocks per save, small files
 POS = {"k": 2, "p": 0}
 KEY = bytes(range(32))
@@ -333,14 +338,45 @@ def starting_state(scenario, tmp):
     return root
 
 
-def run_once(power, scenario, start, k=None):
-    """Runs scenario on a fresh mount (cut after k calls); returns (done, calls made, frozen)."""
-    power.reset(start)
+@contextlib.contextmanager
+def macos_syncs():
+    """kvstore.files as on macOS (SYNC_PRIMITIVE F_FULLFSYNC, STEP_PRIMITIVE
+    F_BARRIERFSYNC), with those two fcntl calls made as the power-loss
+    mount's barrier (fdatasync) and full flush (fsync)."""
+    real = fcntl.fcntl
+    ops = {85: os.fdatasync, 51: os.fsync}          # F_BARRIERFSYNC, F_FULLFSYNC
+
+    def as_macos(fd, op, *args):
+        if op in ops:
+            ops[op](fd)
+            return 0
+        return real(fd, op, *args)
+
+    saved = [(files, "SYNC_PRIMITIVE"), (files, "STEP_PRIMITIVE"), (fcntl, "fcntl"),
+             (fcntl, "F_BARRIERFSYNC"), (fcntl, "F_FULLFSYNC")]
+    saved = [(o, n, getattr(o, n, None)) for o, n in saved]
+    files.SYNC_PRIMITIVE, files.STEP_PRIMITIVE = "F_FULLFSYNC", "F_BARRIERFSYNC"
+    fcntl.fcntl, fcntl.F_BARRIERFSYNC, fcntl.F_FULLFSYNC = as_macos, 85, 51
+    try:
+        yield
+    finally:
+        for o, n, v in saved:
+            if v is None:
+                delattr(o, n)
+            else:
+                setattr(o, n, v)
+
+
+def run_once(power, scenario, start, k=None, macos=False):
+    """Runs scenario on a fresh mount (cut after k calls); returns (done, calls made, frozen).
+    macos: with macOS's sync sequence (macos_syncs) on a mount with barriers."""
+    power.reset(start, barriers=macos)
     if k is not None:
         power.arm(k)
     done = {d: [] for d in scenario.stores}
     try:
-        scenario.run(power.mount, done)
+        with macos_syncs() if macos else contextlib.nullcontext():
+            scenario.run(power.mount, done)
     except Exception:
         if not power.state()["frozen"]:
             raise                                     # a failure before any cut: a real one
@@ -402,19 +438,22 @@ def check_survivor(dest, scenario, done, why):
     return stats
 
 
-def cuts(power, tmp, name, count):
+def cuts(power, tmp, name, count, macos=False):
+    """count cuts of a scenario, half "synced" and half "reorder" (macos: all
+    "barrier", with macOS's sync sequence); the totals of their checks."""
     scenario = SCENARIOS[name]
     start = starting_state(scenario, tmp)
-    _, full = run_once(power, scenario, start)
+    _, full = run_once(power, scenario, start, macos=macos)
     total = full["ops"]
     assert total > 0
-    rng = random.Random(f"{SEED}-{name}")
-    totals = {"cuts": 0, "synced": 0, "reorder": 0, "confirmed": 0, "lost": 0, "torn_loaded": 0,
-              "misses_logged": 0, "torn_removed": 0, "pages_pending": 0, "pages_kept": 0, "names_pending": 0, "names_kept": 0}
+    rng = random.Random(f"{SEED}-{name}" + ("-macos" if macos else ""))
+    totals = {"cuts": 0, "synced": 0, "reorder": 0, "barrier": 0, "confirmed": 0, "lost": 0, "torn_loaded": 0,
+              "misses_logged": 0, "torn_removed": 0, "pages_pending": 0, "pages_kept": 0, "names_pending": 0,
+              "names_kept": 0, "epochs_pending": 0, "epochs_kept": 0, "barriers": full["barriers"]}
     for i in range(count):
         k = rng.randint(1, total)
-        mode = ("synced", "reorder")[i % 2]
-        done, state = run_once(power, scenario, start, k)
+        mode = "barrier" if macos else ("synced", "reorder")[i % 2]
+        done, state = run_once(power, scenario, start, k, macos)
         why = (f"seed {SEED} (POWER_CUT_SEED), scenario {name}, cut {i} after call {k} of {total}, mode {mode}; "
                f"the filesystem's last calls: {state['trace'][-12:]}")
         dest = tmp / f"survived-{name}-{i}"
@@ -432,6 +471,17 @@ def test_power_cuts(power, tmp_path, name):
     totals = cuts(power, tmp_path, name, CUTS_PER_SCENARIO)
     assert totals["cuts"] == CUTS_PER_SCENARIO and totals["lost"] == totals["torn_loaded"] == 0
     print(f"power cuts {name}: {totals}")
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_power_cuts_with_macos_barriers(power, tmp_path, name):
+    """macOS's sequence (barriers, one full flush a save) keeps the same
+    promises: a save that returned survives, nothing torn loads."""
+    totals = cuts(power, tmp_path, name, MACOS_CUTS_PER_SCENARIO, macos=True)
+    assert totals["cuts"] == MACOS_CUTS_PER_SCENARIO and totals["lost"] == totals["torn_loaded"] == 0
+    # A save's steps are barriers (an in-place header rewrite is one full flush; unsynced saves sync nothing).
+    assert (totals["barriers"] > 0) == (name not in ("Touches", "TrailerRewrites", "UnsyncedSaves")), totals
+    print(f"power cuts {name} (macOS barriers): {totals}")
 
 
 def test_power_cuts_in_a_remote_fetch(power, tmp_path, s3):

@@ -139,3 +139,59 @@ def test_the_cut_freezes_the_mount(fs, tmp_path):
     assert fs.state()["frozen"]
     fs.survive(tmp_path / "after", "synced", seed=1)
     assert os.listdir(tmp_path / "after") == []          # a's name was never synced
+
+
+def barrier(path, data=None):
+    """fdatasync of a file (written first, when data is given) or a directory: a barrier on a mount with barriers."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600) if data is not None else os.open(path, os.O_RDONLY)
+    try:
+        if data is not None:
+            os.write(fd, data)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def tree(d):
+    return {n: read(os.path.join(d, n)) for n in sorted(os.listdir(d))}
+
+
+def test_barriers_keep_a_prefix_of_their_epochs(fs, tmp_path):
+    """With barriers, an fdatasync orders and does not flush: what survives
+    is a prefix of the barriers, in their order, never a later one without
+    an earlier one (a name without its data, b without a)."""
+    prefixes = [{}, {}, {"a": b"A" * 5000}, {"a": b"A" * 5000}, {"a": b"A" * 5000, "b": b"B" * 300}]
+    seen = set()
+    for s in range(24):
+        fs.reset(barriers=True)
+        barrier(os.path.join(fs.mount, "a"), b"A" * 5000)       # epoch 1: a's data
+        barrier(fs.mount)                                       # epoch 2: the name a
+        barrier(os.path.join(fs.mount, "b"), b"B" * 300)        # epoch 3: b's data
+        barrier(fs.mount)                                       # epoch 4: the name b
+        fs.survive(tmp_path / f"synced-{s}", "synced", seed=s)
+        assert os.listdir(tmp_path / f"synced-{s}") == []       # nothing flushed
+        kept = fs.survive(tmp_path / f"barrier-{s}", "barrier", seed=s)
+        assert kept["epochs_pending"] == 4
+        got = tree(tmp_path / f"barrier-{s}")
+        assert got == prefixes[kept["epochs_kept"]], (kept, got)
+        seen.add(kept["epochs_kept"])
+    assert len(seen) >= 3                                      # the prefix is drawn, not fixed
+
+
+def test_a_full_flush_makes_every_barrier_durable(fs, tmp_path):
+    fs.reset(barriers=True)
+    barrier(os.path.join(fs.mount, "a"), b"A" * 5000)
+    barrier(fs.mount)
+    write(os.path.join(fs.mount, "b"), b"B" * 300)             # fsync: the full flush
+    sync_dir(fs.mount)
+    for mode in ("synced", "barrier"):
+        fs.survive(tmp_path / mode, mode, seed=1)
+        assert tree(tmp_path / mode) == {"a": b"A" * 5000, "b": b"B" * 300}
+
+
+def test_without_barriers_an_fdatasync_is_durable(fs, tmp_path):
+    fs.reset()
+    barrier(os.path.join(fs.mount, "a"), b"A" * 5000)
+    barrier(fs.mount)
+    fs.survive(tmp_path / "after", "synced", seed=1)
+    assert tree(tmp_path / "after") == {"a": b"A" * 5000}
