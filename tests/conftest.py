@@ -62,6 +62,15 @@ def envelope():
     return make_envelope
 
 
+def pytest_report_header(config):
+    """Names the MLX device the backend-dependent checks run on (tests/backend.py)."""
+    try:
+        import backend
+    except ImportError:                   # no MLX: those tests skip
+        return None
+    return backend.header()
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "store_args(**kw): arguments the store fixture passes on to make_store")

@@ -31,8 +31,9 @@ def test_demo_runs_the_agent_workload_across_a_restart(tmp_path):
     restart = out.index("-- restart")
     assert all(out.index(f"{u:<6}    3") > restart for u in ("ana", "ben", "chloe"))
     assert re.search(r"chloe\s+switch to session [0-9a-f]{8} \(\d+ tokens", out)
-    m = re.search(r"median TTFT: cold (\d+) ms, hit (\d+) ms, speed-up ([\d.]+)x", out)
-    assert m and float(m.group(3)) > 2
+    # The speed-up is reported; how large it is depends on the backend and the
+    # machine (bench/ measures it), so only its presence is checked here.
+    assert re.search(r"median TTFT: cold (\d+) ms, hit (\d+) ms, speed-up ([\d.]+)x", out)
     assert re.search(r"cache hits: 8 \(89%", out)
     # Every disk hit was checked against the model, and none failed.
     m = re.search(r"canary: (\d+) restored states checked against the model, (\d+) failed", out)

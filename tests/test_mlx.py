@@ -21,7 +21,8 @@ What is checked:
 
 Where logits or greedy tokens are compared, both sides are prefilled with the
 same chunk boundaries: MLX does not promise bit-identical results for other
-chunkings (on some back ends a different matmul shape reorders the sums).
+chunkings (on some back ends a different matmul shape reorders the sums;
+tests/backend.py says what the tests assume of the backend).
 """
 
 import logging
@@ -32,6 +33,8 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
+
+import backend  # noqa: E402
 
 import kvstore  # noqa: E402
 from kvstore import policy  # noqa: E402
@@ -105,8 +108,7 @@ def model_store(path, model, **kw):
     return make_store(path, model_identity=kvstore.mlx.model_fingerprint(model), **kw)
 
 
-def same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item()
+same = backend.same_array
 
 
 class RecordingEngine(MLXEngine):
