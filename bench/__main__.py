@@ -198,7 +198,7 @@ def run_harness(name, quick, results, stamp):
     with open(new) as f:
         data = {"run": {**stamp, "wall_s": seconds}, **json.load(f)}
     os.unlink(new)
-    if data.get("skipped") and figures.load_results(results, name) is not None:
+    if figures.skipped(data) and figures.load_results(results, name) is not None:
         print(f"bench: {name} skipped ({data['skipped']}); the results of an earlier run are kept",
               file=sys.stderr, flush=True)
         return data
@@ -206,7 +206,7 @@ def run_harness(name, quick, results, stamp):
         json.dump(data, f, indent=2)
     with open(os.path.join(results, f"{name}.md"), "w") as f:
         f.write(out.stdout)
-    print(f"bench: {name} {'skipped' if data.get('skipped') else 'done'} in {seconds:.0f} s",
+    print(f"bench: {name} {'skipped' if figures.skipped(data) else 'done'} in {seconds:.0f} s",
           file=sys.stderr, flush=True)
     return data
 
@@ -242,7 +242,7 @@ def machine_table(results, run):
     m = run["machine"]
     impl = ", ".join(f"{k}={v}" for k, v in m.get("implementation", {}).items())
     times = ", ".join(f"{n} {d['run']['wall_s']:.0f} s ({d['elapsed_s']:.0f} s"
-                      f"{', quick' if d.get('quick') else ''}{', skipped' if d.get('skipped') else ''})"
+                      f"{', quick' if d.get('quick') else ''}{', skipped' if figures.skipped(d) else ''})"
                       for n, d in run["ran"].items())
     rows = [
         ("run", f"{run['id']} (its UTC start): `{run['command']}`; total wall time {run['wall_s']:.0f} s; "
@@ -360,8 +360,8 @@ def main(argv=None):
             data = run_harness(name, args.quick, results, {"id": run["id"], "command": run["command"]})
             run["ran"][name] = data
             run.setdefault("machine", data["machine"])
-            if data.get("skipped"):
-                run["skipped"][name] = data["skipped"]
+            if figures.skipped(data):
+                run["skipped"][name] = figures.skipped(data)
         pictures = plots.draw(results, out)
         run["wall_s"] = time.perf_counter() - t0
         publish(out, results, run, pictures)

@@ -206,11 +206,19 @@ def headline_block(results):
     return "\n".join(lines)
 
 
+def skipped(data):
+    """Why a harness was skipped whole (a sentence), or None.  A list under
+    "skipped" names rows a harness left out (shapes.py's sizes too large for
+    this machine): the harness ran, and its results are this run's."""
+    why = data.get("skipped")
+    return why if isinstance(why, str) and why else None
+
+
 def remote_block(results):
     """README.md's remote tier figures (bench/remote.py), or why there are none."""
     data = load_results(results, "remote")
-    if data is None or data.get("skipped"):
-        why = data["skipped"] if data else "no results yet"
+    if data is None or skipped(data):
+        why = skipped(data) if data else "no results yet"
         return f"The remote tier's benchmark (`python -m bench --only remote`) has not measured it: {why}."
     hits = [r for r in data["rows"] if r["comparison"].startswith("hit (find + load)")]
     sha1 = find_row(data, "vs one hashlib.sha1")

@@ -152,3 +152,11 @@ def test_blocks_without_results(tmp_path):
     (tmp_path / "remote.json").write_text(json.dumps({"machine": {}, "skipped": "boto3 is not installed",
                                                       "rows": []}))
     assert "boto3 is not installed" in figures.generate(str(tmp_path))[("README.md", "bench:remote")]
+
+
+def test_a_harness_is_skipped_only_when_it_says_why_in_a_sentence():
+    """shapes.py lists the sizes it left out under "skipped": it ran, and its
+    results replace the last run's (a whole skip keeps the last run's)."""
+    assert figures.skipped({"skipped": "boto3 is not installed"}) == "boto3 is not installed"
+    assert figures.skipped({"skipped": [{"geometry": "Llama-3.3-70B", "tokens": 32768, "why": "memory"}]}) is None
+    assert figures.skipped({"skipped": []}) is None and figures.skipped({}) is None
