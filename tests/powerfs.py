@@ -119,8 +119,7 @@ def _filesystem(root):
                 else:
                     os.makedirs(backing)
                 os.makedirs(graveyard)
-                self.model = Ledger(backing, graveyard)
-                self.model.barriers = bool(barriers)
+                self.model = Ledger(backing, graveyard, bool(barriers))
                 if old is not None:
                     shutil.rmtree(old.backing, ignore_errors=True)
                     shutil.rmtree(old.graveyard, ignore_errors=True)

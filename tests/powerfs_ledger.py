@@ -27,7 +27,7 @@ PAGE = 4096
 class Ledger:
     """What the disk holds durably, what it owes, and the live tree's ids."""
 
-    def __init__(self, backing, graveyard):
+    def __init__(self, backing, graveyard, barriers=False):
         self.backing = backing
         self.graveyard = graveyard
         self.next_id = 0
@@ -43,7 +43,7 @@ class Ledger:
         self.trace = []           # the mutating calls, for a failure's report
         self.arm_at = None
         self.frozen = False
-        self.barriers = False     # fdatasync is a barrier (the module docstring)
+        self.barriers = barriers  # fdatasync is a barrier (the module docstring)
         self.epochs = []          # ("file", id, bytes) or ("dir", id, {name: id}), in barrier order
         self.barrier_calls = 0
         self._adopt("")

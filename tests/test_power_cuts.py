@@ -18,7 +18,8 @@ The default run makes CUTS_PER_SCENARIO cuts of every scenario, half in
 each mode, and MACOS_CUTS_PER_SCENARIO with macOS's sequence (each step a
 F_BARRIERFSYNC, a save ending with one F_FULLFSYNC), run here by mapping
 those to fdatasync and fsync on a mount whose fdatasync is a barrier: what
-survives is the flushed state and a random prefix of the barriers; ``pytest -m soak`` makes SOAK_CUTS_PER_SCENARIO.  A failure names
+survives is the flushed state and a random prefix of the barriers.
+``pytest -m soak`` makes SOAK_CUTS_PER_SCENARIO.  A failure names
 the seed, the scenario, k and the mode, and the filesystem's last calls;
 POWER_CUT_SEED=<seed> replays it.
 """
@@ -50,6 +51,7 @@ SEED = int(os.environ.get("POWER_CUT_SEED", "20261202"))
 CUTS_PER_SCENARIO = 12            # 11 scenarios: 132 cuts, 66 in each mode
 SOAK_CUTS_PER_SCENARIO = 210      # 10 scenarios: 2,100 cuts
 MACOS_CUTS_PER_SCENARIO = 6       # with macOS's sync sequence, in the "barrier" mode
+F_FULLFSYNC = 51                  # <sys/fcntl.h> on macOS
 BLOCK = 64                        # tokens per chain block: several blocks per save, small files
 POS = {"k": 2, "p": 0}
 KEY = bytes(range(32))
@@ -344,7 +346,7 @@ def macos_syncs():
     F_BARRIERFSYNC), with those two fcntl calls made as the power-loss
     mount's barrier (fdatasync) and full flush (fsync)."""
     real = fcntl.fcntl
-    ops = {85: os.fdatasync, 51: os.fsync}          # F_BARRIERFSYNC, F_FULLFSYNC
+    ops = {files.F_BARRIERFSYNC: os.fdatasync, F_FULLFSYNC: os.fsync}
 
     def as_macos(fd, op, *args):
         if op in ops:
@@ -352,19 +354,13 @@ def macos_syncs():
             return 0
         return real(fd, op, *args)
 
-    saved = [(files, "SYNC_PRIMITIVE"), (files, "STEP_PRIMITIVE"), (fcntl, "fcntl"),
-             (fcntl, "F_BARRIERFSYNC"), (fcntl, "F_FULLFSYNC")]
-    saved = [(o, n, getattr(o, n, None)) for o, n in saved]
-    files.SYNC_PRIMITIVE, files.STEP_PRIMITIVE = "F_FULLFSYNC", "F_BARRIERFSYNC"
-    fcntl.fcntl, fcntl.F_BARRIERFSYNC, fcntl.F_FULLFSYNC = as_macos, 85, 51
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(files, "SYNC_PRIMITIVE", "F_FULLFSYNC")
+        mp.setattr(files, "STEP_PRIMITIVE", "F_BARRIERFSYNC")
+        mp.setattr(fcntl, "F_BARRIERFSYNC", files.F_BARRIERFSYNC, raising=False)
+        mp.setattr(fcntl, "F_FULLFSYNC", F_FULLFSYNC, raising=False)
+        mp.setattr(fcntl, "fcntl", as_macos)
         yield
-    finally:
-        for o, n, v in saved:
-            if v is None:
-                delattr(o, n)
-            else:
-                setattr(o, n, v)
 
 
 def run_once(power, scenario, start, k=None, macos=False):
