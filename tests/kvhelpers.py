@@ -8,6 +8,7 @@ the tests that do not need it run where it is missing.
 import contextlib
 import functools
 import hashlib
+import http.client
 import importlib.metadata
 import json
 import math
@@ -21,6 +22,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -252,6 +254,40 @@ class Server:
             with contextlib.suppress(ValueError):
                 return e.code, json.loads(body)
             return e.code, None
+
+    def post_together(self, bodies, late_body_s=0.0):
+        """[(status, parsed JSON)] of POSTs to /v1/chat/completions sent at
+        once: each on its own connection, opened first, every request written
+        when all are open (a barrier), so that they reach the server within a
+        millisecond of each other; the last one's body late_body_s after its
+        request line and headers."""
+        conns = [http.client.HTTPConnection("127.0.0.1", self.port, timeout=300) for _ in bodies]
+        for c in conns:
+            c.connect()
+        barrier, out = threading.Barrier(len(bodies)), [None] * len(bodies)
+
+        def one(i):
+            data = json.dumps(bodies[i]).encode()
+            barrier.wait()
+            c = conns[i]
+            c.putrequest("POST", "/v1/chat/completions")
+            c.putheader("Content-Type", "application/json")
+            c.putheader("Content-Length", str(len(data)))
+            c.endheaders()
+            if i == len(bodies) - 1:
+                time.sleep(late_body_s)
+            c.send(data)
+            r = c.getresponse()
+            out[i] = (r.status, json.loads(r.read()))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for c in conns:
+            c.close()
+        return out
 
     def chat(self, messages, max_tokens=8):
         status, r = self.post({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,

@@ -429,12 +429,13 @@ def test_a_stream_the_drain_timeout_cuts_ends_with_an_error_not_a_silent_end(mod
 # ---- requests that arrive together are admitted together ---------------------------------------
 
 def test_requests_that_arrive_together_prefill_as_one_batch(tmp_path, workdir):
-    """Four clients send distinct ~700-token prompts at once.  Stock mlx-lm
-    takes every queued request before it prefills; kvstore serve prepares each
-    on its HTTP thread first, so without the admission wait the first request
-    starts prefilling alone and the others, starved, join seconds later.
-    The model is big enough (8 layers, hidden 256) that a prefill takes
-    seconds here."""
+    """Four clients send distinct ~700-token prompts at once, the last one's
+    body 0.1 s after its headers.  Stock mlx-lm takes every queued request
+    before it prefills; kvstore serve prepares each on its HTTP thread first,
+    so without the admission wait (which counts a request in from its request
+    line) the first request starts prefilling alone and the others, starved,
+    join seconds later.  The model is big enough (8 layers, hidden 256) that
+    a prefill takes seconds here."""
     model = str(tmp_path / "model-8")
     _, tok = write_model_dir(model, seed=0, layers=8, hidden=256, heads=4, kv_heads=2, head_dim=64)
     text = prose(("argparse", "json", "logging", "pathlib", "threading"))
@@ -446,13 +447,11 @@ def test_requests_that_arrive_together_prefill_as_one_batch(tmp_path, workdir):
     server = kvstore_server(model, tmp_path / "cache", workdir, "admit")
     try:
         server.chat([{"role": "user", "content": "hi"}], max_tokens=2)           # warm
-        threads = [threading.Thread(target=server.chat, args=([{"role": "system", "content": s},
-                                                               {"role": "user", "content": "Go on."}],))
-                   for s in systems]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        answers = server.post_together([{"messages": [{"role": "system", "content": s},
+                                                      {"role": "user", "content": "Go on."}],
+                                         "max_tokens": 8, "temperature": 0.0} for s in systems],
+                                       late_body_s=0.1)
+        assert [status for status, _ in answers] == [200] * 4, answers
     finally:
         server.stop()
     lines = [ln for ln in server.text().splitlines()

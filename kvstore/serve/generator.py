@@ -116,13 +116,11 @@ class TieredResponseGenerator(HookedResponseGenerator):
         ticket = getattr(request, "kvstore_ticket", None)
         if ticket is None:
             ticket = request.kvstore_ticket = Ticket()
-        with self._admission:
-            self._preparing += 1
-            ticket.preparing = True
+        self.arriving(ticket)
         try:
             found = self._prepare(request, generation_args, ticket)
             if found is not None:
-                self._prepared(ticket)            # a load: the batch does not wait for it
+                self.prepared(ticket)            # a load: the batch does not wait for it
                 ticket.prefetched = self.tier.load(ticket.tokenized[1][0], found)
             if ticket.tokenized is not None and ticket.gone is not None and ticket.gone():
                 dropped = ticket.prefetched is not None
@@ -132,9 +130,19 @@ class TieredResponseGenerator(HookedResponseGenerator):
             return super().generate(request, generation_args, progress_callback)
         finally:
             # (Once the generation thread has taken it, this finds it counted off already.)
-            self._prepared(ticket)
+            self.prepared(ticket)
 
-    def _prepared(self, ticket):
+    def arriving(self, ticket):
+        """Counts ticket's request among those being prepared (the admission
+        wait's), once: the HTTP handler counts a completion in as soon as its
+        request line is read, before its body is (kvstore.serve.http), and
+        generate() counts in a request nobody counted."""
+        with self._admission:
+            if not ticket.preparing:
+                self._preparing += 1
+                ticket.preparing = True
+
+    def prepared(self, ticket):
         """The request of ticket is no longer in the cheap half of its preparation."""
         with self._admission:
             if ticket.preparing:
@@ -217,7 +225,7 @@ class TieredResponseGenerator(HookedResponseGenerator):
         if request is not None:
             ticket = getattr(request[1], "kvstore_ticket", None)
             if ticket is not None:
-                self._prepared(ticket)
+                self.prepared(ticket)
         return request
 
     def tokenize(self, tokenizer, request, args):

@@ -31,6 +31,10 @@ def _closed(sock):
         return True
 
 
+# The paths mlx-lm answers with a completion.
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+
+
 class _Handler(HookedAPIHandler):
     """mlx-lm's APIHandler with cache_salt, /metrics and draining; handler_class
     binds one server's options and parts to it."""
@@ -43,6 +47,25 @@ class _Handler(HookedAPIHandler):
     kv_admin = None                 # kvstore.serve.admin.Admin (/v1/cache, /cache), or None: those paths 404
     _kv_streaming = False           # set once this request's stream headers are sent
     _kv_ticket = None               # this request's kvstore.serve.ticket.Ticket
+
+    def parse_request(self):
+        # A completion counts among the requests being prepared from its
+        # request line on (TieredResponseGenerator.arriving): one whose body
+        # is still being read or parsed when the generation thread takes
+        # another that arrived with it joins that one's batch.
+        ok = super().parse_request()
+        if ok and self.command == "POST" and self.path in COMPLETION_PATHS:
+            self._kv_ticket = Ticket()
+            self.response_generator.arriving(self._kv_ticket)
+        return ok
+
+    def handle_one_request(self):
+        try:
+            super().handle_one_request()
+        finally:
+            if self._kv_ticket is not None:     # (counted off already unless it was answered before the generator)
+                self.response_generator.prepared(self._kv_ticket)
+                self._kv_ticket = None      # the connection's next request has its own
 
     def handle_completion(self, request, stop_words):
         drain = self.kv_drain
@@ -58,21 +81,19 @@ class _Handler(HookedAPIHandler):
             self._error(400, str(e))
             return
         sock = self.connection
-        self._kv_ticket = request.kvstore_ticket = Ticket(tenant=tenants.tag(salt), gone=lambda: _closed(sock),
-                                                          pins=breakpoints)
-        try:
-            with drain.request():
-                try:
-                    super().handle_completion(request, stop_words)
-                except (ClientGone, BrokenPipeError, ConnectionResetError):
-                    pass            # the client left; nothing to answer
-                except RuntimeError:
-                    if not drain.stopping:
-                        raise
-                    self._cut()
-            self._log_trace()
-        finally:
-            self._kv_ticket = None      # the connection's next request has its own
+        ticket = self._kv_ticket = self._kv_ticket or Ticket()
+        ticket.tenant, ticket.gone, ticket.pins = tenants.tag(salt), lambda: _closed(sock), breakpoints
+        request.kvstore_ticket = ticket
+        with drain.request():
+            try:
+                super().handle_completion(request, stop_words)
+            except (ClientGone, BrokenPipeError, ConnectionResetError):
+                pass            # the client left; nothing to answer
+            except RuntimeError:
+                if not drain.stopping:
+                    raise
+                self._cut()
+        self._log_trace()
 
     def completion_status(self, status_code):
         # mlx-lm answers whatever the generator raised with 404: a refused
