@@ -125,9 +125,10 @@ class Reader:
             entry = self._fetch_remote(entry, min_tokens)
             if entry is None:
                 return None
-        if entry.is_block:
-            return self._load_chain(entry, into, min_tokens, t0)
-        return self._load_whole(entry, into, min_tokens, consume, t0)
+        with payload.gc_paused():
+            if entry.is_block:
+                return self._load_chain(entry, into, min_tokens, t0)
+            return self._load_whole(entry, into, min_tokens, consume, t0)
 
     def _open(self, entry):
         """(fd, stat) of entry's file, or None after counting the miss."""

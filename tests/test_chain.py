@@ -655,6 +655,79 @@ def test_a_middle_block_manifest_is_parsed_once_and_its_damage_still_found(store
     assert any("corrupt reason=crc" in line for line in log_lines(caplog))
 
 
+def rewrite_manifest(e, change):
+    """Rewrites block e's manifest as change(raw) (as long), its CRC made good."""
+    with open(e.path, "r+b") as f:
+        f.seek(e.tensors_offset)
+        magic, mlen, data_offset, _, reserved = PAYLOAD_HEADER.unpack(f.read(PAYLOAD_HEADER.size))
+        raw = f.read(mlen)
+        new = change(raw)
+        assert len(new) == len(raw) and new != raw
+        f.seek(e.tensors_offset)
+        f.write(PAYLOAD_HEADER.pack(magic, mlen, data_offset, kvstore._native.crc32c(new), reserved) + new)
+
+
+def _misaligned_offset(raw):
+    # The first tensor's offset, one byte on: not 64-byte aligned.
+    m = re.search(rb'"tensors":\[\{[^}]*"offset":([0-9]+)', raw)
+    return raw[:m.start(1)] + str(int(m.group(1)) + 1).encode() + raw[m.end(1):]
+
+
+def _crc_out_of_range(raw):
+    # A ten-digit CRC made 9999999999, past 32 bits.
+    m = re.search(rb'"crc32c":([0-9]{10})[,}]', raw)
+    assert m, "no ten-digit CRC to spoil"
+    return raw[:m.start(1)] + b"9999999999" + raw[m.end(1):]
+
+
+def _fresh_manifest_caches(monkeypatch):
+    """Empties the caches of checked manifests; returns the names of the
+    files whose manifests are parsed from then on."""
+    import collections
+    from kvstore.payload import manifest
+    monkeypatch.setattr(manifest, "_MANIFESTS", collections.OrderedDict())
+    monkeypatch.setattr(manifest, "_TEMPLATES", collections.OrderedDict())
+    parsed = []
+    real = manifest.Manifest.__init__
+
+    def counting(self, raw, entry, data_offset):
+        parsed.append(os.path.basename(entry.path))
+        real(self, raw, entry, data_offset)
+    monkeypatch.setattr(manifest.Manifest, "__init__", counting)
+    return parsed
+
+
+@pytest.mark.store_args(block_tokens=64)
+def test_middle_blocks_alike_but_for_offsets_and_crcs_are_parsed_once(store, monkeypatch):
+    """A fresh process's first load of a chain parses the root's and the
+    target's manifests and one of the middle blocks' (128): the others (192,
+    256) are like it but for their offsets and CRCs, and are checked as that."""
+    seq = BASE[:300]
+    save(store, seq, snapshot=False)
+    parsed = _fresh_manifest_caches(monkeypatch)
+    check_loaded(store.load(store.find(seq.prompt(300))), snapshot=False)
+    assert sorted(parsed) == sorted(block_of(store, n).name for n in (64, 128, 300))
+
+
+@pytest.mark.parametrize("damage", [_misaligned_offset, _crc_out_of_range])
+@pytest.mark.store_args(block_tokens=64)
+def test_a_middle_block_like_another_is_still_checked_whole(store, monkeypatch, caplog, damage):
+    """Block 192's manifest is spoilt in one offset or CRC, its CRC made
+    good: like 128's but for them, it is checked as that one's without being
+    parsed, and its bad value still found (the load stops at 128)."""
+    seq = BASE[:300]
+    save(store, seq, snapshot=False)
+    victim = block_of(store, 192)
+    rewrite_manifest(victim, damage)
+    parsed = _fresh_manifest_caches(monkeypatch)
+    caplog.set_level(logging.INFO, logger="kvstore")
+    ck = store.load(store.find(seq.prompt(300)))
+    assert ck is not None and ck.entry.tokens == 128
+    check_loaded(ck, snapshot=False)
+    assert victim.name not in parsed
+    assert any("corrupt reason=bad_manifest" in m for m in log_lines(caplog))
+
+
 @pytest.mark.store_args(block_tokens=64)
 def test_corrupt_leaf_with_snapshots_is_a_miss(store, caplog):
     """With snapshots the ancestors are links only: a corrupt leaf leaves nothing to restore."""

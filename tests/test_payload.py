@@ -2,6 +2,7 @@
 MLX, into NumPy and MLX, odd shapes, non-contiguous inputs, meta JSON, and the
 byte layout of the file as written."""
 
+import gc
 import hashlib
 import json
 import os
@@ -604,6 +605,36 @@ def test_a_load_larger_than_one_mlx_array_is_read_into_several(tmp_path, monkeyp
                         else pytest.fail(f"no NumPy route: {sorted(arrays)}"))
     _round_trip_into_mlx(tmp_path, layout, threaded, 5, 32)              # 5 tensors of 1 MiB
     assert len(blobs) == 3 and max(blobs) <= 5 << 19, blobs
+
+
+@pytest.mark.parametrize("layout", ["chain", "whole"])
+def test_the_garbage_collector_is_paused_while_a_load_reads(tmp_path, monkeypatch, layout):
+    # A full collection holds the GIL for tens of milliseconds in a large
+    # process: not while the I/O threads wait for their next reads.  It
+    # resumes after the load, and stays off if it was off.
+    from kvstore import payload
+    from kvstore.payload import chains, whole
+    seen = []
+    for mod, name in ((chains, "read_stream"), (whole, "read_block")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real, **kw: (seen.append(gc.isenabled()), real(*a, **kw))[1])
+    assert gc.isenabled()
+    with make_store(tmp_path / "kv", layout=layout, block_tokens=8) as s:
+        want = _save_big(s, b"b" * 32, 2, 32)
+        assert np.array_equal(s.load(s.find(b"b" * 32)).tensors["t1"], want["t1"])
+        assert seen and not any(seen)
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            assert s.load(s.find(b"b" * 32)) is not None
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    with payload.gc_paused():
+        with payload.gc_paused():
+            pass
+        assert not gc.isenabled()            # until the last of overlapping loads ends
+    assert gc.isenabled()
 
 
 @pytest.mark.parametrize("threaded", [False, True])

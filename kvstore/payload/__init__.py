@@ -22,8 +22,8 @@ from kvstore.payload.manifest import (BLOCK_ALIGN, DATA_ALIGN, DTYPES, MAGIC, MA
 from kvstore.payload.mlx_io import (host_tensors, host_views, is_mlx_array, read_chain_mlx, read_tensors_mlx,
                                     set_mlx_threaded)
 from kvstore.payload.plan import Plan, tensor_source
-from kvstore.payload.pool import (IO_THREADS, MIN_SLICE, QUEUE_BYTES, io_pool, lower_thread_priority, read_block,
-                                  set_io_priority)
+from kvstore.payload.pool import (IO_THREADS, MIN_SLICE, QUEUE_BYTES, gc_paused, io_pool, lower_thread_priority,
+                                  read_block, set_io_priority)
 from kvstore.payload.whole import VirtualBlob, read_tensors_numpy, read_tokens
 
 # Private spellings under which the tests reach these internals.
@@ -35,7 +35,7 @@ __all__ = [
     "MAGIC", "PAYLOAD_HEADER", "VERSION", "DATA_ALIGN", "BLOCK_ALIGN", "MAX_ARRAY_BYTES", "MAX_MANIFEST_BYTES",
     "MAX_MODEL_CHARS", "DTYPES", "Manifest", "read_manifest", "numpy_dtype",
     "bytes_view", "pread", "pread_into", "pwrite_from",
-    "MIN_SLICE", "IO_THREADS", "QUEUE_BYTES", "io_pool", "lower_thread_priority", "set_io_priority", "read_block",
+    "MIN_SLICE", "IO_THREADS", "QUEUE_BYTES", "gc_paused", "io_pool", "lower_thread_priority", "set_io_priority", "read_block",
     "read_tokens", "read_tensors_numpy", "VirtualBlob",
     "Piece", "ChainTensor", "ChainLayout", "Batch", "ChainBlob", "ChainRead", "read_chain_numpy",
     "host_tensors", "host_views", "set_mlx_threaded", "read_tensors_mlx", "read_chain_mlx",

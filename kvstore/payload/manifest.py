@@ -21,7 +21,9 @@ manifest from the arrays.
 """
 
 import collections
+import copy
 import json
+import re
 import struct
 import threading
 
@@ -92,7 +94,7 @@ class _Blocks:
 
         i: the tensor's index, -1 for the tokens (names the block in errors).
         """
-        path, limit = self.path, self.limit
+        path = self.path
         if not isinstance(d, dict):
             raise CorruptCheckpoint("bad_manifest", path, f"{_label(i)} is not an object")
         off, n, crc = d.get("offset"), d.get("nbytes"), d.get("crc32c")
@@ -100,6 +102,12 @@ class _Blocks:
             k = next(k for k, v in (("offset", off), ("nbytes", n), ("crc32c", crc))
                      if type(v) is not int or v < 0)
             raise CorruptCheckpoint("bad_manifest", path, f"{_label(i)}.{k} is not a non-negative int")
+        return self.place(off, n, crc, i)
+
+    def place(self, off, n, crc, i):
+        """(off, n, crc) of block i, non-negative ints, checked: a CRC32C
+        in range, inside the payload data, aligned."""
+        path, limit = self.path, self.limit
         if crc > 0xFFFFFFFF or (n == 0 and crc != 0):
             # An empty block's CRC32C is 0: the readers skip empty blocks, so
             # any other value is a manifest that verify and load would judge apart.
@@ -235,11 +243,77 @@ class Manifest:
         self.meta, self.cuts, self.model = _optional_fields(m, path, stored)
 
 
+    def placed(self, values, entry, data_offset):
+        """This manifest with other offsets and CRCs, checked as the full
+        check would (_Blocks.place, then overlaps) against entry's geometry.
+
+        values: [(field, digits)] as _values_apart cut them out of a manifest
+        whose other bytes are this one's: "offset" and "crc32c" of the
+        tokens' block, then of each tensor in turn.
+        """
+        blocks = _Blocks(entry.path, entry.tensors_offset, entry.tensors_bytes, data_offset)
+        ints = [int(v) for _, v in values]
+        self_rows = self.tensors
+        out = copy.copy(self)
+        out.__dict__.pop("_rows", None)
+        out.tokens = blocks.place(ints[0], self.tokens[1], ints[1], -1)
+        out.tensors = [(*r[:3], *blocks.place(ints[2 * k + 2], r[4], ints[2 * k + 3], k))
+                       for k, r in enumerate(self_rows)]
+        blocks.check_overlaps()
+        return out
+
+    def values(self):
+        """[(field, value)]: the offset and CRC of the tokens' block, then of each tensor."""
+        out = [("offset", self.tokens[0]), ("crc32c", self.tokens[2])]
+        for r in self.tensors:
+            out += [("offset", r[3]), ("crc32c", r[5])]
+        return out
+
+
 # Validated manifests of chain blocks met before, by their bytes and the
 # geometry they were checked against (see read_manifest's cached).
 _MANIFESTS = collections.OrderedDict()
 _MANIFESTS_MAX = 4096
 _manifests_lock = threading.Lock()
+
+# The blocks of a chain have manifests alike but for their offsets and
+# CRCs: the same tensors and shapes.  A manifest as kvstore writes it (the
+# tokens' block first) whose bytes, with the digits of every offset and CRC
+# cut out, are those of one validated before (with as many tokens) is that
+# one with its own offsets and CRCs, checked (Manifest.placed): its JSON is
+# not parsed nor its rows checked again, which in a fresh process is most
+# of the planning of a chain load (a chain of 132 blocks of 122 tensors:
+# 16,000 rows).  An offset or a CRC is a JSON integer; any other spelling
+# leaves its digits in the template, which then matches no validated one.
+_TEMPLATES = collections.OrderedDict()
+_TEMPLATES_MAX = 256
+_TEMPLATE_HEAD = b'{"version":1,"tokens":{'
+# A block's offset (followed by its nbytes, or the tokens' count) and any
+# CRC: the meta's "offset" of each cache layer is not one of them.
+_PLACE_FIELD = re.compile(rb'"(offset)":(0|[1-9][0-9]*)(?=,"(?:nbytes|count)":)|"(crc32c)":(0|[1-9][0-9]*)(?=[,}])')
+
+
+def _values_apart(raw):
+    """(raw with the digits of every block's offset and CRC cut out and the
+    spaces that pad it to its length dropped, [(field, digits)] in order)."""
+    values = [(a or c, b or d) for a, b, c, d in _PLACE_FIELD.findall(raw)]
+    template = _PLACE_FIELD.sub(lambda m: b'"%s":' % (m.group(1) or m.group(3)), raw).rstrip(b" ")
+    return template, [(f.decode(), v) for f, v in values]
+
+
+def _remember(table, key, value, limit):
+    with _manifests_lock:
+        table[key] = value
+        while len(table) > limit:
+            table.popitem(last=False)
+
+
+def _lookup(table, key):
+    with _manifests_lock:
+        value = table.get(key)
+        if value is not None:
+            table.move_to_end(key)
+        return value
 
 
 def _pread(src, n, offset, first):
@@ -281,14 +355,19 @@ def read_manifest(fd, entry, cached=False, first=b""):
     if not cached:
         return Manifest(raw, entry, data_offset)
     key = (raw, data_offset, P, size, entry.stored_tokens)
-    with _manifests_lock:
-        m = _MANIFESTS.get(key)
-        if m is not None:
-            _MANIFESTS.move_to_end(key)
-            return m
-    m = Manifest(raw, entry, data_offset)
-    with _manifests_lock:
-        _MANIFESTS[key] = m
-        while len(_MANIFESTS) > _MANIFESTS_MAX:
-            _MANIFESTS.popitem(last=False)
+    m = _lookup(_MANIFESTS, key)
+    if m is not None:
+        return m
+    shape = None
+    if raw.startswith(_TEMPLATE_HEAD):
+        template, values = _values_apart(raw)
+        shape = (template, entry.stored_tokens)
+        like = _lookup(_TEMPLATES, shape)
+        if like is not None:
+            m = like.placed(values, entry, data_offset)
+    if m is None:
+        m = Manifest(raw, entry, data_offset)
+        if shape is not None and m.values() == [(f, int(v)) for f, v in values]:
+            _remember(_TEMPLATES, shape, m, _TEMPLATES_MAX)
+    _remember(_MANIFESTS, key, m, _MANIFESTS_MAX)
     return m

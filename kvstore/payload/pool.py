@@ -7,6 +7,8 @@ a lower CPU priority (set_io_priority), and a forked child starts its own.
 
 import atexit
 import concurrent.futures
+import contextlib
+import gc
 import os
 import threading
 
@@ -27,6 +29,18 @@ IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 QUEUE_BYTES = MIN_SLICE * IO_THREADS
 
 _io_nice = 0
+
+# A load allocates thousands of small objects as it plans its reads (a
+# Piece and a tuple per read, a manifest row per tensor and block), enough
+# to set off a full collection of Python's cyclic garbage collector: in a
+# process with MLX and mlx-lm imported (80,000 objects tracked) one holds
+# the GIL for 40-45 ms, and the I/O threads wait for it to take their next
+# reads (seen: a 0.78 GiB chain load 0.33 s with it, 0.27 s without).
+# While any load runs the collector is paused (gc_paused); what it would
+# have collected waits for the next collection after it.
+_gc_lock = threading.Lock()
+_gc_loads = 0               # loads running with the collector paused
+_gc_resume = False          # the collector was on when the first of them began
 
 
 class LazyExecutor:
@@ -92,6 +106,26 @@ def set_io_priority(nice):
     _io_nice = nice
     if old is not None:
         old.shutdown(wait=True)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Pauses Python's cyclic garbage collector while the block runs (a
+    load, see _gc_loads); it resumes when the last such block ends, unless
+    it was off when the first began."""
+    global _gc_loads, _gc_resume
+    with _gc_lock:
+        if _gc_loads == 0:
+            _gc_resume = gc.isenabled()
+            gc.disable()
+        _gc_loads += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_loads -= 1
+            if _gc_loads == 0 and _gc_resume:
+                gc.enable()
 
 
 def io_pool():
