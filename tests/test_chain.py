@@ -629,6 +629,18 @@ def test_corrupt_middle_block_found_at_open(tmp_path, caplog, kind):
         assert log_lines(caplog)
 
 
+def _parsed_manifests(monkeypatch):
+    """The names of the files whose manifests are parsed from now on (a list that grows)."""
+    parsed = []
+    real = kvstore.payload.Manifest.__init__
+
+    def counting(self, raw, entry, data_offset):
+        parsed.append(os.path.basename(entry.path))
+        real(self, raw, entry, data_offset)
+    monkeypatch.setattr(kvstore.payload.Manifest, "__init__", counting)
+    return parsed
+
+
 @pytest.mark.store_args(block_tokens=64)
 def test_a_middle_block_manifest_is_parsed_once_and_its_damage_still_found(store, monkeypatch, caplog):
     """Loads keep the checked manifests of middle blocks (by their bytes and
@@ -638,13 +650,7 @@ def test_a_middle_block_manifest_is_parsed_once_and_its_damage_still_found(store
     save(store, seq, snapshot=False)
     leaf = store.find(seq.prompt(300))
     check_loaded(store.load(leaf), snapshot=False)
-    parsed = []
-    real = kvstore.payload.Manifest.__init__
-
-    def counting(self, raw, entry, data_offset):
-        parsed.append(os.path.basename(entry.path))
-        real(self, raw, entry, data_offset)
-    monkeypatch.setattr(kvstore.payload.Manifest, "__init__", counting)
+    parsed = _parsed_manifests(monkeypatch)
     check_loaded(store.load(store.find(seq.prompt(300))), snapshot=False)
     assert sorted(parsed) == sorted([block_of(store, 64).name, leaf.name])      # root and target only
     victim = block_of(store, 128)
@@ -681,20 +687,12 @@ def _crc_out_of_range(raw):
 
 
 def _fresh_manifest_caches(monkeypatch):
-    """Empties the caches of checked manifests; returns the names of the
-    files whose manifests are parsed from then on."""
+    """Empties the caches of checked manifests; returns _parsed_manifests()."""
     import collections
     from kvstore.payload import manifest
     monkeypatch.setattr(manifest, "_MANIFESTS", collections.OrderedDict())
     monkeypatch.setattr(manifest, "_TEMPLATES", collections.OrderedDict())
-    parsed = []
-    real = manifest.Manifest.__init__
-
-    def counting(self, raw, entry, data_offset):
-        parsed.append(os.path.basename(entry.path))
-        real(self, raw, entry, data_offset)
-    monkeypatch.setattr(manifest.Manifest, "__init__", counting)
-    return parsed
+    return _parsed_manifests(monkeypatch)
 
 
 @pytest.mark.store_args(block_tokens=64)

@@ -242,7 +242,6 @@ class Manifest:
         blocks.check_overlaps()
         self.meta, self.cuts, self.model = _optional_fields(m, path, stored)
 
-
     def placed(self, values, entry, data_offset):
         """This manifest with other offsets and CRCs, checked as the full
         check would (_Blocks.place, then overlaps) against entry's geometry.
@@ -253,12 +252,11 @@ class Manifest:
         """
         blocks = _Blocks(entry.path, entry.tensors_offset, entry.tensors_bytes, data_offset)
         ints = [int(v) for _, v in values]
-        self_rows = self.tensors
         out = copy.copy(self)
         out.__dict__.pop("_rows", None)
         out.tokens = blocks.place(ints[0], self.tokens[1], ints[1], -1)
         out.tensors = [(*r[:3], *blocks.place(ints[2 * k + 2], r[4], ints[2 * k + 3], k))
-                       for k, r in enumerate(self_rows)]
+                       for k, r in enumerate(self.tensors)]
         blocks.check_overlaps()
         return out
 
@@ -296,9 +294,13 @@ _PLACE_FIELD = re.compile(rb'"(offset)":(0|[1-9][0-9]*)(?=,"(?:nbytes|count)":)|
 def _values_apart(raw):
     """(raw with the digits of every block's offset and CRC cut out and the
     spaces that pad it to its length dropped, [(field, digits)] in order)."""
-    values = [(a or c, b or d) for a, b, c, d in _PLACE_FIELD.findall(raw)]
-    template = _PLACE_FIELD.sub(lambda m: b'"%s":' % (m.group(1) or m.group(3)), raw).rstrip(b" ")
-    return template, [(f.decode(), v) for f, v in values]
+    values = []
+
+    def cut(m):
+        field = m.group(1) or m.group(3)
+        values.append((field.decode(), m.group(2) or m.group(4)))
+        return b'"%s":' % field
+    return _PLACE_FIELD.sub(cut, raw).rstrip(b" "), values
 
 
 def _remember(table, key, value, limit):
