@@ -70,8 +70,11 @@ int kvs_io_set_prefault(int on)
 static void populate(uint8_t *buf, size_t len)
 {
     if (!populate_works) return;
-    uintptr_t lo = ((uintptr_t)buf + page_size - 1) & ~(uintptr_t)(page_size - 1);
-    uintptr_t hi = ((uintptr_t)buf + len) & ~(uintptr_t)(page_size - 1);
+    /* Every page the read will write, the partial ones at either end too:
+     * the copy would fault them in anyway (a run of a strided piece seldom
+     * starts on a page). */
+    uintptr_t lo = (uintptr_t)buf & ~(uintptr_t)(page_size - 1);
+    uintptr_t hi = ((uintptr_t)buf + len + page_size - 1) & ~(uintptr_t)(page_size - 1);
     if (hi > lo) {
         int saved = errno;
         (void)madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE);
