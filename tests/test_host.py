@@ -69,24 +69,68 @@ def _asked(monkeypatch):
     return asked
 
 
-def test_the_prefetcher_stays_a_window_ahead_of_the_blocks_queued(monkeypatch):
+def _covered(asked):
+    """{fd: [(start, end)]} of the asks, merged where they touch; fails on an overlap."""
+    out = {}
+    for fd, off, n in sorted(asked):
+        spans = out.setdefault(fd, [])
+        assert not spans or off >= spans[-1][1], f"asked twice: {fd} at {off}"
+        if spans and off == spans[-1][1]:
+            spans[-1] = (spans[-1][0], off + n)
+        else:
+            spans.append((off, off + n))
+    return out
+
+
+def test_the_prefetcher_stays_a_window_ahead_of_the_reads_in_parts(monkeypatch):
     asked = _asked(monkeypatch)
-    ahead = chains.Prefetcher(_layout([10] * 8, [False] * 7 + [True], snapshots=False), limit=30)
+    ahead = chains.Prefetcher(_layout([10] * 8, [False] * 7 + [True], snapshots=False), limit=30, ask=4)
+    assert [ahead.start(i) for i in (0, 1, 7)] == [0, 10, 70]
     ahead.advance(0)
-    assert asked == [(100, 0, 10), (101, 0, 10), (102, 0, 10)]          # 30 bytes from block 0 on
-    ahead.advance(1)
-    assert asked[3:] == [(103, 0, 10)]
-    ahead.advance(1)
-    assert len(asked) == 4                                             # nothing asked twice
-    for i in range(2, 8):
-        ahead.advance(i)
-        assert asked[-1][0] == 100 + min(7, i + 2)                      # always the window ahead
-    assert [fd for fd, _, _ in asked] == list(range(100, 108))          # each block once
-    # A block larger than the window is still asked for when its turn comes.
+    assert _covered(asked) == {100: [(0, 10)], 101: [(0, 10)], 102: [(0, 10)]}     # 30 bytes from 0
+    assert max(n for _, _, n in asked) == 4                                        # in asks of 4 at most
+    ahead.advance(5)                                                               # a read 5 bytes on
+    assert _covered(asked)[103] == [(0, 5)]
+    n = len(asked)
+    ahead.advance(3)
+    assert len(asked) == n                                                         # nothing asked twice
+    for pos in range(10, 80, 10):
+        ahead.advance(pos)
+        assert max(fd * 10 + off + k for fd, off, k in asked) - 1000 == min(80, pos + 30)  # the window ahead
+    assert _covered(asked) == {100 + i: [(0, 10)] for i in range(8)}               # each block once, whole
+    # A block larger than the window is asked for as the reads go through it.
     asked.clear()
-    ahead = chains.Prefetcher(_layout([50, 10], [False, True], snapshots=False), limit=30)
+    ahead = chains.Prefetcher(_layout([50, 10], [False, True], snapshots=False), limit=30, ask=8)
     ahead.advance(0)
-    assert asked == [(100, 0, 50)]
+    assert _covered(asked) == {100: [(0, 30)]}
+    ahead.advance(25)
+    assert _covered(asked) == {100: [(0, 50)], 101: [(0, 5)]}
+
+
+def test_a_chain_loads_jobs_move_the_window_to_their_place_before_they_read(tmp_path):
+    # Each job of a Batch calls its pace with where it begins (the add's
+    # place plus the jobs before it) before it reads; a large add is cut in
+    # jobs of at most JOB_BYTES.
+    data = np.arange(5 * (1 << 20), dtype=np.uint64).view(np.uint8)        # 40 MiB
+    path = tmp_path / "f"
+    path.write_bytes(data.tobytes())
+    out = np.zeros_like(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        events = []
+        batch = chains.Batch([memoryview(out)], verify=False)
+        batch.pace = lambda pos: events.append(pos)
+        piece = chains.Piece(fd, str(path), 0, 1 << 20, 40, 1 << 20, 0, 0, "tokens")
+        batch.add([(0, piece)], pos=1000)
+        batch.wait()
+    finally:
+        os.close(fd)
+    assert np.array_equal(out, data)
+    events.sort()
+    assert len(events) == -(-data.nbytes // chains.JOB_BYTES) >= 3
+    assert events[0] == 1000 and events[-1] < 1000 + data.nbytes
+    steps = [b - a for a, b in zip(events, events[1:])]
+    assert all(0 < d <= chains.JOB_BYTES for d in steps), steps
 
 
 def test_the_prefetcher_leaves_earlier_restorable_blocks_of_a_chain_with_snapshots(monkeypatch):
@@ -110,8 +154,14 @@ def test_a_cold_chain_load_asks_for_every_block_whole_and_loads_the_same(tmp_pat
     monkeypatch.setattr(host, "cached", lambda fd, off: False)         # as after a restart
     asked = []
     real = host.prefetch
-    monkeypatch.setattr(host, "prefetch", lambda fd, off, n: asked.append((os.fstat(fd).st_size, off, n))
-                        or real(fd, off, n))
+    sizes = {}
+
+    def ask(fd, off, n):
+        st = os.fstat(fd)
+        sizes[st.st_ino] = st.st_size
+        asked.append((st.st_ino, off, n))
+        return real(fd, off, n)
+    monkeypatch.setattr(host, "prefetch", ask)
     rng = np.random.default_rng(1)
     k = rng.standard_normal((1, 2, 64, 8)).astype(np.float32)
     with make_store(tmp_path / "kv", layout="chain", block_tokens=16, options=Options(min_tokens=1)) as s:
@@ -119,8 +169,9 @@ def test_a_cold_chain_load_asks_for_every_block_whole_and_loads_the_same(tmp_pat
         assert e is not None
         ck = s.load(s.find(b"p" * 64), into=into)
     assert ck is not None and np.array_equal(np.array(ck.tensors["k"]), k)
-    # Four blocks, each asked for once, whole.
-    assert len(asked) == 4 and all(off == 0 and n == size for size, off, n in asked), asked
+    # Four blocks, each asked for once, whole (the window is far larger than the chain).
+    spans = _covered(asked)
+    assert len(spans) == 4 and all(v == [(0, sizes[ino])] for ino, v in spans.items()), asked
 
 
 # ---- thread priority ---------------------------------------------------------------

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import math
 import os
+import threading
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from kvstore import _native, host
 from kvstore.errors import CorruptCheckpoint
 from kvstore.payload.buffers import bytes_view
 from kvstore.payload.manifest import BLOCK_ALIGN, DTYPES, align, numpy_dtype, read_manifest
-from kvstore.payload.pool import IO_THREADS, MIN_SLICE, QUEUE_BYTES, check_crc, io_pool
+from kvstore.payload.pool import IO_THREADS, JOB_BYTES, MIN_SLICE, QUEUE_BYTES, check_crc, io_pool
 from kvstore.payload.whole import VirtualBlob, safetensors_head
 from kvstore.sources import as_source
 
@@ -187,15 +188,17 @@ class Batch:
         self.verify = verify
         self.pieces = []            # Piece, in the order added
         self.jobs = []              # (future, [(piece index, bytes)])
+        self.pace = None            # called with a job's stream position before it reads
 
-    def add(self, pieces, last=False):
+    def add(self, pieces, last=False, pos=0):
         """Queues [(buffer index, Piece)].  last: no more will come; a first
-        and last add that fits one job runs at once, on the calling thread."""
+        and last add that fits one job runs at once, on the calling thread.
+        pos: where the pieces begin in the stream of self.pace (each job
+        calls pace with its own place before it reads)."""
         first = len(self.pieces)
         self.pieces.extend(p for _, p in pieces)
         total = sum(p.run * p.count for _, p in pieces)
         jobs = max(1, min(IO_THREADS, total // MIN_SLICE))
-        share = max(1, -(-total // jobs))
         src = pieces[0][1].fd if pieces else 0
         if type(src) is not int and jobs > 1:
             # A sealed chain's blocks are kvstore.seal.SealedSource objects,
@@ -209,6 +212,10 @@ class Batch:
                 share = work[len(work) * j // jobs:len(work) * (j + 1) // jobs]
                 self.jobs.append((pool.submit(src.read_chunks, self.buffers, share), []))
             return
+        # A large block is cut in jobs of at most JOB_BYTES, so that the
+        # read-ahead window follows its reads (Prefetcher).
+        jobs = max(jobs, -(-total // JOB_BYTES))
+        share = max(1, -(-total // jobs))
         if jobs == 1:
             # One job (a small load): every piece whole, as it came.
             groups = [[(i, p.run * p.count, (b, p.fd, p.file_offset, p.run, p.count, p.stride, p.dst))
@@ -219,13 +226,18 @@ class Batch:
         read = as_source(src).read_pieces
         if last and not self.jobs and len(groups) == 1:
             g = groups[0]
-            self.jobs.append((_Done(read, self.buffers, [part[2] for part in g], self.verify),
-                              [part[:2] for part in g]))
+            self.jobs.append((_Done(self._read, pos, read, [part[2] for part in g]), [part[:2] for part in g]))
             return
         pool = io_pool()
         for g in groups:
-            self.jobs.append((pool.submit(read, self.buffers, [part[2] for part in g],
-                                          self.verify), [part[:2] for part in g]))
+            self.jobs.append((pool.submit(self._read, pos, read, [part[2] for part in g]), [part[:2] for part in g]))
+            pos += sum(part[1] for part in g)
+
+    def _read(self, pos, read, parts):
+        """A job: moves the read-ahead window to pos, then reads parts."""
+        if self.pace is not None:
+            self.pace(pos)
+        return read(self.buffers, parts, self.verify)
 
     def wait(self):
         """Waits for every read; raises for the first piece that failed
@@ -264,10 +276,10 @@ def _deal(pieces, first, jobs, share):
     for i, (b, p) in enumerate(pieces, first):
         step = max(1, p.count if p.nbytes <= share else share // p.run)
         for run0 in range(0, p.count, step):
-            if size >= share and len(groups) < jobs:
+            k = min(step, p.count - run0)
+            if size and size + k * p.run > share and len(groups) < jobs:
                 groups.append([])
                 size = 0
-            k = min(step, p.count - run0)
             groups[-1].append((i, k * p.run, (b, p.fd, p.file_offset + run0 * p.run, p.run, k, p.stride,
                                               p.dst + run0 * p.stride)))
             size += k * p.run
@@ -303,44 +315,80 @@ def read_stream(layout, buffers, slots, verify):
 
 
 # How far ahead of its reads a chain load asks the kernel to read its blocks
-# (host.prefetch): deep enough to keep a cold disk's queue full, small
-# enough that the pages are still cached when the reads reach them.
-PREFETCH_BYTES = 256 << 20
+# (host.prefetch), and in asks of at most how much.  The window follows the
+# reads, not the planning (which runs ahead of them): each read job first
+# moves it to its own place (Prefetcher.advance, from Batch's jobs).  A
+# deeper window only lengthens the disk's queue, and the first blocks' reads
+# then wait behind the later blocks' requests (seen here, DeepSeek-V3's
+# latent at 9,192 tokens from a cold page cache: 0.48-0.62 s with 256 MiB
+# ahead of the planning, 0.34-0.39 s with 64 MiB ahead of the reads, 16 or
+# 32 MiB no better; bench/shapes.py).  An ask is cut in parts because
+# Linux reads at most the device's readahead size (read_ahead_kb, or its
+# largest request if that is larger) of one POSIX_FADV_WILLNEED and drops
+# the rest without a word: a 336 MiB block asked for whole came in as its
+# first 8 MiB.
+PREFETCH_BYTES = 64 << 20
+PREFETCH_ASK = 1 << 20
 
 
 class Prefetcher:
     """Asks the kernel to read a chain's blocks ahead of the load's reads
-    (host.prefetch), at most PREFETCH_BYTES beyond the block being queued.
+    (host.prefetch), at most PREFETCH_BYTES beyond the furthest read begun,
+    in asks of at most PREFETCH_ASK bytes.
 
-    A block is asked for whole when the load reads all of it (and its
-    last page is not cached already, host.cached): a block that
-    holds only its slices of the growing tensors, or the target.  A
-    restorable block before the target in a chain with snapshots (the
-    sliding windows of an earlier turn's last block) holds snapshots this
-    load does not read: it is left to the reads.  Sealed blocks read ahead
-    on their own (kvstore.seal.source).
+    The blocks make one stream, in chain order: a block is in it whole when
+    the load reads all of it and its last page is not cached already
+    (host.cached): a block that holds only its slices of the growing
+    tensors, or the target.  A restorable block before the target in a
+    chain with snapshots (the sliding windows of an earlier turn's last
+    block) holds snapshots this load does not read: it is left to the
+    reads.  Sealed blocks read ahead on their own (kvstore.seal.source).
+    advance() may be called from several threads.
     """
 
-    def __init__(self, layout, limit=None):
+    def __init__(self, layout, limit=None, ask=None):
         self.limit = PREFETCH_BYTES if limit is None else limit
+        self.ask = PREFETCH_ASK if ask is None else ask
         snapshots = any(t.name not in layout.axes for t in layout.tensors)
         last = len(layout.blocks) - 1
         self.todo = [(i, fd, e.file_size) for i, (fd, e) in enumerate(layout.blocks)
                      if type(fd) is int and (i == last or not snapshots or not e.restorable)]
         self.at = [i for i, _, _ in self.todo]
         self.ends = list(itertools.accumulate(size for _, _, size in self.todo))
-        self.next = 0                       # todo[:next] asked for
+        self.asked = 0                      # the stream's bytes before this are asked for
+        self.lock = threading.Lock()
 
-    def advance(self, i):
-        """Block i is being queued: asks for the blocks from it on, up to the limit ahead."""
-        first = bisect.bisect_left(self.at, i)
-        start = self.ends[first - 1] if first else 0
-        self.next = max(self.next, first)
-        while self.next < len(self.todo) and (self.next == first or self.ends[self.next] - start <= self.limit):
-            _, fd, size = self.todo[self.next]
-            if not host.cached(fd, size - 1):       # a warm block: nothing to ask for
-                host.prefetch(fd, 0, size)
-            self.next += 1
+    def start(self, i):
+        """Where in the stream block i's reads begin."""
+        k = bisect.bisect_left(self.at, i)
+        return self.ends[k - 1] if k else 0
+
+    def advance(self, pos):
+        """A read at stream position pos begins: asks for what is not asked
+        for yet up to pos + limit."""
+        with self.lock:
+            k = bisect.bisect_right(self.ends, pos)
+            if k == len(self.ends):
+                return
+            lo, self.asked = self.asked, max(self.asked, min(pos + self.limit, self.ends[-1]))
+            hi = self.asked
+        self._ask(lo, hi)
+
+    def _ask(self, lo, hi):
+        """Asks for stream bytes [lo, hi), block by block and in parts."""
+        k = bisect.bisect_right(self.ends, lo)
+        while lo < hi and k < len(self.todo):
+            _, fd, size = self.todo[k]
+            begin = self.ends[k] - size
+            a, b = lo - begin, min(hi, self.ends[k]) - begin
+            if a == 0 and host.cached(fd, size - 1):        # a warm block: nothing to ask for
+                a = b
+            while a < b:
+                n = min(self.ask, b - a)
+                host.prefetch(fd, a, n)
+                a += n
+            lo = self.ends[k]
+            k += 1
 
 
 def queue_pieces(layout, batch, slots):
@@ -354,24 +402,26 @@ def queue_pieces(layout, batch, slots):
     needs the GIL between two chunks would wait for the planning thread to
     let it go (up to the interpreter's switch interval, 5 ms) while it plans.
     """
-    pending, size, late = [], 0, None
+    pending, size, late, at = [], 0, None, 0
     step = QUEUE_BYTES if not layout.blocks or type(layout.blocks[0][0]) is int else float("inf")
     ahead = Prefetcher(layout)
     ahead.advance(0)
+    batch.pace = ahead.advance
     try:
         for i, pieces in enumerate(layout.pieces()):
-            ahead.advance(i + 1)
+            if not pending:
+                at = ahead.start(i)
             for s, p in pieces:
                 if slots[s] is not None:
                     pending.append((slots[s], p))
                     size += p.nbytes
             if size >= step:
-                batch.add(pending)
+                batch.add(pending, pos=at)
                 pending, size = [], 0
     except Exception as e:
         late = e
     if pending:
-        batch.add(pending, last=True)
+        batch.add(pending, last=True, pos=at)
     return late
 
 

@@ -27,6 +27,8 @@ MIN_SLICE = 1 << 20
 IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 # A chain load hands blocks to the I/O threads at least this many bytes at a time.
 QUEUE_BYTES = MIN_SLICE * IO_THREADS
+# ... in jobs of at most this many bytes each (a large block in several).
+JOB_BYTES = 16 << 20
 
 _io_nice = 0
 
