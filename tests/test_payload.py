@@ -594,17 +594,53 @@ def test_a_load_larger_than_one_mlx_array_is_read_into_several(tmp_path, monkeyp
     assert mlx_io.MLX_BLOB_MAX < 2 ** 31
     monkeypatch.setattr(mlx_io, "MLX_BLOB_MAX", 5 << 19)
     blobs = []
-    fill = mlx_io._fill_blob
+    fill = mlx_io._fill_blobs
 
-    def spy(src):
-        blobs.append(src.size - len(src.head))
-        return fill(src)
-    monkeypatch.setattr(mlx_io, "_fill_blob", spy)
+    def spy(srcs):
+        blobs.extend(src.size - len(src.head) for src in srcs)
+        return fill(srcs)
+    monkeypatch.setattr(mlx_io, "_fill_blobs", spy)
     to_mlx = mlx_io._numpy_to_mlx
     monkeypatch.setattr(mlx_io, "_numpy_to_mlx", lambda arrays, dtypes: to_mlx(arrays, dtypes) if not arrays
                         else pytest.fail(f"no NumPy route: {sorted(arrays)}"))
     _round_trip_into_mlx(tmp_path, layout, threaded, 5, 32)              # 5 tensors of 1 MiB
     assert len(blobs) == 3 and max(blobs) <= 5 << 19, blobs
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_chain_load_into_several_blobs_reads_them_in_one_pass(tmp_path, monkeypatch, threaded):
+    # The blobs' memory is allocated first; then one walk of the chain
+    # queues the reads of all of them (one Batch: the I/O threads never wait
+    # for the next blob), and each block's manifest is read once, not once
+    # per blob.
+    pytest.importorskip("mlx.core")
+    from kvstore.payload import chains, mlx_io
+    monkeypatch.setattr(mlx_io, "MLX_BLOB_MAX", 5 << 19)
+    batches, manifests = [], []
+    batch_init, read_manifest = chains.Batch.__init__, chains.read_manifest
+
+    def count_batch(self, *a, **kw):
+        batches.append(self)
+        batch_init(self, *a, **kw)
+
+    def count_manifest(fd, e, **kw):
+        manifests.append(e.path)
+        return read_manifest(fd, e, **kw)
+    monkeypatch.setattr(chains.Batch, "__init__", count_batch)
+    monkeypatch.setattr(chains, "read_manifest", count_manifest)
+    old = mlx_io.set_mlx_threaded(threaded)
+    try:
+        with make_store(tmp_path / "kv", layout="chain", block_tokens=8) as s:
+            want = _save_big(s, b"b" * 32, 5, 32, distinct=True)          # 4 blocks, 3 blobs
+            batches.clear(), manifests.clear()
+            ck = s.load(s.find(b"b" * 32), into="mlx")
+            assert ck is not None and s.stats()["corrupt"] == 0
+            for name, a in want.items():
+                assert np.array_equal(np.array(ck.tensors[name]), a), name
+    finally:
+        mlx_io.set_mlx_threaded(old)
+    assert len(batches) == 1
+    assert len(manifests) == len(set(manifests)) == 4, manifests
 
 
 @pytest.mark.parametrize("layout", ["chain", "whole"])
@@ -643,7 +679,7 @@ def test_a_tensor_larger_than_one_mlx_array_goes_through_numpy(tmp_path, monkeyp
     pytest.importorskip("mlx.core")
     from kvstore.payload import mlx_io
     monkeypatch.setattr(mlx_io, "MLX_BLOB_MAX", 1 << 20)
-    monkeypatch.setattr(mlx_io, "_fill_blob", lambda src: pytest.fail("no blob past MLX_BLOB_MAX"))
+    monkeypatch.setattr(mlx_io, "_fill_blobs", lambda srcs: pytest.fail("no blob past MLX_BLOB_MAX"))
     _round_trip_into_mlx(tmp_path, layout, threaded, 4, 128)             # 4 tensors of 4 MiB
 
 

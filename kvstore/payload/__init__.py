@@ -16,7 +16,7 @@ Rooms:
 """
 
 from kvstore.payload.buffers import bytes_view, pread, pread_into, pwrite_from
-from kvstore.payload.chains import Batch, ChainBlob, ChainLayout, ChainTensor, Piece, read_chain_numpy
+from kvstore.payload.chains import Batch, ChainBlob, ChainLayout, ChainRead, ChainTensor, Piece, read_chain_numpy
 from kvstore.payload.manifest import (BLOCK_ALIGN, DATA_ALIGN, DTYPES, MAGIC, MAX_ARRAY_BYTES, MAX_MANIFEST_BYTES,
                                       MAX_MODEL_CHARS, PAYLOAD_HEADER, VERSION, Manifest, numpy_dtype, read_manifest)
 from kvstore.payload.mlx_io import (host_tensors, host_views, is_mlx_array, read_chain_mlx, read_tensors_mlx,
@@ -38,7 +38,7 @@ __all__ = [
     "MIN_SLICE", "IO_THREADS", "QUEUE_BYTES", "gc_paused", "io_pool", "lower_thread_priority", "set_io_priority",
     "read_block",
     "read_tokens", "read_tensors_numpy", "VirtualBlob",
-    "Piece", "ChainTensor", "ChainLayout", "Batch", "ChainBlob", "read_chain_numpy",
+    "Piece", "ChainTensor", "ChainLayout", "Batch", "ChainBlob", "ChainRead", "read_chain_numpy",
     "host_tensors", "host_views", "set_mlx_threaded", "read_tensors_mlx", "read_chain_mlx",
     "Plan", "is_mlx_array", "tensor_source",
 ]

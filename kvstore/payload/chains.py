@@ -445,19 +445,17 @@ def read_chain_numpy(layout, verify=True):
 
 
 class ChainBlob(VirtualBlob):
-    """The tensors of a chain load MLX reads directly, as one safetensors blob
-    for mx.load: each at a 64-byte aligned place.  When MLX hands over the
-    blob's memory, the load's reads start (block by block, see
-    read_stream) into it and into the other buffers (the token ids, the
-    float64 tensors read through NumPy)."""
+    """One blob of a chain load into MLX (ChainRead): tensors MLX reads
+    directly, as one safetensors blob for mx.load, each at a 64-byte aligned
+    place.  readinto() hands the blob's memory to its ChainRead, which
+    starts the reads once every blob of the load has its memory."""
 
-    def __init__(self, layout, direct, others, verify):
+    def __init__(self, read, layout, direct):
         """Args:
+            read: the ChainRead the blob belongs to.
             direct: the slots of the tensors in the blob.
-            others: {slot: byte view} of the other non-empty tensors
-                (slot -1 the tokens).
         """
-        self.layout, self.direct, self.others, self.verify = layout, direct, others, verify
+        self.read, self.direct = read, direct
         self.places, at = [], 0
         for s in direct:
             at = align(at, BLOCK_ALIGN)
@@ -470,20 +468,10 @@ class ChainBlob(VirtualBlob):
         self.partial = False
         self.address = None
         self.error = None
-        self.late = None
-        self.batch = None
 
     def _queue_all(self, mv):
-        buffers = [mv[at:at + self.layout.tensors[s].nbytes] for s, at in zip(self.direct, self.places)]
-        slots = [None] * (len(self.layout.tensors) + 1)
-        for i, s in enumerate(self.direct):
-            slots[s] = i
-        for s, view in self.others.items():
-            slots[s] = len(buffers)
-            buffers.append(view)
-        self.batch = Batch(buffers, self.verify)
         self.address = _native.buffer_address(mv)
-        self.late = queue_pieces(self.layout, self.batch, slots)     # raised by wait(), after the reads
+        self.read.hand_over(self, mv)
         return mv.nbytes
 
     def _read_now(self, mv, rel):
@@ -492,6 +480,56 @@ class ChainBlob(VirtualBlob):
         return min(mv.nbytes, self.size - len(self.head) - rel)
 
     def wait(self):
+        self.read.wait()
+
+
+class ChainRead:
+    """A chain load into blobs of MLX memory (kvstore.payload.mlx_io), read in one pass.
+
+    Each blob (a ChainBlob, a virtual safetensors file for mx.load) hands
+    over its memory as MLX allocates it; once every blob has, the reads of
+    all of them and of the other buffers (the token ids, the float64
+    tensors read through NumPy) are queued in one walk of the chain (see
+    read_stream), so the I/O threads run from the first blob to the last
+    without a pause and every block's manifest is parsed once.  A load
+    whose blobs are not all handed over whole starts no read.
+    """
+
+    def __init__(self, layout, groups, others, verify):
+        """Args:
+            groups: [[tensor slot, ...], ...], one per blob.
+            others: {slot: byte view} of the other non-empty tensors
+                (slot -1 the tokens).
+        """
+        self.layout, self.others, self.verify = layout, others, verify
+        self.sources = [ChainBlob(self, layout, slots) for slots in groups]
+        self.memory = {}            # id(ChainBlob) -> its memoryview
+        self.batch = None
+        self.late = None
+        self.error = None
+
+    def hand_over(self, blob, mv):
+        """blob's memory, whole; the reads start with the last blob's."""
+        self.memory[id(blob)] = mv
+        if len(self.memory) < len(self.sources):
+            return
+        slots = [None] * (len(self.layout.tensors) + 1)
+        buffers = []
+        for src in self.sources:
+            mv = self.memory[id(src)]
+            for s, at in zip(src.direct, src.places):
+                slots[s] = len(buffers)
+                buffers.append(mv[at:at + self.layout.tensors[s].nbytes])
+        for s, view in self.others.items():
+            slots[s] = len(buffers)
+            buffers.append(view)
+        self.batch = Batch(buffers, self.verify)
+        self.late = queue_pieces(self.layout, self.batch, slots)     # raised by wait(), after the reads
+
+    def wait(self):
+        """Joins the reads (none if they never started); raises the first
+        failure: a blob's readinto() first, then a read, then a bad manifest."""
+        self.error = self.error or next((s.error for s in self.sources if s.error is not None), None)
         if self.batch is not None:
             batch, self.batch = self.batch, None
             try:

@@ -20,7 +20,7 @@ import numpy as np
 from kvstore import _native
 from kvstore.errors import CorruptCheckpoint
 from kvstore.payload.buffers import bytes_view
-from kvstore.payload.chains import ChainBlob, read_chain_numpy, read_stream, tokens_view
+from kvstore.payload.chains import ChainRead, read_chain_numpy, read_stream, tokens_view
 from kvstore.payload.manifest import BLOCK_ALIGN, align
 from kvstore.payload.pool import bulk_thread, check_crc
 from kvstore.payload.whole import VirtualBlob, read_tensors_numpy
@@ -123,20 +123,22 @@ def set_mlx_threaded(on):
     return old
 
 
-def _fill_blob(src):
-    """MLX memory for src's blob (a VirtualBlob) with src's reads started
-    into it, evaluated; src.wait() joins the reads."""
+def _fill_blobs(srcs):
+    """MLX memory for the blobs of srcs (VirtualBlob or ChainBlob objects)
+    with their reads started into it, evaluated; the sources' wait() joins
+    the reads."""
     import mlx.core as mx
     if _mlx_threaded:
         # The zero-fill touches every fresh page: bulk work, done on the
         # bulk thread's MLX stream (kvstore.payload.pool.bulk_thread).
-        blob = bulk_thread().submit(_zeroed, src.size - len(src.head)).result()
-        src.seek(len(src.head))
-        src.readinto(memoryview(blob))
+        blobs = bulk_thread().submit(lambda: [_zeroed(src.size - len(src.head)) for src in srcs]).result()
+        for src, blob in zip(srcs, blobs):
+            src.seek(len(src.head))
+            src.readinto(memoryview(blob))
     else:
-        blob = mx.load(src, format="safetensors")["blob"]
-        mx.eval(blob)
-    return blob
+        blobs = [mx.load(src, format="safetensors")["blob"] for src in srcs]
+        mx.eval(blobs)
+    return blobs
 
 
 def _zeroed(n):
@@ -149,26 +151,25 @@ def _zeroed(n):
     return blob
 
 
-def _filled(src, path):
-    """src's blob in MLX memory (_fill_blob); every read joined and checked on return."""
+def _filled(srcs, wait, path):
+    """The blobs of srcs in MLX memory (_fill_blobs); every read joined
+    (wait(), which raises the first failure) and checked on return."""
     try:
-        blob = _fill_blob(src)
+        blobs = _fill_blobs(srcs)
     except Exception as e:
         try:
-            src.wait()          # never leave reads running into freed memory
-        except Exception:
-            pass
-        if src.error is not None:
-            raise src.error from None
+            wait()          # never leave reads running into freed memory
+        except Exception as failed:
+            raise failed from None
         raise CorruptCheckpoint("bad_payload", path, f"mx.load failed: {type(e).__name__}") from None
-    src.wait()
-    return blob
+    wait()
+    return blobs
 
 
 def load_blob(fd, entry, tensors, lo, hi, verify, defer):
     """The blob of tensors [lo, hi) in MLX memory; every read joined and checked on return."""
     src = VirtualBlob(fd, entry, tensors, lo, hi, verify, defer)
-    return _filled(src, entry.path), src
+    return _filled([src], src.wait, entry.path)[0], src
 
 
 # MLX's array dimensions are 32-bit ints: a blob of 2 GiB or more cannot be
@@ -330,14 +331,12 @@ def _chain_spans(layout, direct):
 
 def _chain_blobs(layout, groups, others, verify):
     """[(ChainBlob, its MLX blob)], one per group of tensor slots, read in
-    turn (the first also reads others: the token ids and the float64
-    tensors); None when MLX did not hand over a blob's own memory in one
-    call (the caller reads through NumPy instead)."""
-    out = []
-    for i, slots in enumerate(groups):
-        src = ChainBlob(layout, slots, others if i == 0 else {}, verify)
-        blob = _filled(src, layout.target.path)
+    one pass (ChainRead; the reads also fill others: the token ids and the
+    float64 tensors); None when MLX did not hand over every blob's own
+    memory in one call (the caller reads through NumPy instead)."""
+    read = ChainRead(layout, groups, others, verify)
+    blobs = _filled(read.sources, read.wait, layout.target.path)
+    for src, blob in zip(read.sources, blobs):
         if src.partial or src.address is None or _native.buffer_address(memoryview(blob)) != src.address:
             return None
-        out.append((src, blob))
-    return out
+    return list(zip(read.sources, blobs))
