@@ -337,3 +337,9 @@ def test_a_cached_block_is_not_asked_for(monkeypatch):
     monkeypatch.setattr(host, "cached", lambda fd, off: fd == 101)     # block 1 is warm
     chains.Prefetcher(_layout([10, 10, 10], [False, False, True], snapshots=False), limit=100).advance(0)
     assert [fd for fd, _, _ in asked] == [100, 102]
+    # A warm block larger than the window: its later parts are not asked for either.
+    asked.clear()
+    ahead = chains.Prefetcher(_layout([10, 50, 10], [False, False, True], snapshots=False), limit=30)
+    for pos in range(0, 70, 5):
+        ahead.advance(pos)
+    assert _covered(asked) == {100: [(0, 10)], 102: [(0, 10)]}

@@ -356,6 +356,7 @@ class Prefetcher:
         self.at = [i for i, _, _ in self.todo]
         self.ends = list(itertools.accumulate(size for _, _, size in self.todo))
         self.asked = 0                      # the stream's bytes before this are asked for
+        self.warm = set()                   # todo indexes found cached when their first part came
         self.lock = threading.Lock()
 
     def start(self, i):
@@ -381,7 +382,9 @@ class Prefetcher:
             _, fd, size = self.todo[k]
             begin = self.ends[k] - size
             a, b = lo - begin, min(hi, self.ends[k]) - begin
-            if a == 0 and host.cached(fd, size - 1):        # a warm block: nothing to ask for
+            if a == 0 and host.cached(fd, size - 1):        # a warm block: nothing to ask for,
+                self.warm.add(k)                            # nor in the parts asked later
+            if k in self.warm:
                 a = b
             while a < b:
                 n = min(self.ask, b - a)
