@@ -368,8 +368,7 @@ class Prefetcher:
         """A read at stream position pos begins: asks for what is not asked
         for yet up to pos + limit."""
         with self.lock:
-            k = bisect.bisect_right(self.ends, pos)
-            if k == len(self.ends):
+            if not self.ends or pos >= self.ends[-1]:
                 return
             lo, self.asked = self.asked, max(self.asked, min(pos + self.limit, self.ends[-1]))
             hi = self.asked
