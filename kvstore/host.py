@@ -5,11 +5,14 @@ picked once, here, at import (``_choose``); the others stay importable, so
 that tests on one platform run the other's branch with its system call
 injected.
 
-- prefetch: ask the kernel to start reading a file's range in the
-  background: POSIX_FADV_WILLNEED on Linux; F_RDADVISE on macOS, which has
-  no posix_fadvise.  A chain load asks for the blocks ahead of its reads: on
-  a cold disk the reads then find a deep queue of the kernel's own requests
-  instead of two threads' worth (kvstore.payload.chains).  cached says
+- prefetch: have a file's range read into the page cache in the
+  background: on Linux by reading it through (sendfile to /dev/null) on
+  two threads of its own (ReadThrough: POSIX_FADV_WILLNEED would leave it
+  in 4 KiB pages, slower to copy out of); F_RDADVISE on macOS, which has
+  no posix_fadvise; POSIX_FADV_WILLNEED on other POSIX systems.  A chain
+  load asks for the blocks ahead of its reads: on a cold disk the reads
+  then find a deep queue of the kernel's own requests instead of two
+  threads' worth (kvstore.payload.chains).  cached says
   whether a file's page is in the page cache already (a one-byte preadv
   with RWF_NOWAIT on Linux; macOS cannot say), so that a warm load does not
   pay for asking.
@@ -30,6 +33,7 @@ injected.
   does not back up (multi-GB checkpoints would fill its backups).
 """
 
+import concurrent.futures
 import errno
 import os
 import struct
@@ -37,6 +41,7 @@ import sys
 
 from kvstore import _native
 from kvstore.errors import CheckpointOSError
+from kvstore.executors import LazyExecutor
 
 MACOS = sys.platform == "darwin"
 LINUX = sys.platform.startswith("linux")
@@ -66,6 +71,67 @@ def prefetch_posix(fd, offset, length):
     except OSError:
         return False
     return True
+
+
+# On Linux a range is asked for by reading it, on READ_THROUGH_THREADS
+# background threads, through sendfile to /dev/null: the kernel's own read
+# path, which brings the pages in as large folios (and reads ahead of
+# itself), without copying them anywhere.  POSIX_FADV_WILLNEED brings them
+# in one 4 KiB page at a time (order-0 folios), and every later load copies
+# out of the page cache slower for it: a warm load of Llama-3.1-8B at 33,768
+# tokens (4.1 GiB) after a cold one took 1.76-1.82 s after WILLNEED,
+# 1.02-1.08 s after the read-through, mlx-lm's 1.15-1.25 s (its reads bring
+# large folios); cold, 1.78-2.32 s with two threads, 3.2-3.5 s with one
+# (bench/shapes.py's child load, this VM).  Each ask holds a dup of the
+# file descriptor, so a load that closes its files first is safe.
+READ_THROUGH_THREADS = 2
+
+
+def _read_through(fd, offset, length, sendfile, null, fallback):
+    """Reads [offset, offset + length) of fd into the page cache (sendfile to
+    null); where the file system cannot, asks fallback instead.  Closes fd."""
+    try:
+        end = offset + length
+        while offset < end:
+            n = sendfile(null, fd, offset, end - offset)
+            if n <= 0:
+                break
+            offset += n
+    except OSError:
+        fallback(fd, offset, end - offset)
+    finally:
+        os.close(fd)
+
+
+class ReadThrough:
+    """Asks for files' ranges by reading them through on background threads
+    (Linux; see READ_THROUGH_THREADS).  Calls it like a prefetch function."""
+
+    def __init__(self, threads=READ_THROUGH_THREADS, sendfile=None, fallback=None):
+        """Args:
+            sendfile: os.sendfile (tests inject their own).
+            fallback: what asks for a range sendfile cannot read (prefetch_posix).
+        """
+        self.sendfile = os.sendfile if sendfile is None else sendfile
+        self.fallback = prefetch_posix if fallback is None else fallback
+        self._null = None
+        self._pool = LazyExecutor(lambda: concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="kvstore-readahead"))
+
+    def __call__(self, fd, offset, length):
+        """Queues [offset, offset + length) of fd; True when queued."""
+        try:
+            if self._null is None:
+                self._null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            own = os.dup(fd)
+        except OSError:
+            return self.fallback(fd, offset, length)
+        try:
+            self._pool.get().submit(_read_through, own, offset, length, self.sendfile, self._null, self.fallback)
+        except RuntimeError:                    # the interpreter is shutting down
+            os.close(own)
+            return False
+        return True
 
 
 def prefetch_macos(fd, offset, length, fcntl_call=None):
@@ -312,7 +378,8 @@ def _choose(macos=MACOS, linux=LINUX):
     prefetch, any POSIX system's with posix_fadvise), or the fallback."""
     has_fadvise = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED")
     return {
-        "prefetch": prefetch_macos if macos else prefetch_posix if has_fadvise else prefetch_none,
+        "prefetch": prefetch_macos if macos else ReadThrough() if linux and hasattr(os, "sendfile") else
+        prefetch_posix if has_fadvise else prefetch_none,
         "cached": cached_linux if linux and hasattr(os, "RWF_NOWAIT") else cached_unknown,
         "lower_priority": lower_priority_macos if macos else
         lower_priority_linux if linux and hasattr(os, "setpriority") else lower_priority_none,

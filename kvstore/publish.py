@@ -21,7 +21,7 @@ import os
 import secrets
 
 from kvstore import files, payload, temps
-from kvstore.payload.pool import LazyExecutor
+from kvstore.executors import LazyExecutor
 from kvstore.format import PREFIX_SIZE, entry_from_fd
 from kvstore.sources import as_source
 

@@ -40,8 +40,10 @@ def test_prefetch_on_linux_asks_posix_fadvise_willneed(tmp_path, monkeypatch):
 
 
 def test_prefetch_picks_this_platforms_call_and_works_on_a_real_file(tmp_path):
-    want = host.prefetch_macos if host.MACOS else host.prefetch_posix
-    assert host._prefetch is want
+    if host.LINUX:
+        assert isinstance(host._prefetch, host.ReadThrough)
+    else:
+        assert host._prefetch is (host.prefetch_macos if host.MACOS else host.prefetch_posix)
     path = tmp_path / "f"
     path.write_bytes(b"x" * 65536)
     fd = os.open(path, os.O_RDONLY)
@@ -51,6 +53,135 @@ def test_prefetch_picks_this_platforms_call_and_works_on_a_real_file(tmp_path):
     finally:
         os.close(fd)
     assert host.prefetch_none(0, 0, 10) is False
+
+
+def _evicted_file(path, size, whole_cache=False):
+    """A file of size random bytes, written, synced and dropped from the
+    page cache; skips the test where the kernel keeps it cached.
+
+    Args:
+        whole_cache: drop the whole page cache (root only), as after a
+            restart: a file dropped on its own (POSIX_FADV_DONTNEED) is
+            read back in small folios whatever reads it (seen on 6.18).
+    """
+    path.write_bytes(os.urandom(size))
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    if whole_cache:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1")
+        except OSError:
+            os.close(fd)
+            pytest.skip("dropping the page cache needs root")
+        return fd               # not checked: a RWF_NOWAIT read of a missing page starts a small read-ahead
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    if any(host.cached_linux(fd, off) for off in range(0, size, 1 << 20)):
+        os.close(fd)
+        pytest.skip("the kernel kept the file cached after POSIX_FADV_DONTNEED")
+    return fd
+
+
+def _drain(read_through):
+    pool = read_through._pool.take()
+    if pool is not None:
+        pool.shutdown(wait=True)
+
+
+@pytest.mark.skipif(not (host.LINUX and hasattr(os, "RWF_NOWAIT")), reason="Linux's read-through")
+def test_read_through_brings_a_range_into_the_page_cache_after_the_caller_closed_its_file(tmp_path):
+    fd = _evicted_file(tmp_path / "f", 8 << 20)
+    rt = host.ReadThrough()
+    fds = len(os.listdir("/proc/self/fd"))
+    assert rt(fd, 1 << 20, 3 << 20) is True
+    os.close(fd)                              # the ask holds its own descriptor
+    _drain(rt)
+    assert len(os.listdir("/proc/self/fd")) <= fds          # and closed it (less the /dev/null kept open)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert all(host.cached_linux(fd, off) for off in range(1 << 20, 4 << 20, 4096))
+    finally:
+        os.close(fd)
+
+
+def test_read_through_hands_what_sendfile_could_not_read_to_the_fallback(tmp_path):
+    sent, fell = [], []
+
+    def sendfile(out, fd, off, n):
+        if sent:
+            raise OSError(22, "Invalid argument")
+        sent.append((off, n))
+        return 1000                             # a short transfer, then a refusal
+    rt = host.ReadThrough(sendfile=sendfile, fallback=lambda fd, off, n: fell.append((off, n)))
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 5000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert rt(fd, 100, 4000) is True
+        _drain(rt)
+    finally:
+        os.close(fd)
+    assert sent == [(100, 4000)] and fell == [(1100, 3000)]
+
+
+def _large_folio_share(path):
+    """The share of path's pages (all cached) that the page cache holds in
+    large folios, from /proc/self/pagemap and /proc/kpageflags (COMPOUND_HEAD
+    or _TAIL); None where this process cannot see page frames (not root)."""
+    import ctypes
+    import mmap
+    import struct
+    try:
+        pagemap, flags = open("/proc/self/pagemap", "rb", buffering=0), open("/proc/kpageflags", "rb", buffering=0)
+    except OSError:
+        return None
+    with pagemap, flags, open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        base = ctypes.c_char.from_buffer(m)
+        addr, large, pages = ctypes.addressof(base), 0, len(m) // 4096
+        for i in range(pages):
+            m[i * 4096]                                     # maps the cached page, reads nothing
+            pagemap.seek((addr // 4096 + i) * 8)
+            entry, = struct.unpack("<Q", pagemap.read(8))
+            pfn = entry & ((1 << 55) - 1)
+            if not entry >> 63 or not pfn:
+                del base
+                m.close()
+                return None
+            flags.seek(pfn * 8)
+            bits, = struct.unpack("<Q", flags.read(8))
+            large += bool(bits & (3 << 15))
+        del base
+        m.close()
+    return large / pages
+
+
+@pytest.mark.skipif(not (host.LINUX and hasattr(os, "RWF_NOWAIT")), reason="Linux's read-through")
+def test_read_through_caches_a_file_in_large_folios_as_the_files_own_reads_do(tmp_path):
+    """What the read-through is for: pages asked for come in as large folios,
+    which later loads copy out of faster than POSIX_FADV_WILLNEED's 4 KiB ones."""
+    size = 16 << 20
+    fd = _evicted_file(tmp_path / "f", size, whole_cache=True)
+    try:
+        for off in range(0, size, 1 << 20):                 # the reads' own: the control
+            os.pread(fd, 1 << 20, off)
+    finally:
+        os.close(fd)
+    share = _large_folio_share(tmp_path / "f")
+    if share is None:
+        pytest.skip("page frames are visible to root only")
+    if share < 0.5:
+        pytest.skip(f"this file system caches reads in large folios for {share:.0%} of the pages only")
+    fd = _evicted_file(tmp_path / "f", size, whole_cache=True)
+    rt = host.ReadThrough()
+    try:
+        for off in range(0, size, chains.PREFETCH_ASK):
+            rt(fd, off, chains.PREFETCH_ASK)
+        _drain(rt)
+        assert all(host.cached_linux(fd, off) for off in range(0, size, 4096))
+    finally:
+        os.close(fd)
+    assert _large_folio_share(tmp_path / "f") >= 0.5
 
 
 # ---- a chain load asks for its blocks ahead of its reads ------------------------------
@@ -273,6 +404,7 @@ def test_each_platform_gets_its_own_calls():
         (host.prefetch_macos, host.lower_priority_macos, host.boot_time_macos, host.preallocate_macos,
          host.cache_root_macos)
     lin = host._choose(macos=False, linux=True)
+    assert isinstance(lin["prefetch"], host.ReadThrough) or not hasattr(os, "sendfile")
     assert (lin["lower_priority"], lin["boot_time"], lin["preallocate"], lin["cache_root"]) == \
         (host.lower_priority_linux, host.boot_time_linux, host.preallocate_linux, host.cache_root_linux)
     other = host._choose(macos=False, linux=False)

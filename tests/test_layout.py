@@ -19,8 +19,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvstore"
 # below; the package root (kvstore/__init__.py, public names only) sits
 # between the libraries and the applications built on them.
 LAYERS = [
-    # The C core, the exceptions, and the calls that differ between platforms.
-    ["kvstore._native", "kvstore._reference", "kvstore.errors", "kvstore.host"],
+    # The C core, the exceptions, thread pools that survive a fork, and the
+    # calls that differ between platforms.
+    ["kvstore._native", "kvstore._reference", "kvstore.errors", "kvstore.executors", "kvstore.host"],
     # The file's parts, then what is built on them, up to the store: the
     # envelope and names; a file's bytes; which temporaries are debris; the
     # counters; the background writer.

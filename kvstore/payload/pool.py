@@ -5,7 +5,6 @@ the slices' CRC32Cs are combined into the block's.  The threads may run at
 a lower CPU priority (set_io_priority), and a forked child starts its own.
 """
 
-import atexit
 import concurrent.futures
 import contextlib
 import gc
@@ -14,6 +13,7 @@ import threading
 
 from kvstore import _native
 from kvstore.errors import CorruptCheckpoint
+from kvstore.executors import LazyExecutor
 from kvstore.host import lower_thread_priority
 from kvstore.payload.buffers import bytes_view, pread_into
 
@@ -43,38 +43,6 @@ _io_nice = 0
 _gc_lock = threading.Lock()
 _gc_loads = 0               # loads running with the collector paused
 _gc_resume = False          # the collector was on when the first of them began
-
-
-class LazyExecutor:
-    """A thread pool made by make() on first use and shut down at exit.
-
-    A forked child inherits the object but none of its threads (work
-    submitted to the parent's pool would wait forever): it makes its own.
-    """
-
-    def __init__(self, make):
-        self._make = make
-        self._pool = None
-        self._lock = threading.Lock()
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._forget)
-
-    def get(self):
-        with self._lock:
-            if self._pool is None:
-                self._pool = self._make()
-                atexit.register(self._pool.shutdown, wait=True)
-            return self._pool
-
-    def take(self):
-        """The pool made so far (or None), forgotten: the next get() makes a new one."""
-        with self._lock:
-            old, self._pool = self._pool, None
-        return old
-
-    def _forget(self):
-        self._pool = None
-        self._lock = threading.Lock()
 
 
 _io = LazyExecutor(lambda: concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-io",
