@@ -114,9 +114,19 @@ class ReadThrough:
         """
         self.sendfile = os.sendfile if sendfile is None else sendfile
         self.fallback = prefetch_posix if fallback is None else fallback
+        self.nice = 0
         self._null = None
         self._pool = LazyExecutor(lambda: concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix="kvstore-readahead"))
+            threads, thread_name_prefix="kvstore-readahead", initializer=lower_thread_priority,
+            initargs=(self.nice,)))
+
+    def set_nice(self, nice):
+        """Runs the threads at niceness nice (lower_thread_priority) from the
+        next ask on; threads already started finish their asks and end."""
+        self.nice = nice
+        old = self._pool.take()
+        if old is not None:
+            old.shutdown(wait=False)
 
     def __call__(self, fd, offset, length):
         """Queues [offset, offset + length) of fd; True when queued."""
@@ -132,6 +142,13 @@ class ReadThrough:
             os.close(own)
             return False
         return True
+
+
+def set_prefetch_priority(nice):
+    """Runs this platform's prefetch threads, where it has any (Linux's
+    ReadThrough), at niceness nice, as the payload's I/O threads run."""
+    if isinstance(_prefetch, ReadThrough):
+        _prefetch.set_nice(nice)
 
 
 def prefetch_macos(fd, offset, length, fcntl_call=None):

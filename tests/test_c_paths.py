@@ -55,3 +55,23 @@ def test_aarch64_c_paths_under_qemu(tmp_path):
                         tmp_path / "test_native_aarch64", runner=["qemu-aarch64"])
     assert check_output(run) == (1, 1), run.stdout
     assert "sha1 hardware paths: 1, crc32c hardware paths: 1" in run.stdout
+
+
+@pytest.mark.parametrize("target", [110000, 101500])
+def test_macos_branches_of_the_c_build_and_run_for_arm64_under_qemu(tmp_path, target):
+    """csrc/ as Apple clang sees it on an Apple Silicon Mac (__APPLE__ set,
+    __linux__ not): the macOS branches (no page population, no fallocate,
+    the ARM features promised by the compiler flags instead of read from
+    the auxiliary vector; preadv for a deployment target of macOS 11, which
+    setup.py sets, pread run by run below it) are built with glibc standing
+    in for libSystem's POSIX calls and run under qemu.  Apple's own headers
+    and compiler are what only a Mac checks."""
+    missing = [t for t in ("aarch64-linux-gnu-gcc", "qemu-aarch64") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not on PATH: the macOS branches are not checked")
+    (tmp_path / "apple").mkdir()
+    (tmp_path / "apple" / "AvailabilityMacros.h").write_text(f"#define MAC_OS_X_VERSION_MIN_REQUIRED {target}\n")
+    flags = ["-O2", "-march=armv8-a+crc+crypto", "-static", "-U__linux__", "-D__APPLE__", "-D__MACH__",
+             "-Werror=implicit-function-declaration", "-I", str(tmp_path / "apple")]
+    run = build_and_run("aarch64-linux-gnu-gcc", flags, tmp_path / "test_native_macos", runner=["qemu-aarch64"])
+    assert check_output(run) == (1, 1), run.stdout

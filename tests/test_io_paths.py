@@ -16,11 +16,12 @@ import errno
 import mmap
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from kvstore import _native, _reference
+from kvstore import _native, _reference, host
 from kvstore.errors import CheckpointOSError, CorruptCheckpoint
 from kvhelpers import make_store
 
@@ -280,7 +281,7 @@ def test_batched_read_reports_each_failed_piece_and_reads_the_rest(tmp_path, rea
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
-def test_io_threads_run_at_the_niceness_asked_for():
+def test_io_threads_run_at_the_niceness_asked_for(tmp_path):
     import threading
 
     from kvstore import payload
@@ -288,14 +289,40 @@ def test_io_threads_run_at_the_niceness_asked_for():
     def nice_of_this_thread():
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
+    def read_ahead_nice(tmp):
+        """The niceness of the thread a read-ahead ask runs on (host.prefetch)."""
+        seen = []
+        ahead = host._prefetch
+        real, ahead.sendfile = ahead.sendfile, lambda out, fd, off, n: seen.append(nice_of_this_thread()) or n
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                assert host.prefetch(fd, 0, 10)
+            finally:
+                os.close(fd)
+            for _ in range(200):
+                if seen:
+                    break
+                time.sleep(0.01)
+        finally:
+            ahead.sendfile = real
+        return seen[0]
+
     base = os.getpriority(os.PRIO_PROCESS, 0)
+    tmp = os.path.join(tmp_path, "f")
+    with open(tmp, "wb") as f:
+        f.write(b"x" * 10)
     try:
         payload.set_io_priority(min(19, base + 7))
         assert payload._get_pool().submit(nice_of_this_thread).result() == min(19, base + 7)
+        if isinstance(host._prefetch, host.ReadThrough):             # the read-ahead's threads too
+            assert read_ahead_nice(tmp) == min(19, base + 7)
     finally:
         payload.set_io_priority(0)
     # Replaced threads start afresh at the process's own niceness.
     assert payload._get_pool().submit(nice_of_this_thread).result() == base
+    if isinstance(host._prefetch, host.ReadThrough):
+        assert read_ahead_nice(tmp) == base
     with pytest.raises(ValueError, match="20"):
         payload.set_io_priority(20)
 

@@ -199,6 +199,32 @@ def test_a_file_of_many_chunks_round_trips_exact(tmp_path, layout):
             assert np.array_equal(np.asarray(ck.tensors[name]), a), name
 
 
+def test_a_sealed_chain_load_asks_for_its_ciphertext_ahead_in_parts(tmp_path, monkeypatch):
+    # Through kvstore.host.prefetch, as a plain chain load asks (so macOS's
+    # F_RDADVISE and Linux's read-through serve both), cut in parts (here
+    # 64 KiB) that together cover every block's tensor chunks.
+    from kvstore import host
+    from kvstore.seal import source
+    rng = np.random.default_rng(3)
+    n = 64
+    text, ids, offsets = seq(n)
+    tensors = {"k": rng.standard_normal((1, 3, n, 4099)).astype(np.float32)}
+    with sealed_store(tmp_path / "kv", layout="chain") as s:
+        assert s.save(text, ids, tensors, positional={"k": 2}, text_offsets=offsets) is not None
+    asked = []
+    monkeypatch.setattr(source, "PREFETCH_ASK", 64 << 10)
+    monkeypatch.setattr(host, "prefetch", lambda fd, off, k: asked.append((os.fstat(fd).st_ino, off, k)) or True)
+    with sealed_store(tmp_path / "kv", layout="chain") as s:
+        ck = s.load(s.find(text))
+    assert ck is not None and np.array_equal(np.asarray(ck.tensors["k"]), tensors["k"])
+    files = {os.stat(tmp_path / "kv" / f).st_ino: os.path.getsize(tmp_path / "kv" / f)
+             for f in checkpoint_files(tmp_path / "kv")}
+    assert asked and all(k <= 64 << 10 and off + k <= files[ino] for ino, off, k in asked)
+    for ino, size in files.items():         # each block: its 0.8 MB of tensor data, in parts
+        got = sum(k for i, _, k in asked if i == ino)
+        assert got >= 16 * 3 * 4099 * 4, (ino, got)
+
+
 def test_second_save_keeps_the_sealed_chain(tmp_path, caplog):
     with sealed_store(tmp_path / "kv") as s:
         save(s, 100)

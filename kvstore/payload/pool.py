@@ -14,7 +14,7 @@ import threading
 from kvstore import _native
 from kvstore.errors import CorruptCheckpoint
 from kvstore.executors import LazyExecutor
-from kvstore.host import lower_thread_priority
+from kvstore.host import lower_thread_priority, set_prefetch_priority
 from kvstore.payload.buffers import bytes_view, pread_into
 
 # Parallel I/O: a block of at least 2 MiB is split into up to IO_THREADS
@@ -67,13 +67,16 @@ def set_io_priority(nice):
 
     kvstore serve loads checkpoints while its generation thread decodes: at a
     lower priority the loads' copies and CRCs take the CPU time decoding
-    leaves, not the other way round.  Threads already started are replaced.
+    leaves, not the other way round.  The read-ahead's threads
+    (kvstore.host.ReadThrough) take the same niceness.  Threads already
+    started are replaced.
     """
     global _io_nice
     if not 0 <= nice <= 19:
         raise ValueError(f"I/O thread niceness {nice!r} is not in 0..19")
     old = _io.take()
     _io_nice = nice
+    set_prefetch_priority(nice)
     if old is not None:
         old.shutdown(wait=True)
 

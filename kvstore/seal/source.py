@@ -12,10 +12,11 @@ import dataclasses
 import os
 import threading
 
-from kvstore import _native, payload
+from kvstore import _native, host, payload
 from kvstore.errors import CorruptCheckpoint
 from kvstore.format import CHAIN_HEAD_SIZE, HEADER_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, \
     parse_chain_head
+from kvstore.payload.chains import PREFETCH_ASK
 from kvstore.seal import cipher
 from kvstore.seal.cipher import decrypt_in_place
 from kvstore.seal.layout import BODY_OFFSET, TAG_BYTES, chunk_aad, chunk_nonce, parse_seal_head, read_tags
@@ -327,21 +328,19 @@ def decrypt_parts(key, nonce, tag, aad, parts):
 
 
 def _read_ahead(work):
-    """Asks the kernel to read the ciphertext of work's chunks (chunk_work's)
-    in the background (POSIX_FADV_WILLNEED, where the platform has it): one
-    request per source, from its first chunk in work to its last."""
-    if not hasattr(os, "posix_fadvise"):
-        return
+    """Asks for the ciphertext of work's chunks (chunk_work's) to be read in
+    the background (kvstore.host.prefetch, in asks of at most
+    chains.PREFETCH_ASK bytes, as a plain chain load asks): per source,
+    from its first chunk in work to its last."""
     spans = {}
     for src, i in (key for key, _ in work):
         a, z = spans.get(src, (i, i))
         spans[src] = (min(a, i), max(z, i))
     for src, (a, z) in spans.items():
-        lo, hi = src.grid.span(a)[0], src.grid.span(z)[1]
-        try:
-            os.posix_fadvise(src.fd, BODY_OFFSET + lo, hi - lo, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            return
+        lo, hi = BODY_OFFSET + src.grid.span(a)[0], BODY_OFFSET + src.grid.span(z)[1]
+        for at in range(lo, hi, PREFETCH_ASK):
+            if not host.prefetch(src.fd, at, min(PREFETCH_ASK, hi - at)):
+                return
 
 
 def _rows(dst, run, stride, at, n):
