@@ -7,7 +7,7 @@ injected.
 
 - prefetch: have a file's range read into the page cache in the
   background: on Linux by reading it through (sendfile to /dev/null) on
-  two threads of its own (ReadThrough: POSIX_FADV_WILLNEED would leave it
+  four threads of its own (ReadThrough: POSIX_FADV_WILLNEED would leave it
   in 4 KiB pages, slower to copy out of); F_RDADVISE on macOS, which has
   no posix_fadvise; POSIX_FADV_WILLNEED on other POSIX systems.  A chain
   load asks for the blocks ahead of its reads: on a cold disk the reads
@@ -81,10 +81,15 @@ def prefetch_posix(fd, offset, length):
 # out of the page cache slower for it: a warm load of Llama-3.1-8B at 33,768
 # tokens (4.1 GiB) after a cold one took 1.76-1.82 s after WILLNEED,
 # 1.02-1.08 s after the read-through, mlx-lm's 1.15-1.25 s (its reads bring
-# large folios); cold, 1.78-2.32 s with two threads, 3.2-3.5 s with one
-# (bench/shapes.py's child load, this VM).  Each ask holds a dup of the
-# file descriptor, so a load that closes its files first is safe.
-READ_THROUGH_THREADS = 2
+# large folios).  Each thread waits for its ask's reads, so the threads
+# and the size of an ask (kvstore.payload.chains.PREFETCH_ASK) set how much
+# the disk has queued: cold, Qwen3-32B's KV at 9,192 tokens (2.2 GiB) took
+# 1.64-2.06 s with two threads asking 1 MiB each, 0.96-1.07 s with four
+# asking 4 MiB, mlx-lm's 1.21-1.41 s; DeepSeek-V3's latent (0.6 GiB)
+# 0.41-0.47, 0.30-0.32 and 0.38-0.41 s (bench/shapes.py's child load, this
+# VM).  Each ask holds a dup of the file descriptor, so a load that closes
+# its files first is safe.
+READ_THROUGH_THREADS = 4
 
 
 def _read_through(fd, offset, length, sendfile, null, fallback):

@@ -322,13 +322,15 @@ def read_stream(layout, buffers, slots, verify):
 # then wait behind the later blocks' requests (seen here, DeepSeek-V3's
 # latent at 9,192 tokens from a cold page cache: 0.48-0.62 s with 256 MiB
 # ahead of the planning, 0.34-0.39 s with 64 MiB ahead of the reads, 16 or
-# 32 MiB no better; bench/shapes.py).  An ask is cut in parts because
-# Linux reads at most the device's readahead size (read_ahead_kb, or its
-# largest request if that is larger) of one POSIX_FADV_WILLNEED and drops
-# the rest without a word: a 336 MiB block asked for whole came in as its
-# first 8 MiB.
+# 32 MiB no better; bench/shapes.py).  An ask is cut in parts: on Linux
+# each part is read through by one of kvstore.host's read-ahead threads,
+# which then has it all in flight at once (see host.READ_THROUGH_THREADS
+# for the sizes measured); where the ask is a POSIX_FADV_WILLNEED, Linux
+# reads at most the device's readahead size (read_ahead_kb, or its largest
+# request if that is larger; 8 MiB here) of one and drops the rest without
+# a word: a 336 MiB block asked for whole came in as its first 8 MiB.
 PREFETCH_BYTES = 64 << 20
-PREFETCH_ASK = 1 << 20
+PREFETCH_ASK = 4 << 20
 
 
 class Prefetcher:
