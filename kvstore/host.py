@@ -38,6 +38,7 @@ import errno
 import os
 import struct
 import sys
+import threading
 
 from kvstore import _native
 from kvstore.errors import CheckpointOSError
@@ -121,6 +122,7 @@ class ReadThrough:
         self.fallback = prefetch_posix if fallback is None else fallback
         self.nice = 0
         self._null = None
+        self._null_lock = threading.Lock()          # asks come from several I/O threads
         self._pool = LazyExecutor(lambda: concurrent.futures.ThreadPoolExecutor(
             threads, thread_name_prefix="kvstore-readahead", initializer=lower_thread_priority,
             initargs=(self.nice,)))
@@ -137,7 +139,9 @@ class ReadThrough:
         """Queues [offset, offset + length) of fd; True when queued."""
         try:
             if self._null is None:
-                self._null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+                with self._null_lock:
+                    if self._null is None:
+                        self._null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
             own = os.dup(fd)
         except OSError:
             return self.fallback(fd, offset, length)
@@ -224,7 +228,6 @@ QOS_CLASS_UTILITY = 0x11
 def lower_priority_linux(nice, setpriority=None):
     """Gives the calling thread niceness nice (setpriority on its thread id); True when it took."""
     setpriority = os.setpriority if setpriority is None else setpriority
-    import threading
     try:
         setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except OSError:

@@ -159,7 +159,12 @@ def _large_folio_share(path):
 @pytest.mark.skipif(not (host.LINUX and hasattr(os, "RWF_NOWAIT")), reason="Linux's read-through")
 def test_read_through_caches_a_file_in_large_folios_as_the_files_own_reads_do(tmp_path):
     """What the read-through is for: pages asked for come in as large folios,
-    which later loads copy out of faster than POSIX_FADV_WILLNEED's 4 KiB ones."""
+    which later loads copy out of faster than POSIX_FADV_WILLNEED's 4 KiB
+    ones (none of those: 0% here).  Not all of them: asks read at once by
+    several threads through one file's shared read-ahead state are taken
+    now and then for small random reads, which the kernel reads in 4 KiB
+    pages (16 MiB in 4 MiB asks on four threads: 47-98% large, 1 MiB asks
+    97-98% but once 19%), so the bound is a quarter."""
     size = 16 << 20
     fd = _evicted_file(tmp_path / "f", size, whole_cache=True)
     try:
@@ -181,7 +186,7 @@ def test_read_through_caches_a_file_in_large_folios_as_the_files_own_reads_do(tm
         assert all(host.cached_linux(fd, off) for off in range(0, size, 4096))
     finally:
         os.close(fd)
-    assert _large_folio_share(tmp_path / "f") >= 0.5
+    assert _large_folio_share(tmp_path / "f") >= 0.25
 
 
 # ---- a chain load asks for its blocks ahead of its reads ------------------------------
