@@ -54,6 +54,7 @@ HEADLINE = [
     ("shapes", "model_fingerprint after mlx_lm's load"),
     ("serve_sizes", "decode rate of 2 streaming sessions while"),
     ("serve_sizes", "the longest gap between two tokens"),
+    ("serve_sizes", "the batch's stall as P leaves it"),
     ("serve_sizes", "decode rate of 2 sessions while P's"),
     ("ttft", "TTFT 4,096 + 128 tokens: kvstore disk hit vs cold prefill"),
     ("ttft", "TTFT 4,096 + 128 tokens: kvstore disk hit vs mlx-lm"),

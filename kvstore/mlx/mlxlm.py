@@ -136,6 +136,31 @@ class _ReportingQueue(queue.Queue):
         self._on_put()
 
 
+class _CountedBudget:
+    """mlx-lm's per-loop time budget, calling on_step after each batch step of its loop.
+
+    The server runs `for _ in budget: batch_generator.next() ...`: every
+    __next__ after the first of a loop follows a step that returned.
+    """
+
+    def __init__(self, budget, on_step):
+        self._budget = budget
+        self._on_step = on_step
+        self._inner = None
+        self._first = True
+
+    def __iter__(self):
+        self._inner = iter(self._budget)
+        self._first = True
+        return self
+
+    def __next__(self):
+        if not self._first:
+            self._on_step()
+        self._first = False
+        return next(self._inner)
+
+
 class HookedResponseGenerator(mlx_server.ResponseGenerator):
     """mlx-lm's ResponseGenerator with its private steps behind public hooks.
 
@@ -143,13 +168,17 @@ class HookedResponseGenerator(mlx_server.ResponseGenerator):
     request and runs its loop in private methods; each of them here calls a
     public hook a subclass overrides.  stock_* run mlx-lm's own step.  Its
     request queue calls request_queued() after each put (on the thread that
-    put it).
+    put it), and batch_step_done() runs after each step of the batch.
     """
 
     def __init__(self, model_provider, prompt_cache):
         super().__init__(model_provider, prompt_cache)
         # Before any request: the generation thread is still loading its model.
         self.requests = _ReportingQueue(self.request_queued)
+        self._time_budget = _CountedBudget(self._time_budget, self.batch_step_done)
+
+    def batch_step_done(self):
+        """Called on the generation thread after each step of the running batch (prefill or decode)."""
 
     def request_queued(self):
         """Called on the putting thread once a request is on the generation thread's queue."""

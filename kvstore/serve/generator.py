@@ -194,9 +194,15 @@ class TieredResponseGenerator(HookedResponseGenerator):
 
     # -- the generation thread ------------------------------------------------
 
+    def batch_step_done(self):
+        self.tier.steps.tick()
+
     def next_request(self, timeout=None):
         """mlx-lm's next queued request; after one, also the requests that
         arrived with it and are still being prepared (ADMIT_WAIT_S)."""
+        if timeout is not None:
+            # mlx-lm waits for requests only when no batch runs.
+            self.tier.steps.idle()
         request = self._taken(self.stock_next_request(timeout))
         now = time.monotonic()
         if request is not None:
@@ -262,6 +268,7 @@ class TieredResponseGenerator(HookedResponseGenerator):
                 self.tier.open()
             self.stock_generation_loop()
         finally:
+            self.tier.steps.idle()
             self.tier.persist_all()
 
 

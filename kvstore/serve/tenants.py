@@ -57,3 +57,15 @@ def key_prefix(tenant):
     if tenant is None:
         return b""
     return KEY_MARK + tenant.encode("ascii") + b"\0"
+
+
+def trie_key(model, tenant):
+    """The model key of mlx-lm's trie for a tenant's entries: the model itself for none."""
+    return model if tenant is None else (model, "tenant", tenant)
+
+
+def split_trie_key(ns):
+    """(model, tenant) of a trie model key."""
+    if isinstance(ns, tuple) and len(ns) == 3 and ns[1] == "tenant":
+        return ns[0], ns[2]
+    return ns, None

@@ -58,6 +58,7 @@ from kvstore.mlx.mlxlm import ReportingPromptCache
 from kvstore.serve import tenants
 from kvstore.serve.admission import Ledger
 from kvstore.serve.pinning import Pinner
+from kvstore.serve.steps import StepClock
 from kvstore.serve.ticket import Found, Prefetched, Ticket
 
 log = logging.getLogger("kvstore")
@@ -74,18 +75,6 @@ MIN_DISK_GAIN = DEFAULT_BLOCK_TOKENS
 # Requests the tier keeps track of between begin() and their finished
 # insert; one that never finishes (a dropped client) ages out past this.
 MAX_ACTIVE = 1024
-
-
-def _ns(model, tenant):
-    """The trie's model key of a tenant: the model itself for none."""
-    return model if tenant is None else (model, "tenant", tenant)
-
-
-def _split(ns):
-    """(model, tenant) of a trie model key."""
-    if isinstance(ns, tuple) and len(ns) == 3 and ns[1] == "tenant":
-        return ns[0], ns[2]
-    return ns, None
 
 
 def _arrays(cache):
@@ -147,6 +136,7 @@ class TieredPromptCache(ReportingPromptCache):
         self._active = collections.OrderedDict()   # id -> (tenant, prompt) between begin() and finish
         self.ledger = Ledger(admit_after, self._offsets)
         self._serial = itertools.count()
+        self.steps = StepClock()                 # the generation thread's batch steps (kvstore.serve.steps)
 
     # -- the model and its store ----------------------------------------------
 
@@ -207,7 +197,7 @@ class TieredPromptCache(ReportingPromptCache):
             key = self.key_bytes(tokens[:-1], tenant)
             if self.admit_after > 1:
                 self.ledger.count_uses(tokens[:-1], tenant, key)
-            ns = _ns(self.model_key, tenant)
+            ns = tenants.trie_key(self.model_key, tenant)
             with self._lock:
                 lo, hi = self.ram_reuse_bounds(ns, tokens)
             if not self._beats(None, tokens, lo, tenant):
@@ -328,7 +318,7 @@ class TieredPromptCache(ReportingPromptCache):
             # Not the request begin() announced: share nothing with anyone.
             log.warning("kvstore: request_unannounced tokens=%d", len(tokens))
             ticket = Ticket(tenant=f"unannounced-{next(self._serial)}")
-        ns = _ns(model, ticket.tenant)
+        ns = tenants.trie_key(model, ticket.tenant)
         with self._lock:
             cache, rest = super().fetch_nearest_cache(ns, tokens)
         reused = len(tokens) - len(rest)
@@ -384,7 +374,7 @@ class TieredPromptCache(ReportingPromptCache):
             for tenant in owners:
                 self._incoming = (prompt_cache, prompt_len)
                 try:
-                    super().insert_cache(_ns(model, tenant), tokens, prompt_cache, cache_type=cache_type)
+                    super().insert_cache(tenants.trie_key(model, tenant), tokens, prompt_cache, cache_type=cache_type)
                 finally:
                     self._incoming = None
         targets = self._targets(tokens, cache_type)
@@ -441,7 +431,7 @@ class TieredPromptCache(ReportingPromptCache):
         are stored (a new Ledger).  Returns how many went."""
         with self._lock:
             self.ledger = Ledger(self.admit_after, self._offsets)
-            return self.drop_entries(lambda ns, tokens: select is None or select(_split(ns)[1], tokens))
+            return self.drop_entries(lambda ns, tokens: select is None or select(tenants.split_trie_key(ns)[1], tokens))
 
     def entry_pushed(self, ns, tokens):
         if self._incoming is not None:
@@ -469,7 +459,7 @@ class TieredPromptCache(ReportingPromptCache):
         docs/format.md §14).  A state that cannot be cut there (recurrent,
         windowed), and an entry of no finished request, is stored whole.
         """
-        model, tenant = _split(ns)
+        model, tenant = tenants.split_trie_key(ns)
         cache, prompt_len = held
         for target in policy.leaving_stores(reason, len(tokens), prompt_len):
             result = self._persist(model, tenant, tokens, cache, target, wait=wait)
@@ -490,7 +480,8 @@ class TieredPromptCache(ReportingPromptCache):
         microseconds) and the state captured (the arrays it must copy on its
         own MLX stream: what the save costs it is the bytes); the save runs
         on the store's background writer (_store), never between the batch's
-        steps, and is skipped (counted: kvstore_stores_skipped{why="writer_busy"})
+        steps and not before the step in flight is done (kvstore.serve.steps),
+        and is skipped (counted: kvstore_stores_skipped{why="writer_busy"})
         rather than waited for when the writer's queue is full; with wait
         (the stores at shutdown, when no batch runs) it waits for room.
         """
@@ -518,8 +509,8 @@ class TieredPromptCache(ReportingPromptCache):
                 tensors = {k: slice_along(a, positional[k], 0, cut) for k, a in tensors.items()}
             captured, dtypes = self.store.capture(tensors)
             submit = self.store.submit if wait else self.store.try_submit
-            queued = submit(self._store, tenant, list(tokens[:cut]), key, captured, dtypes, meta, positional,
-                            reason, pin)
+            queued = submit(self.steps.deferred(self._store), tenant, list(tokens[:cut]), key, captured, dtypes,
+                            meta, positional, reason, pin)
             if queued is None:
                 # The writer is behind: the batch does not wait for the disk.
                 log.info("kvstore: store_skipped reason=%s why=writer_busy tokens=%d", why, cut)
