@@ -219,6 +219,17 @@ def prefetch(fd, offset, length):
     return _prefetch(fd, offset, length)
 
 
+def prefetch_parts(fd, lo, hi, part):
+    """prefetch() of [lo, hi) in asks of at most part bytes, in order,
+    stopping at the first one refused (what one refused, the rest would be
+    too: the reads fetch the data themselves).  True when every part was
+    asked for."""
+    for at in range(lo, hi, part):
+        if not prefetch(fd, at, min(part, hi - at)):
+            return False
+    return True
+
+
 # ---- thread priority ------------------------------------------------------------------
 
 # <sys/qos.h>: qos_class_t values.

@@ -283,6 +283,18 @@ def test_the_prefetcher_leaves_earlier_restorable_blocks_of_a_chain_with_snapsho
     assert [fd for fd, _, _ in asked] == [100, 101, 102, 103, 104]
 
 
+def test_prefetch_parts_asks_in_order_in_parts_and_stops_at_a_refusal(monkeypatch):
+    asked = []
+    monkeypatch.setattr(host, "prefetch", lambda fd, off, n: asked.append((off, n)) or True)
+    assert host.prefetch_parts(7, 100, 350, 100) is True
+    assert asked == [(100, 100), (200, 100), (300, 50)]
+    asked.clear()
+    assert host.prefetch_parts(7, 5, 5, 100) is True and asked == []
+    monkeypatch.setattr(host, "prefetch", lambda fd, off, n: asked.append((off, n)) or off < 200)
+    assert host.prefetch_parts(7, 0, 1000, 100) is False
+    assert asked == [(0, 100), (100, 100), (200, 100)]       # nothing asked after the refusal
+
+
 @pytest.mark.parametrize("into", ["numpy", "mlx"])
 def test_a_cold_chain_load_asks_for_every_block_whole_and_loads_the_same(tmp_path, monkeypatch, into):
     if into == "mlx":

@@ -385,12 +385,8 @@ class Prefetcher:
             a, b = lo - begin, min(hi, self.ends[k]) - begin
             if a == 0 and host.cached(fd, size - 1):        # a warm block: nothing to ask for,
                 self.warm.add(k)                            # nor in the parts asked later
-            if k in self.warm:
-                a = b
-            while a < b:
-                n = min(self.ask, b - a)
-                host.prefetch(fd, a, n)
-                a += n
+            if k not in self.warm:
+                host.prefetch_parts(fd, a, b, self.ask)
             lo = self.ends[k]
             k += 1
 

@@ -337,10 +337,9 @@ def _read_ahead(work):
         a, z = spans.get(src, (i, i))
         spans[src] = (min(a, i), max(z, i))
     for src, (a, z) in spans.items():
-        lo, hi = BODY_OFFSET + src.grid.span(a)[0], BODY_OFFSET + src.grid.span(z)[1]
-        for at in range(lo, hi, PREFETCH_ASK):
-            if not host.prefetch(src.fd, at, min(PREFETCH_ASK, hi - at)):
-                return
+        if not host.prefetch_parts(src.fd, BODY_OFFSET + src.grid.span(a)[0], BODY_OFFSET + src.grid.span(z)[1],
+                                   PREFETCH_ASK):
+            return
 
 
 def _rows(dst, run, stride, at, n):
