@@ -81,7 +81,7 @@ def prefetch_posix(fd, offset, length):
 # in one 4 KiB page at a time (order-0 folios), and every later load copies
 # out of the page cache slower for it: a warm load of Llama-3.1-8B at 33,768
 # tokens (4.1 GiB) after a cold one took 1.76-1.82 s after WILLNEED,
-# 1.02-1.08 s after the read-through, mlx-lm's 1.15-1.25 s (its reads bring
+# 1.02-1.08 s after the read-through, mlx-lm's 1.18-1.51 s (its reads bring
 # large folios).  Each thread waits for its ask's reads, so the threads
 # and the size of an ask (kvstore.payload.chains.PREFETCH_ASK) set how much
 # the disk has queued: cold, Qwen3-32B's KV at 9,192 tokens (2.2 GiB) took
@@ -151,6 +151,52 @@ class ReadThrough:
             os.close(own)
             return False
         return True
+
+
+# An ask no longer than the device's read-ahead window is read by the
+# kernel as a read-ahead of its own: in window-sized steps, one after the
+# other, and several threads' asks within one file share one read-ahead
+# state (some then come in 4 KiB pages).  An ask past the window is read
+# whole, in parallel requests.  Cold, Llama-3.3-70B's KV at 9,192 tokens
+# (2.8 GiB, 36 files) on a disk with an 8 MiB window: asks of 4 MiB
+# 1.68-2.70 s (median 1.98 of 6), of 16 MiB 1.47-2.62 s (1.60 of 12),
+# mlx-lm's 1.79-1.94 s (1.83); gpt-oss-20b's at 33,768 tokens 0.47 against
+# 0.62 s, DeepSeek-V3's latent at 9,192 the same (bench/shapes.py's child
+# load, this VM, an Intel Xeon; `dd` reads mlx-lm's file at 2.0 GB/s).
+_read_ahead_of = {}
+
+
+def read_ahead_bytes_linux(fd):
+    """The read-ahead window of the device under fd's file (sysfs), or None."""
+    try:
+        dev = os.fstat(fd).st_dev
+    except OSError:
+        return None
+    if dev not in _read_ahead_of:
+        found = None
+        name = f"{os.major(dev)}:{os.minor(dev)}"
+        for path in (f"/sys/class/bdi/{name}/read_ahead_kb", f"/sys/dev/block/{name}/queue/read_ahead_kb",
+                     f"/sys/dev/block/{name}/../queue/read_ahead_kb"):     # a partition: its disk's
+            try:
+                with open(path) as f:
+                    found = int(f.read()) * 1024
+                break
+            except (OSError, ValueError):
+                continue
+        _read_ahead_of[dev] = found
+    return _read_ahead_of[dev]
+
+
+def read_ahead_bytes_unknown(fd):
+    return None
+
+
+def prefetch_ask(fd, least):
+    """How many bytes one prefetch() ask of fd's file should cover: least,
+    or twice the device's read-ahead window where that is known and more
+    (see above)."""
+    window = _read_ahead_bytes(fd)
+    return max(least, 2 * window) if window else least
 
 
 def set_prefetch_priority(nice):
@@ -417,6 +463,7 @@ def _choose(macos=MACOS, linux=LINUX):
         "prefetch": prefetch_macos if macos else ReadThrough() if linux and hasattr(os, "sendfile") else
         prefetch_posix if has_fadvise else prefetch_none,
         "cached": cached_linux if linux and hasattr(os, "RWF_NOWAIT") else cached_unknown,
+        "read_ahead_bytes": read_ahead_bytes_linux if linux else read_ahead_bytes_unknown,
         "lower_priority": lower_priority_macos if macos else
         lower_priority_linux if linux and hasattr(os, "setpriority") else lower_priority_none,
         "boot_time": boot_time_macos if macos else boot_time_linux if linux else boot_time_none,
@@ -428,6 +475,7 @@ def _choose(macos=MACOS, linux=LINUX):
 _chosen = _choose()
 _prefetch = _chosen["prefetch"]
 _cached = _chosen["cached"]
+_read_ahead_bytes = _chosen["read_ahead_bytes"]
 _lower_priority = _chosen["lower_priority"]
 _boot_time = _chosen["boot_time"]
 _preallocate = _chosen["preallocate"]

@@ -202,6 +202,7 @@ def _layout(sizes, restorable, snapshots):
 def _asked(monkeypatch):
     asked = []
     monkeypatch.setattr(host, "prefetch", lambda fd, off, n: asked.append((fd, off, n)) or True)
+    monkeypatch.setattr(host, "_read_ahead_bytes", lambda fd: None)     # the stand-in fds have no device
     return asked
 
 
@@ -293,6 +294,31 @@ def test_prefetch_parts_asks_in_order_in_parts_and_stops_at_a_refusal(monkeypatc
     monkeypatch.setattr(host, "prefetch", lambda fd, off, n: asked.append((off, n)) or off < 200)
     assert host.prefetch_parts(7, 0, 1000, 100) is False
     assert asked == [(0, 100), (100, 100), (200, 100)]       # nothing asked after the refusal
+
+
+def test_an_ask_is_twice_the_devices_read_ahead_window_where_that_is_more(monkeypatch):
+    asked = _asked(monkeypatch)
+    windows = {3: None, 4: 128 << 10, 100: 8 << 20}
+    monkeypatch.setattr(host, "_read_ahead_bytes", windows.get)
+    assert host.prefetch_ask(3, 4 << 20) == 4 << 20             # not known
+    assert host.prefetch_ask(4, 4 << 20) == 4 << 20             # a small window
+    assert host.prefetch_ask(100, 4 << 20) == 16 << 20          # past the window: read whole
+    # A chain load asks in those parts, with at least four of them ahead.
+    monkeypatch.setattr(host, "cached", lambda fd, off: False)
+    p = chains.Prefetcher(_layout([40 << 20], [True], snapshots=False))
+    assert p.ask == 16 << 20 and p.limit == 64 << 20
+    p.advance(0)
+    assert asked == [(100, 0, 16 << 20), (100, 16 << 20, 16 << 20), (100, 32 << 20, 8 << 20)]
+
+
+@pytest.mark.skipif(not host.LINUX, reason="sysfs is Linux's")
+def test_the_read_ahead_window_of_a_real_file_is_its_devices(tmp_path):
+    with open(tmp_path / "f", "wb") as f:
+        got = host.read_ahead_bytes_linux(f.fileno())
+    if got is None:
+        pytest.skip("this file's device has no read-ahead window in sysfs (a tmpfs, an overlay)")
+    assert got >= 0 and got % 1024 == 0
+    assert host.read_ahead_bytes_linux(10 ** 6) is None          # not a descriptor
 
 
 @pytest.mark.parametrize("into", ["numpy", "mlx"])

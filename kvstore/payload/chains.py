@@ -328,7 +328,10 @@ def read_stream(layout, buffers, slots, verify):
 # for the sizes measured); where the ask is a POSIX_FADV_WILLNEED, Linux
 # reads at most the device's readahead size (read_ahead_kb, or its largest
 # request if that is larger; 8 MiB here) of one and drops the rest without
-# a word: a 336 MiB block asked for whole came in as its first 8 MiB.
+# a word: a 336 MiB block asked for whole came in as its first 8 MiB.  On a
+# device whose read-ahead window is larger than half an ask, the asks are
+# twice that window instead, and the window ahead at least four of them
+# (kvstore.host.prefetch_ask says why).
 PREFETCH_BYTES = 64 << 20
 PREFETCH_ASK = 4 << 20
 
@@ -336,7 +339,8 @@ PREFETCH_ASK = 4 << 20
 class Prefetcher:
     """Asks the kernel to read a chain's blocks ahead of the load's reads
     (host.prefetch), at most PREFETCH_BYTES beyond the furthest read begun,
-    in asks of at most PREFETCH_ASK bytes.
+    in asks of at most PREFETCH_ASK bytes (both larger on a device with a
+    large read-ahead window: host.prefetch_ask).
 
     The blocks make one stream, in chain order: a block is in it whole when
     the load reads all of it and its last page is not cached already
@@ -349,12 +353,13 @@ class Prefetcher:
     """
 
     def __init__(self, layout, limit=None, ask=None):
-        self.limit = PREFETCH_BYTES if limit is None else limit
-        self.ask = PREFETCH_ASK if ask is None else ask
         snapshots = any(t.name not in layout.axes for t in layout.tensors)
         last = len(layout.blocks) - 1
         self.todo = [(i, fd, e.file_size) for i, (fd, e) in enumerate(layout.blocks)
                      if type(fd) is int and (i == last or not snapshots or not e.restorable)]
+        # (A chain's blocks share a directory, hence a device.)
+        self.ask = ask if ask is not None else host.prefetch_ask(self.todo[0][1], PREFETCH_ASK) if self.todo else 0
+        self.limit = max(PREFETCH_BYTES, 4 * self.ask) if limit is None else limit
         self.at = [i for i, _, _ in self.todo]
         self.ends = list(itertools.accumulate(size for _, _, size in self.todo))
         self.asked = 0                      # the stream's bytes before this are asked for

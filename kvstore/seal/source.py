@@ -338,7 +338,7 @@ def _read_ahead(work):
         spans[src] = (min(a, i), max(z, i))
     for src, (a, z) in spans.items():
         if not host.prefetch_parts(src.fd, BODY_OFFSET + src.grid.span(a)[0], BODY_OFFSET + src.grid.span(z)[1],
-                                   PREFETCH_ASK):
+                                   host.prefetch_ask(src.fd, PREFETCH_ASK)):
             return
 
 
