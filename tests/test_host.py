@@ -179,9 +179,10 @@ def test_read_through_caches_a_file_in_large_folios_as_the_files_own_reads_do(tm
         pytest.skip(f"this file system caches reads in large folios for {share:.0%} of the pages only")
     fd = _evicted_file(tmp_path / "f", size, whole_cache=True)
     rt = host.ReadThrough()
+    ask = host.prefetch_ask(fd, chains.PREFETCH_ASK)             # as a chain load asks on this device
     try:
-        for off in range(0, size, chains.PREFETCH_ASK):
-            rt(fd, off, chains.PREFETCH_ASK)
+        for off in range(0, size, ask):
+            rt(fd, off, min(ask, size - off))
         _drain(rt)
         assert all(host.cached_linux(fd, off) for off in range(0, size, 4096))
     finally:
