@@ -8,6 +8,8 @@ require_crypto() says what to install.  Which nonce and AAD a chunk gets is
 the layout's (kvstore.seal.layout); this module only runs the cipher.
 """
 
+import threading
+
 from kvstore.seal.layout import CHUNK_BYTES
 
 try:
@@ -24,6 +26,8 @@ DERIVED_KEY_BYTES = 32            # AES-256
 
 # The zeros between a chunk's pieces (a writer's gaps: padding).
 _ZEROS = bytes(CHUNK_BYTES)
+
+_local = threading.local()
 
 
 def require_crypto():
@@ -59,20 +63,48 @@ def encrypt_pieces(key, nonce, aad, pieces, out):
     return enc.tag
 
 
-def decrypt_in_place(key, nonce, tag, aad, part):
-    """Decrypts one chunk's ciphertext in part (a writable memoryview) and
-    checks its tag.
+def _scratch(n):
+    """This thread's scratch of at least n bytes (the plain bytes of a chunk before its tag is checked)."""
+    buf = getattr(_local, "plain", None)
+    if buf is None or len(buf) < n:
+        buf = _local.plain = memoryview(bytearray(max(n, CHUNK_BYTES)))
+    return buf[:n]
+
+
+def decrypt_parts(key, nonce, tag, aad, parts):
+    """Decrypts one chunk whose ciphertext lies in parts (writable
+    memoryviews, in order) and checks its tag; each part then holds its
+    plain bytes.
+
+    The plain bytes go through this thread's scratch and reach the parts
+    only once the tag has checked (cryptography 51 refuses to decrypt a
+    buffer into itself): a forged chunk leaves no plain byte in them.
 
     Returns:
-        True when the chunk authenticates; False when it does not, part then
-        wiped (no plain bytes of a forged chunk are left behind).
+        True when the chunk authenticates; False when it does not, every
+        part and the scratch then wiped.
     """
     dec = Cipher(algorithms.AES(key), modes.GCM(nonce, tag)).decryptor()
     dec.authenticate_additional_data(aad)
-    dec.update_into(part, part)
+    plain = _scratch(sum(p.nbytes for p in parts))
+    at = 0
+    for part in parts:
+        dec.update_into(part, plain[at:at + part.nbytes])
+        at += part.nbytes
     try:
         dec.finalize()
     except InvalidTag:
-        part[:] = bytes(part.nbytes)
+        plain[:] = bytes(plain.nbytes)
+        for part in parts:
+            part[:] = bytes(part.nbytes)
         return False
+    at = 0
+    for part in parts:
+        part[:] = plain[at:at + part.nbytes]
+        at += part.nbytes
     return True
+
+
+def decrypt_in_place(key, nonce, tag, aad, part):
+    """decrypt_parts of a chunk whose ciphertext is one part."""
+    return decrypt_parts(key, nonce, tag, aad, [part])

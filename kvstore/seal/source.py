@@ -17,8 +17,7 @@ from kvstore.errors import CorruptCheckpoint
 from kvstore.format import CHAIN_HEAD_SIZE, HEADER_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, \
     parse_chain_head
 from kvstore.payload.chains import PREFETCH_ASK
-from kvstore.seal import cipher
-from kvstore.seal.cipher import decrypt_in_place
+from kvstore.seal.cipher import decrypt_in_place, decrypt_parts
 from kvstore.seal.layout import BODY_OFFSET, TAG_BYTES, chunk_aad, chunk_nonce, parse_seal_head, read_tags
 
 
@@ -303,28 +302,6 @@ def _places(fd, lo, hi, buffers, rows, scratch):
     if at < hi:
         gap(at, hi)
     return views, reads, parts
-
-
-def decrypt_parts(key, nonce, tag, aad, parts):
-    """kvstore.seal.cipher.decrypt_in_place over a chunk whose ciphertext
-    lies in parts (writable views, in order): one GCM pass, each part
-    decrypted in place.
-
-    Returns:
-        True when the chunk authenticates; False when it does not, every
-        part then wiped (no plain bytes of a forged chunk are left behind).
-    """
-    dec = cipher.Cipher(cipher.algorithms.AES(key), cipher.modes.GCM(nonce, tag)).decryptor()
-    dec.authenticate_additional_data(aad)
-    for part in parts:
-        dec.update_into(part, part)
-    try:
-        dec.finalize()
-    except cipher.InvalidTag:
-        for part in parts:
-            part[:] = bytes(part.nbytes)
-        return False
-    return True
 
 
 def _read_ahead(work):
