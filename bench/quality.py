@@ -90,12 +90,14 @@ def corpus(tok, max_bytes):
     held = set(names[::10])
     train, out, size = [], [], 0
     for n in names:
+        if n not in held and size >= max_bytes:
+            continue                        # (only what is used is tokenized)
         with open(os.path.join(root, n), encoding="utf-8", errors="replace") as f:
             text = f.read()
         ids = tok.encode(text) + [tok.eos_id]
         if n in held:
             out.append(ids)
-        elif size < max_bytes:
+        else:
             train += ids
             size += len(text)
     return np.array(train, dtype=np.int32), out
@@ -279,6 +281,7 @@ def main(argv=None):
     info = machine_info()
     recipe = QUICK_TRAIN if args.quick else TRAIN
     model, tok, path, log = trained_model(recipe)
+    mx.random.seed(recipe["seed"] + 1)             # another model, the same one every run
     other = llama.Model(llama.ModelArgs.from_dict(demo.model_config(vocab=tok.vocab_size, **ARCH)))
     other.set_dtype(mx.bfloat16)
     windows = held_out_windows(tok, QUICK_WINDOWS if args.quick else WINDOWS)

@@ -63,11 +63,14 @@ def encrypt_pieces(key, nonce, aad, pieces, out):
     return enc.tag
 
 
-def _scratch(n):
-    """This thread's scratch of at least n bytes (the plain bytes of a chunk before its tag is checked)."""
-    buf = getattr(_local, "plain", None)
+def thread_scratch(slot, n):
+    """n bytes of this thread's scratch buffer named slot, kept for its next
+    use (a chain load decrypts hundreds of chunks, and a fresh zeroed MiB
+    each is a cost of its own); buffers of different slots never overlap."""
+    buf = getattr(_local, slot, None)
     if buf is None or len(buf) < n:
-        buf = _local.plain = memoryview(bytearray(max(n, CHUNK_BYTES)))
+        buf = memoryview(bytearray(n))
+        setattr(_local, slot, buf)
     return buf[:n]
 
 
@@ -86,7 +89,7 @@ def decrypt_parts(key, nonce, tag, aad, parts):
     """
     dec = Cipher(algorithms.AES(key), modes.GCM(nonce, tag)).decryptor()
     dec.authenticate_additional_data(aad)
-    plain = _scratch(sum(p.nbytes for p in parts))
+    plain = thread_scratch("plain", sum(p.nbytes for p in parts))
     at = 0
     for part in parts:
         dec.update_into(part, plain[at:at + part.nbytes])

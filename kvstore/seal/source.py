@@ -10,14 +10,13 @@ rows.  Every byte a load uses is authenticated; the bytes it skips
 
 import dataclasses
 import os
-import threading
 
 from kvstore import _native, host, payload
 from kvstore.errors import CorruptCheckpoint
 from kvstore.format import CHAIN_HEAD_SIZE, HEADER_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, \
     parse_chain_head
 from kvstore.payload.chains import PREFETCH_ASK
-from kvstore.seal.cipher import decrypt_in_place, decrypt_parts
+from kvstore.seal.cipher import decrypt_in_place, decrypt_parts, thread_scratch
 from kvstore.seal.layout import BODY_OFFSET, TAG_BYTES, chunk_aad, chunk_nonce, parse_seal_head, read_tags
 
 
@@ -257,24 +256,12 @@ class SealedSource:
         """
         _read_ahead(work)
         views = [payload.bytes_view(x) for x in buffers]
-        scratch = _scratch(max((src.grid.size for (src, _), _ in work), default=0))
+        # A chunk's padding and gaps (or a whole chunk whose rows overlap),
+        # never bytes a job returns.
+        scratch = thread_scratch("gaps", max((src.grid.size for (src, _), _ in work), default=0))
         for (src, i), rows in work:
             src.decrypt_chunk(i, views, rows, scratch)
         return []
-
-
-_local = threading.local()
-
-
-def _scratch(n):
-    """This thread's scratch chunk of at least n bytes, kept for its next job:
-    a chain load runs hundreds of jobs, and a fresh zeroed MiB each is a
-    cost of its own.  It takes only a chunk's padding and gaps (or a whole
-    chunk whose rows overlap), never bytes a job returns."""
-    buf = getattr(_local, "scratch", None)
-    if buf is None or len(buf) < n:
-        buf = _local.scratch = memoryview(bytearray(n))
-    return buf[:n]
 
 
 def _places(fd, lo, hi, buffers, rows, scratch):
