@@ -92,3 +92,9 @@ cdef extern from "io.h" nogil:
     size_t kvs_pread_pieces(kvs_piece *pieces, size_t n, int with_crc)
     void kvs_copy_runs(uint8_t *dst, const uint8_t *src, size_t run, size_t count, size_t stride)
     int kvs_pwrite_full(int fd, const uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)
+
+
+cdef extern from "planes.h" nogil:
+    enum: KVS_PLANES_MAX
+    void kvs_planes_split(uint8_t **planes, size_t first, const uint8_t *src, size_t count, size_t width)
+    void kvs_planes_join(uint8_t *dst, const uint8_t **planes, size_t first, size_t count, size_t width)

@@ -1,7 +1,7 @@
 """Pure-Python twins of the C hot paths, for tests and as executable documentation.
 
 Same names and results as kvstore._native: sha1 and sha1_prefixes on hashlib,
-crc32c on a bit-reflected table, the header on struct.
+crc32c on a bit-reflected table, the header on struct, byte planes on slices.
 """
 
 import hashlib
@@ -66,3 +66,24 @@ def parse_header(buf):
         raise ValueError("zero_tokens")
     tag = int.from_bytes(fields.pop(9), "little")
     return (*fields, tag)
+
+
+def planes_split(pieces, width):
+    """The byte planes of the elements in pieces: plane p holds byte p of every element."""
+    data = b"".join(bytes(memoryview(b).cast("B")) for b in pieces)
+    if width < 1 or len(data) % width:
+        raise ValueError("not whole elements")
+    return [data[p::width] for p in range(width)]
+
+
+def planes_join(planes, sizes):
+    """planes_split's inverse: the elements, cut into pieces of sizes bytes."""
+    width = len(planes)
+    out = bytearray(width * len(planes[0]))
+    for p in range(width):
+        out[p::width] = planes[p]
+    cuts, at = [], 0
+    for size in sizes:
+        cuts.append(bytes(out[at:at + size]))
+        at += size
+    return cuts

@@ -9,6 +9,7 @@
 #include "crc32c.h"
 #include "dispatch.h"
 #include "header.h"
+#include "planes.h"
 #include "sha1.h"
 
 #define NLEN 64               /* lengths per kvs_sha1_prefixes call */
@@ -248,6 +249,35 @@ static void check_fits(void)
               "envelope fits", i);
 }
 
+/* Byte planes: every width (the unrolled 1, 2, 4 and the general loop), a
+ * block split from and joined into uneven runs, against the definition. */
+static void check_planes(const uint8_t *buf)
+{
+    enum { N = 1000 };
+    static uint8_t store[KVS_PLANES_MAX][N], back[KVS_PLANES_MAX * N + 1];
+    static const size_t widths[] = {1, 2, 3, 4, 8, KVS_PLANES_MAX};
+    static const size_t cuts[] = {0, 1, 7, 64, 333, 999, N};
+    uint8_t *planes[KVS_PLANES_MAX];
+    for (size_t p = 0; p < KVS_PLANES_MAX; p++) planes[p] = store[p];
+    for (size_t w = 0; w < sizeof widths / sizeof widths[0]; w++) {
+        size_t width = widths[w];
+        memset(store, 0xEE, sizeof store);
+        memset(back, 0xEE, sizeof back);
+        for (size_t c = 0; c + 1 < sizeof cuts / sizeof cuts[0]; c++)
+            kvs_planes_split(planes, cuts[c], buf + cuts[c] * width, cuts[c + 1] - cuts[c], width);
+        int ok = 1;
+        for (size_t i = 0; i < N; i++)
+            for (size_t p = 0; p < width; p++)
+                ok &= store[p][i] == buf[i * width + p];
+        check(ok, "planes split", width);
+        for (size_t c = 0; c + 1 < sizeof cuts / sizeof cuts[0]; c++)
+            kvs_planes_join(back + cuts[c] * width, (const uint8_t *const *)planes, cuts[c],
+                            cuts[c + 1] - cuts[c], width);
+        check(memcmp(back, buf, N * width) == 0, "planes join", width);
+        check(back[N * width] == 0xEE, "planes join stays in its runs", width);
+    }
+}
+
 int main(void)
 {
     static const int impls[] = {KVS_IMPL_X86, KVS_IMPL_X86_AVX512, KVS_IMPL_ARM};
@@ -309,6 +339,7 @@ int main(void)
     }
     check_header();
     check_fits();
+    check_planes(buf);
     printf("sha1 hardware paths: %d, crc32c hardware paths: %d\n", hw_sha, hw_crc);
     printf("%d passed, %d failed\n", passed, failed);
     free(buf);
