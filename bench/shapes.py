@@ -179,9 +179,15 @@ def text_of(tokens, extra=0):
     return words + b"x" * extra
 
 
-def open_store(path, budget_mb=1 << 30):
+# The sides a row compares: kvstore's default store, kvstore packing its
+# blocks (kv_codec="lossless": bench/packed.py), and mlx-lm's file.
+KV_CODEC_OF = {"kvstore": "raw", "lossless": "lossless"}
+SIDE_DIRS = {"kvstore": "kv", "lossless": "packed", "peer": "peer"}
+
+
+def open_store(path, budget_mb=1 << 30, kv_codec="raw"):
     import kvstore
-    return kvstore.KVStore(path, budget_mb=budget_mb, block_tokens=BLOCK_TOKENS, durable=True)
+    return kvstore.KVStore(path, budget_mb=budget_mb, block_tokens=BLOCK_TOKENS, durable=True, kv_codec=kv_codec)
 
 
 def kv_save(store, cache, tokens):
@@ -214,17 +220,17 @@ def peer_save(path, cache):
 
 
 def child_saves(geometry, tokens, path, order, rounds):
-    """Both sides' saves of the session, then of the session a turn longer, in
+    """Every side's saves of the session, then of the session a turn longer, in
     one process on one set of arrays: rounds of the sides taking turns (A B,
     B A, ...), the disk synced before each (so that neither side's save pays
     for the other's dirty pages); each side's times and bytes per round.
-    The last round's files stay in path/kv and path/peer for the loads."""
+    The last round's files stay in path/<SIDE_DIRS[side]> for the loads."""
     g = geometry_named(geometry)
     cache = build_cache(g, tokens, tokens + TURN_TOKENS, SEED)
     runs = {side: [] for side in order}
     for r in range(rounds):
         for side in (order if r % 2 == 0 else order[::-1]):
-            where = os.path.join(path, "kv" if side == "kvstore" else "peer")
+            where = os.path.join(path, SIDE_DIRS[side])
             shutil.rmtree(where, ignore_errors=True)
             os.makedirs(where)
             os.sync()
@@ -234,8 +240,8 @@ def child_saves(geometry, tokens, path, order, rounds):
 
 
 def _save_both(side, where, cache, tokens):
-    if side == "kvstore":
-        with open_store(where) as store:
+    if side in KV_CODEC_OF:
+        with open_store(where, kv_codec=KV_CODEC_OF[side]) as store:
             save_s, save_bytes = kv_save(store, cache, tokens)
             set_offset(cache, tokens + TURN_TOKENS)
             turn_s, turn_bytes = kv_save(store, cache, tokens + TURN_TOKENS)
@@ -251,7 +257,7 @@ def child_load(side, geometry, tokens, path):
     import mlx.core as mx
     time.sleep(0.2)                      # numpy's OpenBLAS threads settle (bench/README.md)
     base = rss_peak()
-    if side == "kvstore":
+    if side in KV_CODEC_OF:
         import kvstore.mlx
         with open_store(path) as store:
             t0 = time.perf_counter()
@@ -495,7 +501,7 @@ def measure_loads(tmp, g, tokens, order, dropped, rounds):
     samples = {"cold": {s: [] for s in order}, "warm": {s: [] for s in order}}
     for r in range(rounds):
         for side in (order if r % 2 == 0 else order[::-1]):
-            path = os.path.join(tmp, "kv" if side == "kvstore" else "peer")
+            path = os.path.join(tmp, SIDE_DIRS[side])
             if dropped:
                 drop_page_cache()
             samples["cold"][side].append(run_child("load", side=side, geometry=g[0], tokens=tokens, path=path))

@@ -15,8 +15,10 @@ import logging
 import os
 import stat as stat_mod
 import threading
+import time
 
 from kvstore import counters, files, policy, registry, temps
+from kvstore import pins as pins_mod
 from kvstore.errors import CheckpointOSError, UnsafePath, os_error
 from kvstore.files import short_name
 from kvstore.format import Header
@@ -31,6 +33,11 @@ LOCK_NAME = ".kvstore.lock"
 # How a store writes: "chain" (ABI 17 blocks, docs/format.md §14) or "whole"
 # (one ABI 16 file per checkpoint).  Both are always read.
 LAYOUTS = ("chain", "whole")
+
+# How a store writes a chain block's tensors: "raw", or "lossless": the
+# float tensors as packed byte planes wherever that shrinks them
+# (kvstore.payload.packing, docs/format.md §20).  Every kind is always read.
+KV_CODECS = ("raw", "lossless")
 
 # The directory counters (kvstore.counters) that KVStore.stats() knows by
 # another name; the others have the same name in both.
@@ -51,13 +58,18 @@ class Directory:
 
     def __init__(self, path, codec, identity=None, *, budget_mb, model_id, quant_bits, ctx_size,
                  reject_different_quant, options, durable, verify, quarantine, max_age_s, layout, block_tokens,
-                 max_write_mb_per_hour, accept_unidentified):
+                 max_write_mb_per_hour, accept_unidentified, kv_codec="raw"):
         self.path = os.path.abspath(os.fspath(path))
         self.codec = codec
         self.identity = identity
         self.accept_unidentified = bool(accept_unidentified) and identity is not None
         self.write_budget_bytes = counters.budget_capacity(max_write_mb_per_hour)   # ValueError if bad
         _check_settings(budget_mb, model_id, quant_bits, ctx_size, layout, block_tokens)
+        if kv_codec not in KV_CODECS:
+            raise ValueError(f"kv_codec={kv_codec!r}; expected one of {', '.join(KV_CODECS)}")
+        if kv_codec != "raw" and codec.key_id is not None:
+            raise ValueError(f"kv_codec={kv_codec!r} with a key: sealed stores write raw blocks only")
+        self.kv_codec = kv_codec
         self.layout = layout
         self.block_tokens = block_tokens
         self.model_id = int(model_id)
@@ -258,6 +270,29 @@ class Directory:
         self.counters.close()
         with self.lock:
             self.index.close()
+
+    def report(self):
+        """KVStore.stats() but the remote tier's: this process's counters,
+        the directory's size and budget, its models, pins, write budget and
+        how a durable save syncs."""
+        with self.lock:
+            self.index.refresh()
+            out = dict(self.stats)
+            out["entries"] = len(self.index.entries)
+            out["bytes"] = self.index.total_bytes()
+            out["budget_bytes"] = self.budget_bytes
+            out["budget_derived"] = self.budget_derived
+            entries = list(self.index.entries.values())
+        # Every model's share of the directory and its one budget (docs/format.md §17).
+        out["models"] = registry.summarize(entries, registry.read_registry(self.path))
+        live, out["pinned_bytes"] = pins_mod.present(self.path, entries, int(time.time()))
+        out["pins"] = len(live)
+        out["write_budget"] = (None if self.write_budget_bytes is None
+                               else self.counters.report(self.write_budget_bytes)["write_budget"])
+        # How a durable save reaches the disk here (docs/format.md §11).
+        out["sync"] = files.SYNC_PRIMITIVE if self.durable else "none"
+        out["sync_fallbacks"] = files.sync_fallbacks()
+        return out
 
 
 def still_there(e):

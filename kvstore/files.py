@@ -405,7 +405,8 @@ def _check_contents(fd, e, directory, progress):
     if e.sha and h.hexdigest() != e.sha:
         return "text_hash: stored text does not hash to the file name"
     blocks = [(manifest.tokens[0], 4 * e.stored_tokens, manifest.tokens[2], "tokens")]
-    blocks += [(off, n, crc, f"tensor {tname!r}") for tname, _, _, off, n, crc in manifest.tensors]
+    blocks += [(off, manifest.packed[tname][0] if tname in manifest.packed else n, crc, f"tensor {tname!r}")
+               for tname, _, _, off, n, crc in manifest.tensors]          # a packed block: its stored bytes
     for off, n, want, what in blocks:
         if crc_range(fd, e.tensors_offset + off, n, e.path, mv, progress) != want:
             return f"crc: {what} CRC mismatch"

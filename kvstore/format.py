@@ -36,7 +36,15 @@ VALID_QUANT_BITS = frozenset({2, 3, 4, 5, 6, 8, 16})
 PAYLOAD_ABI_DS4 = 2
 PAYLOAD_ABI_TENSORS = 16
 PAYLOAD_ABI_CHAIN = 17
-LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS, PAYLOAD_ABI_CHAIN})
+
+# Packed blocks (docs/format.md §20): a chain block with tensors stored as
+# compressed byte planes (kvstore.payload.packing).  ABI = the plain ABI +
+# 64, so a reader that does not unpack sees a foreign ABI (listed, counted
+# in the budget, evictable, never loaded) and a chain stops before such a
+# block: a shorter hit, never another block's bytes read as tensors.
+PACKED_ABI_OFFSET = 64
+PAYLOAD_ABI_PACKED_CHAIN = PAYLOAD_ABI_CHAIN + PACKED_ABI_OFFSET     # 81
+LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_PACKED_CHAIN})
 
 # Sealed checkpoints (docs/format.md §16): the same two layouts encrypted and
 # authenticated with a store key (kvstore.seal).  ABI = inner ABI + 32, so a
@@ -46,6 +54,8 @@ SEALED_ABI_OFFSET = 32
 PAYLOAD_ABI_SEALED = PAYLOAD_ABI_TENSORS + SEALED_ABI_OFFSET        # 48
 PAYLOAD_ABI_SEALED_CHAIN = PAYLOAD_ABI_CHAIN + SEALED_ABI_OFFSET    # 49
 SEALED_ABIS = frozenset({PAYLOAD_ABI_SEALED, PAYLOAD_ABI_SEALED_CHAIN})
+# The ABIs of a chain's blocks: plain, sealed and packed.
+BLOCK_ABIS = frozenset({PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_SEALED_CHAIN, PAYLOAD_ABI_PACKED_CHAIN})
 
 # The clear seal head of a sealed file, at offset 52 (64 bytes):
 #   0  "KVSL"   4  u8 version 1   5  u8 log2 of the chunk size   6  u16 0
@@ -260,7 +270,12 @@ class Entry:
     @property
     def is_block(self):
         """A block of a chain, sealed or not (a sealed one's links are clear)."""
-        return self.payload_abi in (PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_SEALED_CHAIN)
+        return self.payload_abi in BLOCK_ABIS
+
+    @property
+    def packed(self):
+        """Its tensors may be stored packed (docs/format.md §20)."""
+        return self.payload_abi == PAYLOAD_ABI_PACKED_CHAIN
 
     @property
     def restorable(self):
@@ -402,7 +417,7 @@ def entry_from_fd(fd, st, path):
     if h.payload_abi in SEALED_ABIS:
         chain = parse_seal_heads(head, h, text_len, st.st_size, path)
         text_len += chain.get("text_start", 0)
-    elif h.payload_abi == PAYLOAD_ABI_CHAIN:
+    elif h.payload_abi in (PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_PACKED_CHAIN):
         at = PREFIX_SIZE + text_len
         if h.payload_bytes < CHAIN_HEAD_SIZE:
             raise CorruptCheckpoint("bad_payload", path, "block payload shorter than its chain header")

@@ -39,7 +39,8 @@ import numpy as np
 from numpy.lib import recfunctions
 
 from kvstore import _native, temps
-from kvstore.format import PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_SEALED_CHAIN, TOKEN_DIGEST, Entry, ExtFlag, Reason
+from kvstore.format import BLOCK_ABIS as _BLOCK_ABIS
+from kvstore.format import TOKEN_DIGEST, Entry, ExtFlag, Reason
 
 SNAPSHOT_NAME = ".index"
 MAGIC = b"KVIX"
@@ -79,9 +80,10 @@ INT_FIELDS = ("inode", "mtime_ns", "file_size", "created_at", "last_used", "payl
               "token_start", "text_start", "tokens", "hits", "ctx_size", "block_grid", "model_tag", "chain_flags",
               "quant_bits", "model_id", "payload_abi")
 _INTS = INT_FIELDS + ("reason", "ext_flags")
+# The block ABIs as np.isin takes them (a list-like, not a set).
+BLOCK_ABIS = tuple(sorted(_BLOCK_ABIS))
 _INTS_OF = operator.attrgetter(*_INTS)
 _BYTES_OF = operator.attrgetter("parent", "token_digest", "parent_token_digest", "key_id", "lookup_tag")
-BLOCK_ABIS = (PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_SEALED_CHAIN)
 
 # Every field of an Entry that a snapshot holds; an Entry with another that
 # an envelope gives (one its equality compares: not a lookup's own state)

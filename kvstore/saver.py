@@ -25,8 +25,8 @@ from kvstore import trailers as trailer_mod
 from kvstore.codec import stored_entry
 from kvstore.errors import CheckpointMissing, CorruptCheckpoint, UnsafePath
 from kvstore.files import RDWR_FLAGS, short_name
-from kvstore.format import (CHAIN_HEAD_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, Header, Reason,
-                            entry_from_fd, open_checkpoint, pack_chain_head)
+from kvstore.format import (CHAIN_HEAD_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_PACKED_CHAIN, PAYLOAD_ABI_TENSORS,
+                            PREFIX_SIZE, Header, Reason, entry_from_fd, open_checkpoint, pack_chain_head)
 
 log = logging.getLogger("kvstore")
 
@@ -155,6 +155,10 @@ class Saver:
                 kept, todo, have = self._missing_blocks(blocks, text, tokens, tensors, meta, reason, ctx, values,
                                                         trailer_raw, axes, dtypes)
                 total = sum(PREFIX_SIZE + len(seg) + plan.payload_bytes + len(tr) for _, _, _, seg, plan, tr in todo)
+                if d.budget_bytes and not policy.bytes_fit(have + total, d.budget_bytes) and d.kv_codec != "raw":
+                    # Over the budget raw: what the blocks come to packed decides.
+                    total = sum(PREFIX_SIZE + len(seg) + plan.packed_bytes() + len(tr)
+                                for _, _, _, seg, plan, tr in todo)
                 # The whole chain must fit: the blocks it already has stay.
                 if d.budget_bytes and not policy.bytes_fit(have + total, d.budget_bytes):
                     return self.refuse("budget", bytes=have + total, budget=d.budget_bytes)
@@ -232,8 +236,10 @@ class Saver:
         staged = []
         try:
             for b, restorable, path, seg, plan, tr in todo:
+                # Packed just before it is written: one block's packed bytes held at a time.
+                abi = PAYLOAD_ABI_PACKED_CHAIN if d.kv_codec == "lossless" and plan.pack() else PAYLOAD_ABI_CHAIN
                 header = self._header(reason if b.last else Reason.CONTINUED, b.tokens, ctx, plan,
-                                      ext if b.last else 0, PAYLOAD_ABI_CHAIN, now)
+                                      ext if b.last else 0, abi, now)
                 head = pack_chain_head(b.parent_digest, b.token_start, b.text_start, d.block_tokens,
                                        b.flags(restorable), b.token_digest, b.parent_token_digest)
                 staged.append((b, restorable, d.codec.stage(path, header, seg, plan, tr, head,

@@ -21,11 +21,10 @@ moved aside) and the lookup is a miss.
 import logging
 import os
 import threading
-import time
 
 import numpy as np
 
-from kvstore import chain, files, payload, registry
+from kvstore import chain, files, payload
 from kvstore import pins as pins_mod
 from kvstore import identity as identity_mod
 from kvstore.codec import make_codec
@@ -110,6 +109,9 @@ class KVStore:
             block boundary a hit (payload ABI 17); "whole" writes one ABI 16
             file per checkpoint.  Both layouts are read whatever this says.
         block_tokens: the chain grid, in tokens (default 256).
+        kv_codec: "raw" (the default) or "lossless": a chain block's float
+            tensors stored as zstd-packed byte planes where that shrinks
+            them (payload ABI 81, docs/format.md §20); plain stores only.
         max_write_mb_per_hour: an SSD write budget: a token bucket of this
             many MiB, refilled at this many MiB an hour, shared by every
             process using the directory (docs/format.md §15).  When it runs
@@ -132,14 +134,16 @@ class KVStore:
                  ctx_size=None, reject_different_quant=False, options=None, durable=True,
                  verify=True, quarantine=False, max_age_s=None, remote=None, remote_options=None,
                  model_identity=None, layout="chain", block_tokens=chain.DEFAULT_BLOCK_TOKENS,
-                 max_write_mb_per_hour=None, key=None, accept_unsealed=False, accept_unidentified=False):
+                 max_write_mb_per_hour=None, key=None, accept_unsealed=False, accept_unidentified=False,
+                 kv_codec="raw"):
         identity = identity_mod.as_identity(model_identity)      # ValueError if bad
         codec = make_codec(key, identity, accept_unsealed, accept_unidentified)   # BadKey if bad
         self._dir = Directory(path, codec, identity, budget_mb=budget_mb, model_id=model_id,
                               quant_bits=quant_bits, ctx_size=ctx_size, reject_different_quant=reject_different_quant,
                               options=options, durable=durable, verify=verify, quarantine=quarantine,
                               max_age_s=max_age_s, layout=layout, block_tokens=block_tokens,
-                              max_write_mb_per_hour=max_write_mb_per_hour, accept_unidentified=accept_unidentified)
+                              max_write_mb_per_hour=max_write_mb_per_hour, accept_unidentified=accept_unidentified,
+                              kv_codec=kv_codec)
         self.path = self._dir.path
         self.sealed = key is not None
         self._closed = False
@@ -158,6 +162,7 @@ class KVStore:
     accept_unidentified = _setting("accept_unidentified", "Lookups also offer files that name no model.")
     layout = _setting("layout", 'How the store writes: "chain" or "whole".')
     block_tokens = _setting("block_tokens", "The chain grid, in tokens.")
+    kv_codec = _setting("kv_codec", 'How chain blocks store tensors: "raw" or "lossless".')
     model_id = _setting("model_id", "The header model id of the store's files.")
     quant_bits = _setting("quant_bits", "The quant bits of the model weights.")
     ctx_size = _setting("ctx_size", "The engine's context size, or None.")
@@ -504,23 +509,7 @@ class KVStore:
         sees it).  The cumulative counters of every process are counters().
         """
         self._check_open()
-        with self._dir.lock:
-            self._dir.index.refresh()
-            out = dict(self._dir.stats)
-            out["entries"] = len(self._dir.index.entries)
-            out["bytes"] = self._dir.index.total_bytes()
-            out["budget_bytes"] = self.budget_bytes
-            out["budget_derived"] = self.budget_derived
-            entries = list(self._dir.index.entries.values())
-        # Every model's share of the directory and its one budget (docs/format.md §17).
-        out["models"] = registry.summarize(entries, registry.read_registry(self.path))
-        live, out["pinned_bytes"] = pins_mod.present(self.path, entries, int(time.time()))
-        out["pins"] = len(live)
-        out["write_budget"] = (None if self.write_budget_bytes is None
-                               else self._dir.counters.report(self.write_budget_bytes)["write_budget"])
-        # How a durable save reaches the disk here (docs/format.md §11).
-        out["sync"] = files.SYNC_PRIMITIVE if self.durable else "none"
-        out["sync_fallbacks"] = files.sync_fallbacks()
+        out = self._dir.report()
         if self.remote is not None:
             out.update(self.remote.stats())
         return out

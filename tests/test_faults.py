@@ -136,7 +136,8 @@ def test_truncated_before_find(tmp_path):
         assert s.entries() == []
         assert s.stats()["bytes"] == 0                     # nor counted
         new = s.save(TEXT, [1, 2, 3], tensors(seed=1))     # replaced, not "kept"
-        assert new.file_size == e.file_size
+        assert new.path == e.path
+        assert new.file_size == e.file_size or s.kv_codec != "raw"     # packed: the size follows the values
         ck = s.load(s.find(PROMPT))
         assert np.array_equal(ck.tensors["k"], tensors(seed=1)["k"])
 

@@ -18,7 +18,8 @@ import numpy as np
 
 from kvstore import _native, host
 from kvstore.errors import CorruptCheckpoint
-from kvstore.payload.buffers import bytes_view
+from kvstore.payload import packing
+from kvstore.payload.buffers import bytes_view, pread_into
 from kvstore.payload.manifest import BLOCK_ALIGN, DTYPES, align, numpy_dtype, read_manifest
 from kvstore.payload.pool import IO_THREADS, JOB_BYTES, MIN_SLICE, QUEUE_BYTES, check_crc, io_pool
 from kvstore.payload.whole import VirtualBlob, safetensors_head
@@ -28,14 +29,16 @@ from kvstore.sources import as_source
 class Piece:
     """One read of a chain load: count runs of run bytes, consecutive in the
     file from file_offset, landing every stride bytes from dst in a tensor.
-    label names it in errors: "tokens", or (tensor name, block name)."""
+    label names it in errors: "tokens", or (tensor name, block name).
+    packed: (stored bytes, planes) of a packed block, which the file holds
+    from file_offset as its stored bytes (kvstore.payload.packing), or None."""
 
-    __slots__ = ("fd", "path", "file_offset", "run", "count", "stride", "dst", "crc", "label")
+    __slots__ = ("fd", "path", "file_offset", "run", "count", "stride", "dst", "crc", "label", "packed")
 
-    def __init__(self, fd, path, file_offset, run, count, stride, dst, crc, label):
+    def __init__(self, fd, path, file_offset, run, count, stride, dst, crc, label, packed=None):
         self.fd, self.path, self.file_offset = fd, path, file_offset
         self.run, self.count, self.stride, self.dst = run, count, stride, dst
-        self.crc, self.label = crc, label
+        self.crc, self.label, self.packed = crc, label, packed
 
     @property
     def nbytes(self):
@@ -161,11 +164,12 @@ class ChainLayout:
                 for slot, t_name, inner, outer in growing:
                     row = rows[t_name]
                     out.append((slot, Piece(fd, path, at + row[3], stored * inner, outer, self.tokens * inner,
-                                            start * inner, row[5], (t_name, name))))
+                                            start * inner, row[5], (t_name, name), m.packed.get(t_name))))
             if i == last:
                 for slot, (t_name, dtype, shape, off, n, crc) in enumerate(m.tensors):
                     if t_name not in self.axes and n:
-                        out.append((slot, Piece(fd, path, at + off, n, 1, n, 0, crc, (t_name, name))))
+                        out.append((slot, Piece(fd, path, at + off, n, 1, n, 0, crc, (t_name, name),
+                                                m.packed.get(t_name))))
             yield out
 
 
@@ -194,7 +198,17 @@ class Batch:
         """Queues [(buffer index, Piece)].  last: no more will come; a first
         and last add that fits one job runs at once, on the calling thread.
         pos: where the pieces begin in the stream of self.pace (each job
-        calls pace with its own place before it reads)."""
+        calls pace with its own place before it reads).  A packed piece is
+        a job of its own (_unpack)."""
+        if any(p.packed is not None for _, p in pieces):
+            pool = io_pool()
+            for b, p in pieces:
+                if p.packed is not None:
+                    self.pieces.append(p)
+                    self.jobs.append((pool.submit(self._unpack, pos, b, p), [(len(self.pieces) - 1, p.packed[0])]))
+            pieces = [(b, p) for b, p in pieces if p.packed is None]
+            if not pieces:
+                return
         first = len(self.pieces)
         self.pieces.extend(p for _, p in pieces)
         total = sum(p.run * p.count for _, p in pieces)
@@ -232,6 +246,20 @@ class Batch:
         for g in groups:
             self.jobs.append((pool.submit(self._read, pos, read, [part[2] for part in g]), [part[:2] for part in g]))
             pos += sum(part[1] for part in g)
+
+    def _unpack(self, pos, b, p):
+        """A packed piece's job: its stored bytes read and checked, then
+        unpacked into its runs; [(0, CRC32C of the stored bytes)]."""
+        if self.pace is not None:
+            self.pace(pos)
+        stored, planes = p.packed
+        buf = bytearray(stored)
+        crc = pread_into(p.fd, buf, p.file_offset, p.path, crc=0)
+        if not self.verify or crc == p.crc:
+            dst = self.buffers[b]
+            packing.unpack(buf, planes, [dst[p.dst + r * p.stride:p.dst + r * p.stride + p.run]
+                                         for r in range(p.count)], p.path, p.what)
+        return [(0, crc)]
 
     def _read(self, pos, read, parts):
         """A job: moves the read-ahead window to pos, then reads parts."""

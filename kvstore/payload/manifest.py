@@ -31,6 +31,7 @@ import numpy as np
 
 from kvstore import _native
 from kvstore.errors import CorruptCheckpoint
+from kvstore.payload import packing
 from kvstore.payload.buffers import pread
 
 MAGIC = b"KVTP"
@@ -85,14 +86,17 @@ class _Blocks:
     """The blocks of one manifest as they are checked: each one inside the
     payload data and aligned as it comes, then all of them for overlaps."""
 
-    def __init__(self, path, base, limit, data_offset):
+    def __init__(self, path, base, limit, data_offset, packed=False):
         self.path, self.base, self.limit, self.data_offset = path, base, limit, data_offset
+        self.packed = packed        # the file's ABI may pack tensors
         self.seen = []              # (offset, nbytes, index)
 
-    def take(self, d, i):
+    def take(self, d, i, stored=None):
         """(offset, nbytes, crc32c) of the block d describes, checked.
 
         i: the tensor's index, -1 for the tokens (names the block in errors).
+        stored: a packed block's bytes in the file (its nbytes are what it
+            unpacks to).
         """
         path = self.path
         if not isinstance(d, dict):
@@ -102,7 +106,8 @@ class _Blocks:
             k = next(k for k, v in (("offset", off), ("nbytes", n), ("crc32c", crc))
                      if type(v) is not int or v < 0)
             raise CorruptCheckpoint("bad_manifest", path, f"{_label(i)}.{k} is not a non-negative int")
-        return self.place(off, n, crc, i)
+        self.place(off, n if stored is None else stored, crc, i)
+        return off, n, crc
 
     def place(self, off, n, crc, i):
         """(off, n, crc) of block i, non-negative ints, checked: a CRC32C
@@ -181,7 +186,8 @@ def _tensor_row(t, i, names, blocks, stored):
     if item is None:
         raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} has unknown dtype")
     size = _shape_size(shape, item, i, path)
-    off, n, crc = blocks.take(t, i)
+    packed = _packed(t, i, item, blocks)
+    off, n, crc = blocks.take(t, i, None if packed is None else packed[0])
     if size * item != n:
         raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} nbytes does not match its shape")
     axis = None
@@ -190,7 +196,28 @@ def _tensor_row(t, i, names, blocks, stored):
         if type(axis) is not int or not 0 <= axis < len(shape) or shape[axis] != stored:
             raise CorruptCheckpoint("bad_manifest", path,
                                     f"tensor {i}: axis {axis!r} does not hold the file's tokens")
-    return (name, dtype, tuple(shape), off, n, crc), axis
+    return (name, dtype, tuple(shape), off, n, crc), axis, packed
+
+
+def _packed(t, i, item, blocks):
+    """(stored bytes, planes) of tensor i when it is packed
+    (kvstore.payload.packing), checked; None when it is stored raw."""
+    p = t.get("packed")
+    if p is None:
+        return None
+    path = blocks.path
+    if not blocks.packed:
+        raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} is packed in a file whose ABI packs nothing")
+    n = t.get("nbytes")
+    if not isinstance(p, dict) or p.get("codec") != packing.CODEC or type(p.get("stored")) is not int \
+            or type(n) is not int or n < 0:
+        raise CorruptCheckpoint("bad_manifest", path, f"tensor {i}: packed is not a {packing.CODEC} block")
+    bad = packing.check_planes(p.get("planes"), item, n)
+    if bad is None and packing.stored_size(p["planes"]) != p["stored"]:
+        bad = f"planes hold {packing.stored_size(p['planes'])} bytes, stored says {p['stored']}"
+    if bad is not None:
+        raise CorruptCheckpoint("bad_manifest", path, f"tensor {i}: {bad}")
+    return p["stored"], [tuple(x) for x in p["planes"]]
 
 
 def _optional_fields(m, path, stored):
@@ -226,18 +253,21 @@ class Manifest:
     def __init__(self, raw, entry, data_offset):
         path, stored = entry.path, entry.stored_tokens
         m = _parse(raw, path)
-        blocks = _Blocks(path, entry.tensors_offset, entry.tensors_bytes, data_offset)
+        blocks = _Blocks(path, entry.tensors_offset, entry.tensors_bytes, data_offset, entry.packed)
         self.tokens = blocks.take(_tokens_block(m, path, stored), -1)
         tensors = m.get("tensors")
         if not isinstance(tensors, list):
             raise CorruptCheckpoint("bad_manifest", path, "tensors is not a list")
         self.axes = {}
         self.tensors = []
+        self.packed = {}            # name -> (stored bytes, planes) of a packed tensor
         names = set()
         for i, t in enumerate(tensors):
-            row, axis = _tensor_row(t, i, names, blocks, stored)
+            row, axis, packed = _tensor_row(t, i, names, blocks, stored)
             if axis is not None:
                 self.axes[row[0]] = axis
+            if packed is not None:
+                self.packed[row[0]] = packed
             self.tensors.append(row)
         blocks.check_overlaps()
         self.meta, self.cuts, self.model = _optional_fields(m, path, stored)
@@ -255,7 +285,9 @@ class Manifest:
         out = copy.copy(self)
         out.__dict__.pop("_rows", None)
         out.tokens = blocks.place(ints[0], self.tokens[1], ints[1], -1)
-        out.tensors = [(*r[:3], *blocks.place(ints[2 * k + 2], r[4], ints[2 * k + 3], k))
+        out.tensors = [(*r[:3], ints[2 * k + 2], r[4],
+                        blocks.place(ints[2 * k + 2], self.packed[r[0]][0] if r[0] in self.packed else r[4],
+                                     ints[2 * k + 3], k)[2])
                        for k, r in enumerate(self.tensors)]
         blocks.check_overlaps()
         return out

@@ -17,6 +17,7 @@ from kvstore.format import PREFIX_SIZE
 from kvstore.payload.buffers import bytes_view, pwrite_from, pwrite_pieces
 from kvstore.payload.manifest import (BLOCK_ALIGN, DATA_ALIGN, DTYPES, MAGIC, PAYLOAD_HEADER, VERSION,
                                       align)
+from kvstore.payload import packing
 from kvstore.payload.mlx_io import is_mlx_array, mlx_source
 from kvstore.payload.pool import io_pool, slices
 from kvstore.sources import as_source
@@ -143,6 +144,11 @@ class Plan:
                                      f"hold the {self.tokens.size} tokens of this payload")
                 row["axis"] = int(axes[name])
             self.manifest["tensors"].append(row)
+        self.packed = {}            # name -> the stored parts of a packed tensor (pack())
+        self._lay_out()
+
+    def _lay_out(self):
+        """Every block's offset, the manifest's length and the payload's size."""
         # Offsets need M and M needs offsets: offsets have at most 20 digits,
         # so reserve that width, lay out, then serialise for real.
         for t in [self.manifest["tokens"]] + self.manifest["tensors"]:
@@ -159,8 +165,42 @@ class Plan:
         for t in self.manifest["tensors"]:
             at = align(P + at, BLOCK_ALIGN) - P
             t["offset"] = at
-            at += t["nbytes"]
-        self.payload_bytes = head + at           # the chain header counts as payload
+            at += t["packed"]["stored"] if "packed" in t else t["nbytes"]
+        self.payload_bytes = self.head + at      # the chain header counts as payload
+
+    def pack(self):
+        """Stores the tensors that shrink as packed blocks (kvstore.payload.packing)
+        and lays the payload out again; True when any does.  Until then
+        payload_bytes is the raw size, a bound on the packed one.
+
+        Each tensor is packed on the I/O pool (the planes split and zstd run
+        with the GIL released); the packed bytes are held until write().
+        """
+        todo = [(t, src) for t, src in zip(self.manifest["tensors"], self.sources)
+                if packing.packable(src[1], src[3])]
+        jobs = [io_pool().submit(packing.pack, [bytes_view(b) for b in src[4]()], DTYPES[src[1]][0])
+                for _, src in todo]
+        for (t, src), job in zip(todo, jobs):
+            planes, parts = job.result()
+            if packing.stored_size(planes) < src[3]:
+                t["packed"] = {"codec": packing.CODEC, "stored": packing.stored_size(planes), "planes": planes}
+                self.packed[src[0]] = parts
+        if self.packed:
+            self._lay_out()
+        return bool(self.packed)
+
+    def packed_bytes(self):
+        """The payload's size once packed, the plan left as it was: the
+        packing is done and dropped (a save that would not fit its budget
+        raw asks; pack() packs again when the block is written)."""
+        if not self.pack():
+            return self.payload_bytes
+        size = self.payload_bytes
+        for t in self.manifest["tensors"]:
+            t.pop("packed", None)
+        self.packed = {}
+        self._lay_out()
+        return size
 
     def _encode(self):
         return json.dumps(self.manifest, separators=(",", ":"), ensure_ascii=False,
@@ -188,7 +228,8 @@ class Plan:
         P = self.payload_start
         m = self.manifest
         blocks = [(m["tokens"], lambda: [self.tokens])] + \
-            [(t, src[4]) for t, src in zip(m["tensors"], self.sources)]
+            [(t, (lambda parts=self.packed[src[0]]: parts) if src[0] in self.packed else src[4])
+             for t, src in zip(m["tensors"], self.sources)]
         for t, materialize in blocks:
             t["crc32c"] = _write_block(fd, path, [bytes_view(b) for b in materialize()], P + t["offset"], crc)
         raw = self.manifest_bytes()

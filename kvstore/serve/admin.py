@@ -44,7 +44,8 @@ GET /v1/cache (numbers are ints unless said; "sha" is a name's first 12 hex digi
     models                    kvstore.registry.summarize of the directory: [{tag, name, identity,
                               entries, bytes, last_seen}], the most bytes first
     model_tag                 this server's model tag (6 hex), as in models[].tag
-    layout, block_tokens      how this server's store writes
+    layout, block_tokens,     how this server's store writes (kv_codec: "raw" or "lossless",
+      kv_codec                docs/format.md §20)
     by_reason                 {reason name (cold, continued, evict, ...): bytes}
     ram                       {entries, bytes} of mlx-lm's RAM cache, or null
     activity                  kvstore.serve.activity.Activity.snapshot(): since (unix s),
@@ -286,6 +287,7 @@ class Admin:
             "pins": [pin_view(p, now) for p in live],
             "models": registry.summarize(entries, registry.read_registry(store.path)),
             "model_tag": tag_hex(store.model_tag), "layout": store.layout, "block_tokens": store.block_tokens,
+            "kv_codec": store.kv_codec,
             "by_reason": by_reason(entries),
             "ram": ram,
             "activity": self.activity.snapshot() if self.activity is not None else None,

@@ -32,6 +32,7 @@ from kvstore.serve.http import handler_class
 from kvstore.serve.tier import TieredPromptCache
 from kvstore.serve.warm import Warmer, checked_open, read_file
 from kvstore.serve.warm import add_arguments as add_warm_arguments
+from kvstore.directory import KV_CODECS
 from kvstore.store import LAYOUTS, KVStore
 
 log = logging.getLogger("kvstore")
@@ -101,7 +102,7 @@ def _open_store(cache_dir, opts, config, options, identity):
     """
     store = KVStore(cache_dir, budget_mb=opts.budget_mb, model_identity=identity,
                     quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
-                    options=options, layout=opts.layout, block_tokens=opts.block_tokens,
+                    options=options, layout=opts.layout, block_tokens=opts.block_tokens, kv_codec=opts.kv_codec,
                     max_write_mb_per_hour=opts.max_write_mb_per_hour,
                     key=opts.cache_key_file, **remote.store_kwargs(opts))
     if store.remote is not None:
@@ -237,6 +238,9 @@ def build_parser():
                         "block boundary (default); whole: one file per checkpoint")
     p.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
                    help=f"tokens per block of a chain (default {DEFAULT_BLOCK_TOKENS})")
+    p.add_argument("--kv-codec", choices=KV_CODECS, default="raw",
+                   help="raw: a chain block's KV as it is (default); lossless: its float tensors as zstd-packed "
+                        "byte planes where that shrinks them (docs/format.md §20; not with --cache-key-file)")
     p.add_argument("--max-write-mb-per-hour", type=float, default=None,
                    help="SSD write budget in MiB per hour: when it runs low, stores are skipped in order "
                         "of value (waypoints and evict states first, anchors last); default: none")
