@@ -6,7 +6,11 @@ image kvstore.seal encrypts before anything reaches the disk);
 kvstore.sources.as_source tells them apart.
 """
 
+import threading
+
 from kvstore.sources import as_source
+
+_local = threading.local()
 
 
 def bytes_view(buf):
@@ -41,3 +45,16 @@ def pwrite_pieces(dst, bufs, offset, path=None):
 def pread(src, n, offset):
     """os.pread for a file descriptor or a source with pread_into."""
     return as_source(src).pread(n, offset)
+
+
+def thread_scratch(slot, n):
+    """n bytes of this thread's scratch buffer named slot, kept for its next
+    use (a chain load decrypts or unpacks hundreds of blocks, and a fresh
+    zeroed MiB each is a cost of its own); buffers of different slots never
+    overlap."""
+    buf = getattr(_local, slot, None)
+    if buf is None or len(buf) < n:
+        buf = memoryview(bytearray(n))
+        setattr(_local, slot, buf)
+    return buf[:n]
+

@@ -19,7 +19,7 @@ import numpy as np
 from kvstore import _native, host
 from kvstore.errors import CorruptCheckpoint
 from kvstore.payload import packing
-from kvstore.payload.buffers import bytes_view, pread_into
+from kvstore.payload.buffers import bytes_view, pread_into, thread_scratch
 from kvstore.payload.manifest import BLOCK_ALIGN, DTYPES, align, numpy_dtype, read_manifest
 from kvstore.payload.pool import IO_THREADS, JOB_BYTES, MIN_SLICE, QUEUE_BYTES, check_crc, io_pool
 from kvstore.payload.whole import VirtualBlob, safetensors_head
@@ -253,7 +253,7 @@ class Batch:
         if self.pace is not None:
             self.pace(pos)
         stored, planes = p.packed
-        buf = bytearray(stored)
+        buf = thread_scratch("packed", stored)
         crc = pread_into(p.fd, buf, p.file_offset, p.path, crc=0)
         if not self.verify or crc == p.crc:
             dst = self.buffers[b]

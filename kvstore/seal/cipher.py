@@ -8,8 +8,7 @@ require_crypto() says what to install.  Which nonce and AAD a chunk gets is
 the layout's (kvstore.seal.layout); this module only runs the cipher.
 """
 
-import threading
-
+from kvstore.payload.buffers import thread_scratch
 from kvstore.seal.layout import CHUNK_BYTES
 
 try:
@@ -27,7 +26,6 @@ DERIVED_KEY_BYTES = 32            # AES-256
 # The zeros between a chunk's pieces (a writer's gaps: padding).
 _ZEROS = bytes(CHUNK_BYTES)
 
-_local = threading.local()
 
 
 def require_crypto():
@@ -61,17 +59,6 @@ def encrypt_pieces(key, nonce, aad, pieces, out):
         done = at + part.nbytes
     enc.finalize()
     return enc.tag
-
-
-def thread_scratch(slot, n):
-    """n bytes of this thread's scratch buffer named slot, kept for its next
-    use (a chain load decrypts hundreds of chunks, and a fresh zeroed MiB
-    each is a cost of its own); buffers of different slots never overlap."""
-    buf = getattr(_local, slot, None)
-    if buf is None or len(buf) < n:
-        buf = memoryview(bytearray(n))
-        setattr(_local, slot, buf)
-    return buf[:n]
 
 
 def decrypt_parts(key, nonce, tag, aad, parts):

@@ -16,7 +16,8 @@ from kvstore.errors import CorruptCheckpoint
 from kvstore.format import CHAIN_HEAD_SIZE, HEADER_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS, PREFIX_SIZE, \
     parse_chain_head
 from kvstore.payload.chains import PREFETCH_ASK
-from kvstore.seal.cipher import decrypt_in_place, decrypt_parts, thread_scratch
+from kvstore.payload.buffers import thread_scratch
+from kvstore.seal.cipher import decrypt_in_place, decrypt_parts
 from kvstore.seal.layout import BODY_OFFSET, TAG_BYTES, chunk_aad, chunk_nonce, parse_seal_head, read_tags
 
 
