@@ -208,6 +208,12 @@ static uint32_t crc_avx512(uint32_t c, const uint8_t *p, size_t n)
         /* crc32 of the 16 remainder bytes from zero is R(x) * x^32 mod P. */
         uint64_t lo = (uint64_t)_mm_cvtsi128_si64(r), hi = (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(r, r));
         c = (uint32_t)_mm_crc32_u64(_mm_crc32_u64(0, lo), hi);
+        /* Clean upper state before leaving: GCC tail-calls crc_sse42 without
+         * its own vzeroupper, and a thread left with dirty upper registers runs
+         * every later legacy-SSE instruction (libm's, MLX's scalar CPU kernels)
+         * many times slower -- a 50x slower MLX softmax was measured here --
+         * and hands that state on to any thread it creates. */
+        _mm256_zeroupper();
     }
     return crc_sse42(c, p, n);
 }
