@@ -13,7 +13,7 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 CSRC = ["csrc/dispatch.c", "csrc/cpu.c", "csrc/sha1.c", "csrc/crc32c.c",
-        "csrc/header.c", "csrc/io.c", "csrc/planes.c"]
+        "csrc/header.c", "csrc/io.c", "csrc/planes.c", "csrc/quant.c"]
 
 opt_flags = shlex.split(os.environ.get("KVSTORE_OPT_CFLAGS", "-O2"))
 extra = ["-std=gnu11", "-Wall", "-Wno-unused-function"]
@@ -35,7 +35,7 @@ ext = Extension(
     sources=["kvstore/_native.pyx"] + CSRC,
     include_dirs=["csrc"],
     extra_compile_args=extra + opt_flags,
-    depends=[p.replace(".c", ".h") for p in CSRC],
+    depends=[p.replace(".c", ".h") for p in CSRC] + ["kvstore/_native.pxd", "kvstore/_native_forms.pxi"],
 )
 
 setup(

@@ -19,10 +19,11 @@ training never saw, then CONTINUATION tokens) the prefix is prefilled, and
 its KV state handed through each codec before the continuation is scored:
 
 - raw: the state as it is (the reference);
-- q8, q4: every K and V group of GROUP values quantised with MLX's own
-  affine group quantisation (mx.quantize, as mlx-lm's --kv-bits does it)
-  and dequantised back to bfloat16: what a restore of a lossy checkpoint
-  hands the model.
+- q8, q4: every K and V block through kvstore's own quantised block form
+  (kvstore.payload.quantizing: groups of 64 values along head_dim, affine,
+  scale and bias in bfloat16, as KVStore(kv_codec="q8"/"q4") stores a
+  chain block and a restore hands it back): the stored bytes are the ones
+  a chain block holds, the values the ones a restore gives the model.
 
 Reported per codec: the bytes against raw (the quantised arrays with their
 scales and biases); the perplexity of the continuation (teacher-forced)
@@ -35,9 +36,9 @@ same prefix (the same architecture, untrained), and the bytes' ratio
 under byte-plane zlib (the exponent plane compresses, the mantissa plane
 hardly: a first look at what a lossless codec can get on real KV).
 
-Not run by ``python -m bench`` yet: the codecs here are MLX's quantisation
-round trip in memory, the measure a stored lossy form must meet, not a
-stored form.
+Not run by ``python -m bench`` (it trains a model first).  The canary's
+distances are taken with the tolerance of each codec
+(kvstore.mlx.canary.LOSSY_TOLERANCE), as a lossy restore is checked.
 """
 
 import hashlib
@@ -64,6 +65,7 @@ from foundation import TextTable, finish, harness_arguments, machine_info, machi
 from kvstore import host  # noqa: E402
 from kvstore.demo import model as demo  # noqa: E402
 from kvstore.mlx import canary  # noqa: E402
+from kvstore.payload import quantizing  # noqa: E402
 
 ARCH = dict(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768)
 # A step of 8 x 256 tokens took about 10 s on this 2-core CPU (MLX's CPU
@@ -181,10 +183,13 @@ def through(state, codec):
                 pair.append(a)
                 stored += a.nbytes
                 continue
-            bits = int(codec[1:])
-            q, scales, biases = mx.quantize(a, group_size=GROUP, bits=bits)
-            stored += q.nbytes + scales.nbytes + biases.nbytes
-            pair.append(mx.dequantize(q, scales, biases, group_size=GROUP, bits=bits).astype(a.dtype))
+            raw16 = np.array(a.view(mx.uint16))
+            _, parts = quantizing.pack([memoryview(raw16).cast("B")], "bfloat16", codec)
+            blob = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+            stored += len(blob)
+            back = np.empty_like(raw16)
+            quantizing.Form(codec, "bfloat16", GROUP).unpack(blob, [memoryview(back).cast("B")], "quality", codec)
+            pair.append(mx.array(back).view(mx.bfloat16))
         out.append(tuple(pair))
     mx.eval(out)
     return out, stored, raw
@@ -246,8 +251,9 @@ def window_scores(model, other, ids):
         out.setdefault(codec, {}).update(bytes_ratio=stored / raw, ppl=math.exp(float(ce)), agree=agree,
                                          follow=follow)
     for codec, (state, _, _) in states.items():
-        out[codec]["canary_own"] = canary.check(model, as_cache(state), prefix[:-1]).distance
-        out[codec]["canary_other"] = canary.check(model, as_cache(aliens[codec]), prefix[:-1]).distance
+        lossy = "" if codec == "raw" else codec
+        out[codec]["canary_own"] = canary.check(model, as_cache(state), prefix[:-1], lossy).distance
+        out[codec]["canary_other"] = canary.check(model, as_cache(aliens[codec]), prefix[:-1], lossy).distance
     return out
 
 
@@ -270,7 +276,7 @@ def report_rows(report, per_window):
                    note=f"bytes {got['bytes_ratio']:.3f} of raw; top token as raw's {got['agree']:.1%}; greedy "
                         f"follows raw's {got['follow']:.0f} of {CONTINUATION} tokens; canary distance "
                         f"{got['canary_own']:.3g} (another model's state {got['canary_other']:.3g}, tolerance "
-                        f"{canary.TOLERANCE['bfloat16']})" + (
+                        f"{canary.tolerance('bfloat16', '' if codec == 'raw' else codec)})" + (
                             f"; byte-plane zlib {statistics.median(w['raw']['plane_zlib'] for w in per_window):.3f}"
                             if codec == "raw" else "") + f"; medians of {len(per_window)} windows")
 

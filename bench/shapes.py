@@ -179,10 +179,11 @@ def text_of(tokens, extra=0):
     return words + b"x" * extra
 
 
-# The sides a row compares: kvstore's default store, kvstore packing its
-# blocks (kv_codec="lossless": bench/packed.py), and mlx-lm's file.
-KV_CODEC_OF = {"kvstore": "raw", "lossless": "lossless"}
-SIDE_DIRS = {"kvstore": "kv", "lossless": "packed", "peer": "peer"}
+# The sides a row compares: kvstore's default store, kvstore packing or
+# quantising its blocks (kv_codec "lossless", "q8", "q4": bench/packed.py),
+# and mlx-lm's file.
+KV_CODEC_OF = {"kvstore": "raw", "lossless": "lossless", "q8": "q8", "q4": "q4"}
+SIDE_DIRS = {"kvstore": "kv", "lossless": "packed", "q8": "q8", "q4": "q4", "peer": "peer"}
 
 
 def open_store(path, budget_mb=1 << 30, kv_codec="raw"):

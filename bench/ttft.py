@@ -241,8 +241,8 @@ def _engine_class(canary):
             finally:
                 self.timed[key] += time.perf_counter_ns() - t0
 
-        def canary_prepare(self, tokens):
-            return self._time("canary_ns", super().canary_prepare, tokens)
+        def canary_prepare(self, tokens, lossy=""):
+            return self._time("canary_ns", super().canary_prepare, tokens, lossy)
 
         def canary_finish(self, probe):
             return self._time("canary_ns", super().canary_finish, probe)

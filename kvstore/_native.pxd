@@ -98,3 +98,11 @@ cdef extern from "planes.h" nogil:
     enum: KVS_PLANES_MAX
     void kvs_planes_split(uint8_t **planes, size_t first, const uint8_t *src, size_t count, size_t width)
     void kvs_planes_join(uint8_t *dst, const uint8_t **planes, size_t first, size_t count, size_t width)
+
+
+cdef extern from "quant.h" nogil:
+    enum: KVS_Q_F32, KVS_Q_F16, KVS_Q_BF16
+    int kvs_quantize(const void *src, size_t count, int dtype, int bits, size_t group,
+                     uint8_t *q, void *scales, void *biases)
+    void kvs_dequantize(const uint8_t *q, const void *scales, const void *biases, size_t count, int dtype,
+                        int bits, size_t group, void *dst)

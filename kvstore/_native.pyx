@@ -587,74 +587,7 @@ def copy_runs(dst, uint64_t dst_offset, src, uint64_t src_offset, uint64_t run, 
         PyBuffer_Release(&d)
 
 
-cdef size_t _plane_elements(pieces, size_t width, Py_buffer *planes, str what) except? 0:
-    """The element count of pieces (buffers of whole width-byte elements),
-    checked against the planes: each plane one byte per element."""
-    if width < 1 or width > KVS_PLANES_MAX:
-        raise ValueError(f"{width} planes: an element is 1 to {KVS_PLANES_MAX} bytes")
-    total = 0
-    for i, b in enumerate(pieces):
-        n = memoryview(b).nbytes
-        if n % width:
-            raise ValueError(f"{what} piece {i} holds {n} bytes, not whole {width}-byte elements")
-        total += n
-    for p in range(width):
-        if <size_t>planes[p].len != total // width:
-            raise ValueError(f"{what} pieces hold {total // width} elements, plane {p} {planes[p].len} bytes")
-    return total // width
-
-
-cdef _planes_pass(pieces, planes, bint split):
-    cdef Py_buffer views[KVS_PLANES_MAX]
-    cdef uint8_t *ptrs[KVS_PLANES_MAX]
-    cdef Py_buffer piece
-    cdef size_t width = len(planes), got = 0, first = 0, count
-    cdef int flags = PyBUF_WRITABLE if split else PyBUF_SIMPLE
-    if width > KVS_PLANES_MAX:
-        raise ValueError(f"{width} planes: an element is 1 to {KVS_PLANES_MAX} bytes")
-    try:
-        for p in range(width):
-            PyObject_GetBuffer(planes[p], &views[p], flags)
-            got += 1
-            ptrs[p] = <uint8_t *>views[p].buf
-        _plane_elements(pieces, width, views, "split" if split else "join")
-        for b in pieces:
-            PyObject_GetBuffer(b, &piece, PyBUF_SIMPLE if split else PyBUF_WRITABLE)
-            try:
-                count = <size_t>piece.len // width
-                with nogil:
-                    if split:
-                        kvs_planes_split(ptrs, first, <const uint8_t *>piece.buf, count, width)
-                    else:
-                        kvs_planes_join(<uint8_t *>piece.buf, <const uint8_t **>ptrs, first, count, width)
-                first += count
-            finally:
-                PyBuffer_Release(&piece)
-    finally:
-        for p in range(got):
-            PyBuffer_Release(&views[p])
-
-
-def planes_split(pieces, planes):
-    """Byte p of every element of pieces into planes[p]: an element is
-    len(planes) bytes, pieces (buffers in order) hold whole elements, and
-    each plane (a writable buffer) one byte per element; GIL released
-    (csrc/planes.h).
-
-    Raises:
-        ValueError: a piece is not whole elements, or a plane is not one byte per element.
-    """
-    _planes_pass(pieces, planes, True)
-
-
-def planes_join(planes, pieces):
-    """planes_split's inverse: the elements rebuilt from planes into pieces
-    (writable buffers in order); GIL released.
-
-    Raises:
-        ValueError: a piece is not whole elements, or a plane is not one byte per element.
-    """
-    _planes_pass(pieces, planes, False)
+include "_native_forms.pxi"
 
 
 def raise_status(int rc, path, str what="read"):

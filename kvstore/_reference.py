@@ -1,7 +1,8 @@
 """Pure-Python twins of the C hot paths, for tests and as executable documentation.
 
 Same names and results as kvstore._native: sha1 and sha1_prefixes on hashlib,
-crc32c on a bit-reflected table, the header on struct, byte planes on slices.
+crc32c on a bit-reflected table, the header on struct, byte planes on slices,
+quantisation on NumPy.
 """
 
 import hashlib
@@ -87,3 +88,76 @@ def planes_join(planes, sizes):
         cuts.append(bytes(out[at:at + size]))
         at += size
     return cuts
+
+
+# ---- group-wise affine quantisation (csrc/quant.h), in NumPy ----
+
+_Q_STORE = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
+
+
+def _q_f32(raw, dtype):
+    """float32 values of raw bytes (or a stored array) of dtype."""
+    import numpy as np
+    a = np.frombuffer(raw, _Q_STORE[dtype]) if not isinstance(raw, np.ndarray) else raw
+    if dtype == "bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+def _q_from_f32(x, dtype):
+    """x (float32, finite) in dtype, rounded to the nearest (even)."""
+    import numpy as np
+    if dtype == "bfloat16":
+        u = x.view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return x.astype(_Q_STORE[dtype])
+
+
+def _q_round_up(x, dtype):
+    """x (float32, >= 0) in dtype, rounded toward +inf; an overflow gives inf."""
+    import numpy as np
+    if dtype == "float32":
+        return x.astype(np.float32)
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            r = x.astype(np.float16)
+        return np.where(r.astype(np.float32) < x, np.nextafter(r, np.float16(np.inf)), r)
+    u = x.view(np.uint32)
+    t = u & np.uint32(0xFFFF0000)
+    return ((t + np.where((t != u) & (x > 0), np.uint32(0x10000), np.uint32(0))) >> 16).astype(np.uint16)
+
+
+def quantize(src, dtype, bits, group):
+    """(ok, q, scales, biases) as bytes: kvstore._native.quantize's results."""
+    import numpy as np
+    x = _q_f32(memoryview(src).cast("B"), dtype).reshape(-1, group)
+    levels = (1 << bits) - 1
+    if not np.isfinite(x).all():
+        return False, b"", b"", b""
+    lo, hi = x.min(axis=1), x.max(axis=1)
+    with np.errstate(over="ignore"):
+        bias = _q_from_f32(lo, dtype)               # lo is a value of dtype: exact
+        scale = _q_round_up((hi - lo) / levels, dtype)
+    s = _q_f32(scale, dtype)
+    if not (np.isfinite(s).all() and np.isfinite(hi - lo).all()):
+        return False, b"", b"", b""
+    with np.errstate(over="ignore"):                # the largest value given back must fit dtype
+        top = _q_f32(_q_from_f32(np.float32(levels) * s + lo, dtype), dtype)
+    if not np.isfinite(top).all():
+        return False, b"", b"", b""
+    q = np.clip(np.rint((x - lo[:, None]) / np.where(s > 0, s, 1)[:, None]), 0, levels).astype(np.uint8)
+    if bits == 4:
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    return True, q.tobytes(), scale.tobytes(), bias.tobytes()
+
+
+def dequantize(q, scales, biases, dtype, bits, group):
+    """The values as bytes of dtype: kvstore._native.dequantize's result."""
+    import numpy as np
+    q = np.frombuffer(q, np.uint8)
+    if bits == 4:
+        q = np.stack([q & 0xF, q >> 4], axis=-1)
+    x = q.reshape(-1, group).astype(np.float32)
+    x *= _q_f32(scales, dtype)[:, None]
+    x += _q_f32(biases, dtype)[:, None]
+    return _q_from_f32(x.reshape(-1), dtype).tobytes()

@@ -20,6 +20,7 @@ import time
 from kvstore import counters, files, policy, registry, temps
 from kvstore import pins as pins_mod
 from kvstore.errors import CheckpointOSError, UnsafePath, os_error
+from kvstore.payload.forms import KV_CODECS
 from kvstore.files import short_name
 from kvstore.format import Header
 from kvstore.forest import TieredLookup
@@ -37,7 +38,6 @@ LAYOUTS = ("chain", "whole")
 # How a store writes a chain block's tensors: "raw", or "lossless": the
 # float tensors as packed byte planes wherever that shrinks them
 # (kvstore.payload.packing, docs/format.md §20).  Every kind is always read.
-KV_CODECS = ("raw", "lossless")
 
 # The directory counters (kvstore.counters) that KVStore.stats() knows by
 # another name; the others have the same name in both.

@@ -44,7 +44,13 @@ PAYLOAD_ABI_CHAIN = 17
 # block: a shorter hit, never another block's bytes read as tensors.
 PACKED_ABI_OFFSET = 64
 PAYLOAD_ABI_PACKED_CHAIN = PAYLOAD_ABI_CHAIN + PACKED_ABI_OFFSET     # 81
-LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_PACKED_CHAIN})
+# Quantised blocks (§20): tensors stored lossy (kvstore.payload.quantizing).
+# ABI = the plain ABI + 128: a build that knows packed blocks but not
+# quantised ones sees a foreign ABI too, never a row it cannot read.
+LOSSY_ABI_OFFSET = 128
+PAYLOAD_ABI_LOSSY_CHAIN = PAYLOAD_ABI_CHAIN + LOSSY_ABI_OFFSET       # 145
+PACKED_ABIS = frozenset({PAYLOAD_ABI_PACKED_CHAIN, PAYLOAD_ABI_LOSSY_CHAIN})
+LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS, PAYLOAD_ABI_CHAIN}) | PACKED_ABIS
 
 # Sealed checkpoints (docs/format.md §16): the same two layouts encrypted and
 # authenticated with a store key (kvstore.seal).  ABI = inner ABI + 32, so a
@@ -54,8 +60,8 @@ SEALED_ABI_OFFSET = 32
 PAYLOAD_ABI_SEALED = PAYLOAD_ABI_TENSORS + SEALED_ABI_OFFSET        # 48
 PAYLOAD_ABI_SEALED_CHAIN = PAYLOAD_ABI_CHAIN + SEALED_ABI_OFFSET    # 49
 SEALED_ABIS = frozenset({PAYLOAD_ABI_SEALED, PAYLOAD_ABI_SEALED_CHAIN})
-# The ABIs of a chain's blocks: plain, sealed and packed.
-BLOCK_ABIS = frozenset({PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_SEALED_CHAIN, PAYLOAD_ABI_PACKED_CHAIN})
+# The ABIs of a chain's blocks: plain, sealed, packed and quantised.
+BLOCK_ABIS = frozenset({PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_SEALED_CHAIN}) | PACKED_ABIS
 
 # The clear seal head of a sealed file, at offset 52 (64 bytes):
 #   0  "KVSL"   4  u8 version 1   5  u8 log2 of the chunk size   6  u16 0
@@ -275,7 +281,12 @@ class Entry:
     @property
     def packed(self):
         """Its tensors may be stored packed (docs/format.md §20)."""
-        return self.payload_abi == PAYLOAD_ABI_PACKED_CHAIN
+        return self.payload_abi in PACKED_ABIS
+
+    @property
+    def lossy(self):
+        """Its tensors may be stored quantised (docs/format.md §20)."""
+        return self.payload_abi == PAYLOAD_ABI_LOSSY_CHAIN
 
     @property
     def restorable(self):
@@ -417,7 +428,7 @@ def entry_from_fd(fd, st, path):
     if h.payload_abi in SEALED_ABIS:
         chain = parse_seal_heads(head, h, text_len, st.st_size, path)
         text_len += chain.get("text_start", 0)
-    elif h.payload_abi in (PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_PACKED_CHAIN):
+    elif h.payload_abi == PAYLOAD_ABI_CHAIN or h.payload_abi in PACKED_ABIS:
         at = PREFIX_SIZE + text_len
         if h.payload_bytes < CHAIN_HEAD_SIZE:
             raise CorruptCheckpoint("bad_payload", path, "block payload shorter than its chain header")

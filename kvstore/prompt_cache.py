@@ -69,8 +69,10 @@ class Engine(Protocol):
     # store must hold that model's state (KVStore(model_identity=...)).
 
     # Optional, the canary (kvstore.mlx.canary, docs/format.md §17):
-    # canary_prepare(tokens) -> (probe, None) after trimming the restored
-    # state by one token, or (None, verdict); canary_finish(probe) -> verdict
+    # canary_prepare(tokens, lossy) -> (probe, None) after trimming the
+    # restored state by one token, or (None, verdict), lossy the codec the
+    # state was stored with (Checkpoint.lossy: "" exact, "q8", "q4"; it sets
+    # the tolerance); canary_finish(probe) -> verdict
     # once the state holds probe.position again.  A verdict has ok, applies
     # and words().
 
@@ -198,15 +200,15 @@ class PromptCache:
         self._set_live(tokens, ckpt.text_bytes)
         self._last_store = len(tokens)
         req = Request("disk", tokens + list(self.engine.tokenize(text[len(ckpt.text_bytes):])), len(tokens), text)
-        if not self._start_canary(req, ckpt.entry, tokens):
+        if not self._start_canary(req, ckpt, tokens):
             return self._cold(text)
         req.load_ms = (time.perf_counter() - t) * 1e3
         return req
 
     # -- the canary (docs/format.md §17) -------------------------------------
 
-    def _start_canary(self, req, entry, tokens):
-        """Starts the canary of a restored state; False when it already failed.
+    def _start_canary(self, req, ckpt, tokens):
+        """Starts the canary of a state restored from ckpt; False when it already failed.
 
         A tail canary trims the live state by one token: the prefill then
         feeds that token again first, and prefill() finishes the check.
@@ -214,12 +216,12 @@ class PromptCache:
         prepare = getattr(self.engine, "canary_prepare", None)
         if prepare is None:
             return True
-        probe, verdict = prepare(tokens)
+        probe, verdict = prepare(tokens, ckpt.lossy)
         if probe is not None:
             self._set_live(tokens[:-1])
-            req.probe = (probe, entry)
+            req.probe = (probe, ckpt.entry)
             return True
-        return self._canary_verdict(req, entry, verdict)
+        return self._canary_verdict(req, ckpt.entry, verdict)
 
     def _canary_verdict(self, req, entry, verdict):
         """Records a verdict; False (the state is reset) when it failed."""
@@ -420,7 +422,7 @@ class PromptCache:
         self._set_live(tokens, checkpoint.text_bytes)
         self._last_store = len(tokens)
         req = Request("disk", tokens, len(tokens), checkpoint.text_bytes)
-        if not self._start_canary(req, checkpoint.entry, tokens):
+        if not self._start_canary(req, checkpoint, tokens):
             return False
         if req.probe is not None:
             self.engine.prefill(tokens[-1:])

@@ -24,6 +24,7 @@ from kvstore.codec import stored_entry
 from kvstore.errors import CheckpointMissing, CheckpointOSError, CorruptCheckpoint, KVStoreError
 from kvstore.files import short_name
 from kvstore.format import PREFIX_SIZE, Entry, entry_from_fd, open_checkpoint, read_entry
+from kvstore.payload import forms
 
 log = logging.getLogger("kvstore")
 
@@ -80,6 +81,9 @@ class Checkpoint:
     cuts: dict = dataclasses.field(default_factory=dict, repr=False)
     # name -> the dtype the file stores (a NumPy load gives bfloat16 as uint16).
     dtypes: dict = dataclasses.field(default_factory=dict, repr=False)
+    # The lossiest codec its tensors were stored with ("q4", "q8"; "" when
+    # they are exactly the values saved): the canary's tolerance follows it.
+    lossy: str = ""
 
 
 class Reader:
@@ -253,7 +257,7 @@ class Reader:
         return Checkpoint(entry=target, tokens=tokens, tensors=tensors, meta=layout.meta,
                           text_bytes=text, trailers=trailer_values, positional=dict(layout.axes),
                           cuts={b.tokens: b.text_bytes for b in blocks},
-                          dtypes={t.name: t.dtype for t in layout.tensors})
+                          dtypes={t.name: t.dtype for t in layout.tensors}, lossy=forms.lossiest(layout.codecs))
 
     def _read_chain(self, entry, blocks, into, min_tokens):
         """(the target's Entry with its hit, text, layout, tokens, tensors,

@@ -25,8 +25,9 @@ from kvstore import trailers as trailer_mod
 from kvstore.codec import stored_entry
 from kvstore.errors import CheckpointMissing, CorruptCheckpoint, UnsafePath
 from kvstore.files import RDWR_FLAGS, short_name
-from kvstore.format import (CHAIN_HEAD_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_PACKED_CHAIN, PAYLOAD_ABI_TENSORS,
+from kvstore.format import (CHAIN_HEAD_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS,
                             PREFIX_SIZE, Header, Reason, entry_from_fd, open_checkpoint, pack_chain_head)
+from kvstore.payload import forms
 
 log = logging.getLogger("kvstore")
 
@@ -157,7 +158,7 @@ class Saver:
                 total = sum(PREFIX_SIZE + len(seg) + plan.payload_bytes + len(tr) for _, _, _, seg, plan, tr in todo)
                 if d.budget_bytes and not policy.bytes_fit(have + total, d.budget_bytes) and d.kv_codec != "raw":
                     # Over the budget raw: what the blocks come to packed decides.
-                    total = sum(PREFIX_SIZE + len(seg) + plan.packed_bytes() + len(tr)
+                    total = sum(PREFIX_SIZE + len(seg) + plan.packed_bytes(d.kv_codec) + len(tr)
                                 for _, _, _, seg, plan, tr in todo)
                 # The whole chain must fit: the blocks it already has stay.
                 if d.budget_bytes and not policy.bytes_fit(have + total, d.budget_bytes):
@@ -237,7 +238,7 @@ class Saver:
         try:
             for b, restorable, path, seg, plan, tr in todo:
                 # Packed just before it is written: one block's packed bytes held at a time.
-                abi = PAYLOAD_ABI_PACKED_CHAIN if d.kv_codec == "lossless" and plan.pack() else PAYLOAD_ABI_CHAIN
+                abi = forms.abi_of(plan.pack(d.kv_codec) if d.kv_codec != "raw" else (), PAYLOAD_ABI_CHAIN)
                 header = self._header(reason if b.last else Reason.CONTINUED, b.tokens, ctx, plan,
                                       ext if b.last else 0, abi, now)
                 head = pack_chain_head(b.parent_digest, b.token_start, b.text_start, d.block_tokens,

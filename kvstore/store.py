@@ -109,9 +109,12 @@ class KVStore:
             block boundary a hit (payload ABI 17); "whole" writes one ABI 16
             file per checkpoint.  Both layouts are read whatever this says.
         block_tokens: the chain grid, in tokens (default 256).
-        kv_codec: "raw" (the default) or "lossless": a chain block's float
+        kv_codec: "raw" (the default); "lossless": a chain block's float
             tensors stored as zstd-packed byte planes where that shrinks
-            them (payload ABI 81, docs/format.md §20); plain stores only.
+            them (payload ABI 81); "q8", "q4": quantised group-wise to 8 or
+            4 bits a value, lossy (ABI 145; a restore through the MLX
+            adapter passes the canary with the codec's tolerance).
+            docs/format.md §20; plain stores only.
         max_write_mb_per_hour: an SSD write budget: a token bucket of this
             many MiB, refilled at this many MiB an hour, shared by every
             process using the directory (docs/format.md §15).  When it runs
@@ -162,7 +165,7 @@ class KVStore:
     accept_unidentified = _setting("accept_unidentified", "Lookups also offer files that name no model.")
     layout = _setting("layout", 'How the store writes: "chain" or "whole".')
     block_tokens = _setting("block_tokens", "The chain grid, in tokens.")
-    kv_codec = _setting("kv_codec", 'How chain blocks store tensors: "raw" or "lossless".')
+    kv_codec = _setting("kv_codec", 'How chain blocks store tensors: "raw", "lossless", "q8" or "q4".')
     model_id = _setting("model_id", "The header model id of the store's files.")
     quant_bits = _setting("quant_bits", "The quant bits of the model weights.")
     ctx_size = _setting("ctx_size", "The engine's context size, or None.")

@@ -97,7 +97,8 @@ def test_the_manifest_records_each_packed_tensor(tmp_path):
     finally:
         os.close(fd)
     assert set(m.packed) == {"k", "v", "window"}            # int32 positions stay raw
-    for name, (stored, planes) in m.packed.items():
+    for name, (stored, form) in m.packed.items():
+        planes = form.planes
         n = dict((r[0], r[4]) for r in m.tensors)[name]
         assert stored == sum(length for _, length in planes) < n
         assert planes[0] == ("raw", n // 2) and planes[1][0] == "zstd"     # mantissa raw, exponent packed
@@ -131,15 +132,17 @@ def test_raw_and_packed_blocks_make_one_chain(tmp_path):
         assert ck.tokens.size == TOKENS and all(same(ck.tensors[k], v, "numpy") for k, v in tensors.items())
 
 
-def older_build(monkeypatch):
-    """What a build from before ABI 81 knows: ABIs 16 and 17 load, 17 and 49 are blocks."""
+def older_build(monkeypatch, packed=()):
+    """What a build from before ABI 81 knows: ABIs 16 and 17 load, 17 and 49
+    are blocks; packed=(81,): one from before ABI 145 (test_quantized)."""
     from kvstore import codec, format, index, index_snapshot
-    monkeypatch.setattr(format, "LOADABLE_ABIS", frozenset({16, 17}))
-    monkeypatch.setattr(format, "BLOCK_ABIS", frozenset({17, 49}))
-    monkeypatch.setattr(format, "PAYLOAD_ABI_PACKED_CHAIN", PAYLOAD_ABI_CHAIN)     # no chain head read
-    monkeypatch.setattr(index, "LOADABLE_ABIS", frozenset({16, 17}))
-    monkeypatch.setattr(index_snapshot, "BLOCK_ABIS", (17, 49))
-    monkeypatch.setattr(codec.PlainCodec, "abis", frozenset({16, 17}))
+    loadable, blocks = frozenset({16, 17, *packed}), frozenset({17, 49, *packed})
+    monkeypatch.setattr(format, "LOADABLE_ABIS", loadable)
+    monkeypatch.setattr(format, "BLOCK_ABIS", blocks)
+    monkeypatch.setattr(format, "PACKED_ABIS", frozenset(packed))     # no chain head read for the others
+    monkeypatch.setattr(index, "LOADABLE_ABIS", loadable)
+    monkeypatch.setattr(index_snapshot, "BLOCK_ABIS", tuple(sorted(blocks)))
+    monkeypatch.setattr(codec.PlainCodec, "abis", loadable)
 
 
 def test_a_reader_without_abi_81_misses_cleanly(tmp_path, monkeypatch):
@@ -191,7 +194,7 @@ def test_a_packed_manifest_under_abi_17_is_corrupt(tmp_path):
 
 
 def test_bad_settings_are_refused_naming_the_value(tmp_path):
-    with pytest.raises(ValueError, match="kv_codec='zip'; expected one of raw, lossless"):
+    with pytest.raises(ValueError, match="kv_codec='zip'; expected one of raw, lossless, q8, q4"):
         make_store(tmp_path / "a", kv_codec="zip")
     pytest.importorskip("cryptography")
     with pytest.raises(ValueError, match="kv_codec='lossless' with a key"):

@@ -485,3 +485,29 @@ def test_a_prompt_repeated_after_a_restart_is_reused_to_its_last_token(model_dir
     assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
     assert second.request_lines()[0].startswith(f"request source=disk reused={n - 1} prefilled=1 ")
     assert answer(r2) == answer(r1)
+
+
+def test_disk_kv_bits_stores_quantised_blocks_and_a_restart_hits_them(model_dir, workdir):
+    """kvstore serve --disk-kv-bits 8: the blocks are quantised (ABI 145) and
+    the next server's disk hit passes the canary with q8's tolerance."""
+    cache = os.path.join(workdir, "cache-q8")
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": USER_TURNS[0]}]
+    first = kvstore_server(model_dir, cache, workdir, "q8-1", "--disk-kv-bits", "8")
+    try:
+        r1 = first.chat(messages)
+    finally:
+        assert first.stop() == 0
+    abis = {read_entry(p).payload_abi for p in glob.glob(os.path.join(cache, "**", "*.kv"), recursive=True)}
+    assert 145 in abis, abis
+    second = kvstore_server(model_dir, cache, workdir, "q8-2", "--kv-codec", "q8")
+    try:
+        r2 = second.chat(messages)
+    finally:
+        second.stop()
+    n = r1["usage"]["prompt_tokens"]
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    assert second.request_lines()[0].startswith(f"request source=disk reused={n - 1} prefilled=1 ")
+    # The demo model's KV is float32, whose own tolerance (1e-3) a q8 restore
+    # passes (~5e-3): the hit is the canary passing with q8's tolerance.
+    with open(os.path.join(workdir, "q8-2.log")) as f:
+        assert "canary_failed" not in f.read()

@@ -116,12 +116,13 @@ def print_manifest(src, plain, sealed):
           f"offset={m.tokens[0]} crc32c=0x{m.tokens[2]:08x}" + (" (sealed: the tags check)" if sealed else ""))
     trows = [(text.printable(name), dtype, "(" + ", ".join(str(x) for x in shape)
               + ("," if len(shape) == 1 else "") + ")", n, m.packed[name][0] if name in m.packed else n,
+              m.packed[name][1].codec if name in m.packed else "raw",
               f"axis {m.axes[name]}" if name in m.axes else "snapshot")
              for name, dtype, shape, _, n, _ in m.tensors]
     print(f"  tensors ({len(trows)}):")
     if trows:
         print("\n".join("    " + line for line in text.table(
-            trows, ("NAME", "DTYPE", "SHAPE", "BYTES", "STORED", "KIND"), right={3, 4}).split("\n")))
+            trows, ("NAME", "DTYPE", "SHAPE", "BYTES", "STORED", "CODEC", "KIND"), right={3, 4}).split("\n")))
     print(f"  meta keys: {', '.join(text.printable(k) for k in sorted(m.meta)) or '-'}")
     if m.model is not None:
         print(f"  model: {text.printable(m.model)}")

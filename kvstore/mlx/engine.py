@@ -209,9 +209,9 @@ class MLXEngine:
         """The model's identity string (kvstore.mlx.model_fingerprint)."""
         return self.identity.fingerprint
 
-    def canary_prepare(self, tokens):
+    def canary_prepare(self, tokens, lossy=""):
         """Starts the canary of the state just restored (kvstore.mlx.canary.prepare)."""
-        return canary.prepare(self.model, self.cache, tokens)
+        return canary.prepare(self.model, self.cache, tokens, lossy)
 
     def canary_finish(self, probe):
         """The tail canary's Verdict once the state holds probe.position again."""

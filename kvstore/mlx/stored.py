@@ -117,7 +117,7 @@ def load_prompt_cache(store, prompt, model, check=True):
     if cache is None:
         return None
     if check and model is not None:
-        verdict = canary.check(model, cache, ckpt.tokens)
+        verdict = canary.check(model, cache, ckpt.tokens, ckpt.lossy)
         if not verdict.applies:
             log.info("kvstore: canary_not_applicable reason=no_attention_rows tokens=%d", len(ckpt.tokens))
         else:

@@ -18,7 +18,6 @@ import numpy as np
 
 from kvstore import _native, host
 from kvstore.errors import CorruptCheckpoint
-from kvstore.payload import packing
 from kvstore.payload.buffers import bytes_view, pread_into, thread_scratch
 from kvstore.payload.manifest import BLOCK_ALIGN, DTYPES, align, numpy_dtype, read_manifest
 from kvstore.payload.pool import IO_THREADS, JOB_BYTES, MIN_SLICE, QUEUE_BYTES, check_crc, io_pool
@@ -30,8 +29,8 @@ class Piece:
     """One read of a chain load: count runs of run bytes, consecutive in the
     file from file_offset, landing every stride bytes from dst in a tensor.
     label names it in errors: "tokens", or (tensor name, block name).
-    packed: (stored bytes, planes) of a packed block, which the file holds
-    from file_offset as its stored bytes (kvstore.payload.packing), or None."""
+    packed: (stored bytes, Form) of a packed block, which the file holds
+    from file_offset as its stored bytes (kvstore.payload.forms), or None."""
 
     __slots__ = ("fd", "path", "file_offset", "run", "count", "stride", "dst", "crc", "label", "packed")
 
@@ -113,6 +112,7 @@ class ChainLayout:
         if _growing(m_t) != self._reference:
             for i in range(1, len(self.blocks)):        # blame the first that differs
                 self._manifest(i)
+        self.codecs = set()         # of the packed blocks read so far (pieces())
         self.tokens = target.tokens
         self.meta = m_t.meta
         self.model = m_t.model
@@ -155,6 +155,7 @@ class ChainLayout:
         growing = [g for g in growing if g[2] and g[3]]
         for i, (fd, e) in enumerate(self.blocks):
             m = self._manifest(i)
+            self.codecs.update(form.codec for _, form in m.packed.values())
             rows = m.rows
             path, at, start, stored = e.path, e.tensors_offset, e.token_start, e.stored_tokens
             name = os.path.basename(path)
@@ -252,13 +253,13 @@ class Batch:
         unpacked into its runs; [(0, CRC32C of the stored bytes)]."""
         if self.pace is not None:
             self.pace(pos)
-        stored, planes = p.packed
+        stored, form = p.packed
         buf = thread_scratch("packed", stored)
         crc = pread_into(p.fd, buf, p.file_offset, p.path, crc=0)
         if not self.verify or crc == p.crc:
             dst = self.buffers[b]
-            packing.unpack(buf, planes, [dst[p.dst + r * p.stride:p.dst + r * p.stride + p.run]
-                                         for r in range(p.count)], p.path, p.what)
+            form.unpack(buf, [dst[p.dst + r * p.stride:p.dst + r * p.stride + p.run]
+                              for r in range(p.count)], p.path, p.what)
         return [(0, crc)]
 
     def _read(self, pos, read, parts):

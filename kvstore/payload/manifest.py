@@ -31,7 +31,7 @@ import numpy as np
 
 from kvstore import _native
 from kvstore.errors import CorruptCheckpoint
-from kvstore.payload import packing
+from kvstore.payload import forms
 from kvstore.payload.buffers import pread
 
 MAGIC = b"KVTP"
@@ -86,9 +86,9 @@ class _Blocks:
     """The blocks of one manifest as they are checked: each one inside the
     payload data and aligned as it comes, then all of them for overlaps."""
 
-    def __init__(self, path, base, limit, data_offset, packed=False):
+    def __init__(self, path, base, limit, data_offset, codecs=frozenset()):
         self.path, self.base, self.limit, self.data_offset = path, base, limit, data_offset
-        self.packed = packed        # the file's ABI may pack tensors
+        self.codecs = codecs        # those the file's ABI may pack tensors with
         self.seen = []              # (offset, nbytes, index)
 
     def take(self, d, i, stored=None):
@@ -200,24 +200,20 @@ def _tensor_row(t, i, names, blocks, stored):
 
 
 def _packed(t, i, item, blocks):
-    """(stored bytes, planes) of tensor i when it is packed
-    (kvstore.payload.packing), checked; None when it is stored raw."""
+    """(stored bytes, Form) of tensor i when it is packed
+    (kvstore.payload.forms), checked; None when it is stored raw."""
     p = t.get("packed")
     if p is None:
         return None
     path = blocks.path
-    if not blocks.packed:
+    if not blocks.codecs:
         raise CorruptCheckpoint("bad_manifest", path, f"tensor {i} is packed in a file whose ABI packs nothing")
     n = t.get("nbytes")
-    if not isinstance(p, dict) or p.get("codec") != packing.CODEC or type(p.get("stored")) is not int \
-            or type(n) is not int or n < 0:
-        raise CorruptCheckpoint("bad_manifest", path, f"tensor {i}: packed is not a {packing.CODEC} block")
-    bad = packing.check_planes(p.get("planes"), item, n)
-    if bad is None and packing.stored_size(p["planes"]) != p["stored"]:
-        bad = f"planes hold {packing.stored_size(p['planes'])} bytes, stored says {p['stored']}"
-    if bad is not None:
-        raise CorruptCheckpoint("bad_manifest", path, f"tensor {i}: {bad}")
-    return p["stored"], [tuple(x) for x in p["planes"]]
+    got = forms.parse(p, t.get("dtype"), item, n, blocks.codecs) if type(n) is int and n >= 0 \
+        else "nbytes is not a count"
+    if isinstance(got, str):
+        raise CorruptCheckpoint("bad_manifest", path, f"tensor {i}: {got}")
+    return got
 
 
 def _optional_fields(m, path, stored):
@@ -253,14 +249,15 @@ class Manifest:
     def __init__(self, raw, entry, data_offset):
         path, stored = entry.path, entry.stored_tokens
         m = _parse(raw, path)
-        blocks = _Blocks(path, entry.tensors_offset, entry.tensors_bytes, data_offset, entry.packed)
+        blocks = _Blocks(path, entry.tensors_offset, entry.tensors_bytes, data_offset,
+                          forms.codecs_of_abi(entry.payload_abi))
         self.tokens = blocks.take(_tokens_block(m, path, stored), -1)
         tensors = m.get("tensors")
         if not isinstance(tensors, list):
             raise CorruptCheckpoint("bad_manifest", path, "tensors is not a list")
         self.axes = {}
         self.tensors = []
-        self.packed = {}            # name -> (stored bytes, planes) of a packed tensor
+        self.packed = {}            # name -> (stored bytes, Form) of a packed tensor
         names = set()
         for i, t in enumerate(tensors):
             row, axis, packed = _tensor_row(t, i, names, blocks, stored)

@@ -17,7 +17,7 @@ from kvstore.format import PREFIX_SIZE
 from kvstore.payload.buffers import bytes_view, pwrite_from, pwrite_pieces
 from kvstore.payload.manifest import (BLOCK_ALIGN, DATA_ALIGN, DTYPES, MAGIC, PAYLOAD_HEADER, VERSION,
                                       align)
-from kvstore.payload import packing
+from kvstore.payload import forms
 from kvstore.payload.mlx_io import is_mlx_array, mlx_source
 from kvstore.payload.pool import io_pool, slices
 from kvstore.sources import as_source
@@ -168,32 +168,34 @@ class Plan:
             at += t["packed"]["stored"] if "packed" in t else t["nbytes"]
         self.payload_bytes = self.head + at      # the chain header counts as payload
 
-    def pack(self):
-        """Stores the tensors that shrink as packed blocks (kvstore.payload.packing)
-        and lays the payload out again; True when any does.  Until then
-        payload_bytes is the raw size, a bound on the packed one.
+    def pack(self, kv_codec):
+        """Stores the tensors that kv_codec packs (kvstore.payload.forms) as
+        packed blocks and lays the payload out again; returns the codecs
+        used (empty when none shrank).  Until then payload_bytes is the raw
+        size, a bound on the packed one.
 
-        Each tensor is packed on the I/O pool (the planes split and zstd run
-        with the GIL released); the packed bytes are held until write().
+        Each tensor is packed on the I/O pool (the planes split, zstd and
+        the quantising run mostly with the GIL released); the packed bytes
+        are held until write().
         """
         todo = [(t, src) for t, src in zip(self.manifest["tensors"], self.sources)
-                if packing.packable(src[1], src[3])]
-        jobs = [io_pool().submit(packing.pack, [bytes_view(b) for b in src[4]()], DTYPES[src[1]][0])
+                if forms.tries(kv_codec, src[1], src[3], "axis" in t)]
+        jobs = [io_pool().submit(forms.pack, kv_codec, src[1], DTYPES[src[1]][0], src[3],
+                                 [bytes_view(b) for b in src[4]()])
                 for _, src in todo]
         for (t, src), job in zip(todo, jobs):
-            planes, parts = job.result()
-            if packing.stored_size(planes) < src[3]:
-                t["packed"] = {"codec": packing.CODEC, "stored": packing.stored_size(planes), "planes": planes}
-                self.packed[src[0]] = parts
+            got = job.result()
+            if got is not None:
+                t["packed"], self.packed[src[0]] = got
         if self.packed:
             self._lay_out()
-        return bool(self.packed)
+        return {t["packed"]["codec"] for t in self.manifest["tensors"] if "packed" in t}
 
-    def packed_bytes(self):
+    def packed_bytes(self, kv_codec):
         """The payload's size once packed, the plan left as it was: the
         packing is done and dropped (a save that would not fit its budget
         raw asks; pack() packs again when the block is written)."""
-        if not self.pack():
+        if not self.pack(kv_codec):
             return self.payload_bytes
         size = self.payload_bytes
         for t in self.manifest["tensors"]:

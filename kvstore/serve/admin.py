@@ -44,7 +44,7 @@ GET /v1/cache (numbers are ints unless said; "sha" is a name's first 12 hex digi
     models                    kvstore.registry.summarize of the directory: [{tag, name, identity,
                               entries, bytes, last_seen}], the most bytes first
     model_tag                 this server's model tag (6 hex), as in models[].tag
-    layout, block_tokens,     how this server's store writes (kv_codec: "raw" or "lossless",
+    layout, block_tokens,     how this server's store writes (kv_codec: "raw", "lossless", "q8" or "q4",
       kv_codec                docs/format.md §20)
     by_reason                 {reason name (cold, continued, evict, ...): bytes}
     ram                       {entries, bytes} of mlx-lm's RAM cache, or null

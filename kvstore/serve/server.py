@@ -32,7 +32,7 @@ from kvstore.serve.http import handler_class
 from kvstore.serve.tier import TieredPromptCache
 from kvstore.serve.warm import Warmer, checked_open, read_file
 from kvstore.serve.warm import add_arguments as add_warm_arguments
-from kvstore.directory import KV_CODECS
+from kvstore.payload.forms import KV_CODECS
 from kvstore.store import LAYOUTS, KVStore
 
 log = logging.getLogger("kvstore")
@@ -240,7 +240,11 @@ def build_parser():
                    help=f"tokens per block of a chain (default {DEFAULT_BLOCK_TOKENS})")
     p.add_argument("--kv-codec", choices=KV_CODECS, default="raw",
                    help="raw: a chain block's KV as it is (default); lossless: its float tensors as zstd-packed "
-                        "byte planes where that shrinks them (docs/format.md §20; not with --cache-key-file)")
+                        "byte planes where that shrinks them; q8, q4: quantised to 8 or 4 bits a value, group-wise "
+                        "(lossy: every restore then passes the canary with the codec's tolerance); "
+                        "docs/format.md §20; not with --cache-key-file")
+    p.add_argument("--disk-kv-bits", type=int, choices=(8, 4), default=None,
+                   help="the same as --kv-codec q8 or q4")
     p.add_argument("--max-write-mb-per-hour", type=float, default=None,
                    help="SSD write budget in MiB per hour: when it runs low, stores are skipped in order "
                         "of value (waypoints and evict states first, anchors last); default: none")
@@ -298,6 +302,11 @@ def main(argv=None):
         value = getattr(opts, name)
         if value is not None and value < 0:
             return _usage_error(f"--{name.replace('_', '-')} {value} must be >= 0")
+    if opts.disk_kv_bits is not None:
+        codec = f"q{opts.disk_kv_bits}"
+        if opts.kv_codec not in ("raw", codec):
+            return _usage_error(f"--disk-kv-bits {opts.disk_kv_bits} with --kv-codec {opts.kv_codec}: choose one")
+        opts.kv_codec = codec
     if opts.cache_key_file is not None:
         try:
             seal.load_key(opts.cache_key_file)

@@ -287,7 +287,7 @@ class TieredPromptCache(ReportingPromptCache):
                      ckpt.entry.name[:12])
             return None
         for m, got, _ in parts:
-            verdict = canary.check(m, got, ckpt.tokens)
+            verdict = canary.check(m, got, ckpt.tokens, ckpt.lossy)
             if not verdict.applies:
                 log.info("kvstore: canary_not_applicable reason=no_attention_rows tokens=%d", len(ckpt.tokens))
                 continue

@@ -10,6 +10,7 @@
 #include "dispatch.h"
 #include "header.h"
 #include "planes.h"
+#include "quant.h"
 #include "sha1.h"
 
 #define NLEN 64               /* lengths per kvs_sha1_prefixes call */
@@ -300,6 +301,39 @@ static void check_planes(const uint8_t *buf)
     }
 }
 
+/* Quantised blocks: float32 groups dequantise to q * scale + bias with each
+ * operation rounded on its own (no fused multiply-add, which an ARMv8
+ * compiler would otherwise contract to: the NumPy twin rounds twice), and
+ * every value lands within half a step of what was quantised. */
+static void check_quant(void)
+{
+    enum { N = 64 * 24 };
+    static float src[N], dst[N], scales[N / 16], biases[N / 16];
+    static uint8_t q[N];
+    for (size_t i = 0; i < N; i++)
+        src[i] = (float)((int)(next_u64() % 20001) - 10000) / 777.0f;
+    for (int bits = 8; bits >= 4; bits -= 4) {
+        for (size_t group = 16; group <= 64; group *= 2) {
+            check(kvs_quantize(src, N, KVS_Q_F32, bits, group, q, scales, biases) == 0, "quantize", group);
+            kvs_dequantize(q, scales, biases, N, KVS_Q_F32, bits, group, dst);
+            int same = 1, close = 1;
+            for (size_t k = 0; k < N; k++) {
+                unsigned v = bits == 8 ? q[k] : (q[k / 2] >> ((k & 1) * 4)) & 0xF;
+                volatile float p = (float)v * scales[k / group];
+                float want = p + biases[k / group];
+                same &= memcmp(&want, &dst[k], 4) == 0;
+                float d = dst[k] - src[k];
+                close &= (d < 0 ? -d : d) <= scales[k / group] * 0.5f * 1.0001f;
+            }
+            check(same, "dequantize rounds q * scale and + bias apart", group);
+            check(close, "dequantized values within half a step", group);
+        }
+    }
+    float bad[64] = {0};
+    bad[5] = 1.0f / 0.0f;
+    check(kvs_quantize(bad, 64, KVS_Q_F32, 8, 64, q, scales, biases) == -1, "quantize refuses inf", 64);
+}
+
 int main(void)
 {
     static const int impls[] = {KVS_IMPL_X86, KVS_IMPL_X86_AVX512, KVS_IMPL_ARM};
@@ -364,6 +398,7 @@ int main(void)
     check_header();
     check_fits();
     check_planes(buf);
+    check_quant();
     printf("sha1 hardware paths: %d, crc32c hardware paths: %d\n", hw_sha, hw_crc);
     printf("%d passed, %d failed\n", passed, failed);
     free(buf);

@@ -1,0 +1,137 @@
+# Included by kvstore/_native.pyx (one compiled module): the bindings of a
+# chain block's stored forms, byte planes (csrc/planes.h) and group-wise
+# quantisation (csrc/quant.h).  Buffers in, buffers out, GIL released.
+
+
+cdef size_t _plane_elements(pieces, size_t width, Py_buffer *planes, str what) except? 0:
+    """The element count of pieces (buffers of whole width-byte elements),
+    checked against the planes: each plane one byte per element."""
+    if width < 1 or width > KVS_PLANES_MAX:
+        raise ValueError(f"{width} planes: an element is 1 to {KVS_PLANES_MAX} bytes")
+    total = 0
+    for i, b in enumerate(pieces):
+        n = memoryview(b).nbytes
+        if n % width:
+            raise ValueError(f"{what} piece {i} holds {n} bytes, not whole {width}-byte elements")
+        total += n
+    for p in range(width):
+        if <size_t>planes[p].len != total // width:
+            raise ValueError(f"{what} pieces hold {total // width} elements, plane {p} {planes[p].len} bytes")
+    return total // width
+
+
+cdef _planes_pass(pieces, planes, bint split):
+    cdef Py_buffer views[KVS_PLANES_MAX]
+    cdef uint8_t *ptrs[KVS_PLANES_MAX]
+    cdef Py_buffer piece
+    cdef size_t width = len(planes), got = 0, first = 0, count
+    cdef int flags = PyBUF_WRITABLE if split else PyBUF_SIMPLE
+    if width > KVS_PLANES_MAX:
+        raise ValueError(f"{width} planes: an element is 1 to {KVS_PLANES_MAX} bytes")
+    try:
+        for p in range(width):
+            PyObject_GetBuffer(planes[p], &views[p], flags)
+            got += 1
+            ptrs[p] = <uint8_t *>views[p].buf
+        _plane_elements(pieces, width, views, "split" if split else "join")
+        for b in pieces:
+            PyObject_GetBuffer(b, &piece, PyBUF_SIMPLE if split else PyBUF_WRITABLE)
+            try:
+                count = <size_t>piece.len // width
+                with nogil:
+                    if split:
+                        kvs_planes_split(ptrs, first, <const uint8_t *>piece.buf, count, width)
+                    else:
+                        kvs_planes_join(<uint8_t *>piece.buf, <const uint8_t **>ptrs, first, count, width)
+                first += count
+            finally:
+                PyBuffer_Release(&piece)
+    finally:
+        for p in range(got):
+            PyBuffer_Release(&views[p])
+
+
+def planes_split(pieces, planes):
+    """Byte p of every element of pieces into planes[p]: an element is
+    len(planes) bytes, pieces (buffers in order) hold whole elements, and
+    each plane (a writable buffer) one byte per element; GIL released
+    (csrc/planes.h).
+
+    Raises:
+        ValueError: a piece is not whole elements, or a plane is not one byte per element.
+    """
+    _planes_pass(pieces, planes, True)
+
+
+def planes_join(planes, pieces):
+    """planes_split's inverse: the elements rebuilt from planes into pieces
+    (writable buffers in order); GIL released.
+
+    Raises:
+        ValueError: a piece is not whole elements, or a plane is not one byte per element.
+    """
+    _planes_pass(pieces, planes, False)
+
+
+_Q_DTYPES = {"float32": (KVS_Q_F32, 4), "float16": (KVS_Q_F16, 2), "bfloat16": (KVS_Q_BF16, 2)}
+
+
+cdef _q_geometry(str dtype, int bits, size_t group, size_t nbytes):
+    """(dtype code, width, count) of a quantised block of nbytes of dtype, checked."""
+    if dtype not in _Q_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: quantised blocks hold {', '.join(_Q_DTYPES)}")
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits}: 8 or 4")
+    code, width = _Q_DTYPES[dtype]
+    count = nbytes // width
+    if nbytes % width or group < 2 or group % 2 or count % group:
+        raise ValueError(f"{nbytes} bytes of {dtype} are not whole groups of {group}")
+    return code, width, count
+
+
+def quantize(const uint8_t[::1] src, str dtype, int bits, size_t group, uint8_t[::1] q, uint8_t[::1] scales,
+             uint8_t[::1] biases):
+    """src (the bytes of dtype values) group-wise affine into q (count * bits
+    / 8 bytes), scales and biases (count / group values of dtype each), GIL
+    released (csrc/quant.h).  Returns True, or False when a value is not
+    finite or a group's scale does not fit dtype (the outputs then hold
+    nothing to keep).
+
+    Raises:
+        ValueError: a dtype, bits or group it does not take, or outputs of another size.
+    """
+    cdef int code, rc
+    cdef size_t width, count
+    code, width, count = _q_geometry(dtype, bits, group, src.shape[0])
+    _q_sizes("quantize: outputs", q, scales, biases, count, bits, group, width)
+    if count == 0:
+        return True
+    with nogil:
+        rc = kvs_quantize(&src[0], count, code, bits, group, &q[0], &scales[0], &biases[0])
+    return rc == 0
+
+
+def dequantize(const uint8_t[::1] q, const uint8_t[::1] scales, const uint8_t[::1] biases, str dtype, int bits,
+               size_t group, uint8_t[::1] dst):
+    """quantize's inverse into dst (the bytes of dtype values): q * scale +
+    bias, rounded to the nearest (even) value of dtype; GIL released.
+
+    Raises:
+        ValueError: a dtype, bits or group it does not take, or inputs of another size.
+    """
+    cdef int code
+    cdef size_t width, count
+    code, width, count = _q_geometry(dtype, bits, group, dst.shape[0])
+    _q_sizes("dequantize: inputs", q, scales, biases, count, bits, group, width)
+    if count == 0:
+        return
+    with nogil:
+        kvs_dequantize(&q[0], &scales[0], &biases[0], count, code, bits, group, &dst[0])
+
+
+cdef _q_sizes(str what, const uint8_t[::1] q, const uint8_t[::1] scales, const uint8_t[::1] biases, size_t count,
+              int bits, size_t group, size_t width):
+    if <size_t>q.shape[0] != count * bits // 8 or <size_t>scales.shape[0] != count // group * width \
+            or <size_t>biases.shape[0] != count // group * width:
+        raise ValueError(f"{what} of {q.shape[0]}, {scales.shape[0]}, {biases.shape[0]} bytes for {count} "
+                         f"elements in groups of {group}")

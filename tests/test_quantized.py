@@ -1,0 +1,174 @@
+"""Quantised chain blocks (kv_codec="q8"/"q4", payload ABI 145, docs/format.md §20).
+
+A store that quantises writes each chain block's positional float tensors
+(K, V, latents) group-wise affine at 8 or 4 bits a value; snapshots and
+integer tensors stay exact.  Every store reads them back, within the
+codec's error; Checkpoint.lossy says so, and the canary then uses the
+codec's tolerance: the model's own state passes, another model's fails.
+A build that knows only packed blocks (ABI 81) sees ABI 145 as foreign.
+"""
+
+import dataclasses
+import os
+import re
+
+import numpy as np
+import pytest
+
+from kvstore import files
+from kvstore.format import HEADER_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_LOSSY_CHAIN, PAYLOAD_ABI_PACKED_CHAIN, Header
+from kvstore.payload import quantizing, read_manifest
+from kvhelpers import checkpoint_files, make_store
+from test_packed import BLOCK, TOKENS, dir_bytes, older_build, save
+
+# Relative L2 error of normal values, groups of 64: 8 bits ~0.0055, 4 bits ~0.09.
+ERROR = {"q8": 0.01, "q4": 0.12}
+RATIO = {"q8": 0.55, "q4": 0.30}
+
+
+def f32_of(a, dtype):
+    a = np.asarray(a)
+    if dtype == "bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+def rel(got, want, dtype="bfloat16"):
+    g, w = f32_of(got, dtype), f32_of(want, dtype)
+    return float(np.linalg.norm(g - w) / np.linalg.norm(w))
+
+
+def stored_bytes(raw, dtype):
+    if dtype == "bfloat16":
+        return (raw.view(np.uint32) >> 16).astype(np.uint16)
+    return raw.astype(dtype)
+
+
+@pytest.mark.parametrize("codec", ["q8", "q4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_a_block_round_trips_within_the_codecs_error(codec, dtype):
+    x = np.random.default_rng(1).standard_normal(64 * 96).astype(np.float32) * 3 + 0.5
+    raw = stored_bytes(x, dtype)
+    mv = memoryview(raw).cast("B")
+    desc, parts = quantizing.pack([mv[:1000 * 2], mv[1000 * 2:]], dtype, codec)     # pieces cut mid-group
+    stored = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    assert len(stored) == quantizing.stored_size(raw.size, dtype, quantizing.BITS[codec], desc["group"])
+    if dtype != "float32":
+        assert len(stored) <= RATIO[codec] * raw.nbytes
+    out = np.zeros_like(raw)
+    o = memoryview(out).cast("B")
+    quantizing.Form(codec, dtype, desc["group"]).unpack(stored, [o[:3000], o[3000:]], "p", "w")
+    assert rel(out, raw, dtype) <= ERROR[codec]
+    # Every value inside its group's range: the ends are kept within one step.
+    g, w = f32_of(out, dtype).reshape(-1, 64), f32_of(raw, dtype).reshape(-1, 64)
+    step = (w.max(1) - w.min(1)) / ((1 << quantizing.BITS[codec]) - 1)
+    assert (np.abs(g - w) <= step[:, None] * 0.51 + np.abs(w) * 2 ** -7 + 1e-6).all()
+
+
+def test_constant_groups_and_unquantisable_blocks():
+    flat = np.full(4096, 1.5, np.float32)
+    desc, parts = quantizing.pack([memoryview(flat).cast("B")], "float32", "q4")
+    out = np.zeros_like(flat)
+    quantizing.Form("q4", "float32", desc["group"]).unpack(
+        b"".join(bytes(memoryview(p).cast("B")) for p in parts), [memoryview(out).cast("B")], "p", "w")
+    assert (out == flat).all()                       # a zero range is exact
+    bad = flat.copy()
+    bad[7] = np.nan
+    assert quantizing.pack([memoryview(bad).cast("B")], "float32", "q8") is None
+    huge = np.full(4096, 3e38, np.float32)
+    huge[::2] = -3e38                                # a range past float32's largest value
+    assert quantizing.pack([memoryview(stored_bytes(huge, "bfloat16")).cast("B")], "bfloat16", "q8") is None
+
+
+@pytest.mark.parametrize("codec", ["q8", "q4"])
+@pytest.mark.parametrize("into", ["numpy", "mlx"])
+def test_a_quantised_chain_is_smaller_and_loads_within_the_error(tmp_path, codec, into):
+    if into == "mlx":
+        mx = pytest.importorskip("mlx.core")
+    with make_store(tmp_path / "raw", block_tokens=BLOCK, kv_codec="raw") as s:
+        save(s)
+    with make_store(tmp_path / "q", block_tokens=BLOCK, kv_codec=codec) as s:
+        text, tensors, e = save(s)
+        assert e.payload_abi == PAYLOAD_ABI_LOSSY_CHAIN
+    assert dir_bytes(tmp_path / "q") < (RATIO[codec] + 0.12) * dir_bytes(tmp_path / "raw")
+    with make_store(tmp_path / "q") as s:           # any store reads them
+        ck = s.load(s.find(text), into=into)
+        assert ck.lossy == codec and ck.tokens.size == TOKENS
+        got = {k: np.array(v.view(mx.uint16)) if into == "mlx" and v.dtype == mx.bfloat16 else np.asarray(v)
+               for k, v in ck.tensors.items()}
+        for name in ("k", "v"):
+            assert got[name].shape == tensors[name].shape and got[name].dtype == np.uint16
+            assert 0 < rel(got[name], tensors[name]) <= ERROR[codec], name
+        assert (got["pos"] == tensors["pos"]).all()             # integers stay exact
+        assert (got["window"] == tensors["window"]).all()       # so do snapshots
+    with make_store(tmp_path / "raw") as s:
+        assert s.load(s.find(text)).lossy == ""
+    assert all(files.verify_file(str(tmp_path / "q" / n)) is None for n in checkpoint_files(tmp_path / "q"))
+
+
+def test_the_manifest_names_the_codec_and_group(tmp_path):
+    with make_store(tmp_path, block_tokens=BLOCK, kv_codec="q4") as s:
+        _, _, e = save(s)
+    fd = os.open(e.path, os.O_RDONLY)
+    try:
+        m = read_manifest(fd, e)
+    finally:
+        os.close(fd)
+    assert set(m.packed) == {"k", "v"}
+    n = dict((r[0], r[4]) for r in m.tensors)["k"]
+    stored, form = m.packed["k"]
+    assert (form.codec, form.dtype, form.group) == ("q4", "bfloat16", 64)
+    assert stored == n // 4 + 2 * 2 * (n // 2 // 64)
+
+
+def test_a_build_without_abi_145_misses_cleanly(tmp_path, monkeypatch):
+    """A build that loads packed blocks (81) but not quantised ones: the
+    quantised blocks are foreign files, the raw chain before them a hit."""
+    with make_store(tmp_path, block_tokens=BLOCK, kv_codec="raw") as s:
+        save(s, n=130, snapshot=False)
+    with make_store(tmp_path, block_tokens=BLOCK, kv_codec="q8") as s:
+        text, tensors, _ = save(s, snapshot=False)
+    older_build(monkeypatch, packed=(PAYLOAD_ABI_PACKED_CHAIN,))
+    with make_store(tmp_path) as s:
+        hit = s.find(text)
+        assert hit is not None and hit.tokens == 130 and hit.payload_abi == PAYLOAD_ABI_CHAIN
+        ck = s.load(hit)
+        assert ck.lossy == "" and (ck.tensors["k"] == tensors["k"][:, :, :130]).all()
+        assert len(s.entries()) == len(checkpoint_files(tmp_path))
+
+
+@pytest.mark.parametrize("abi", [PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_PACKED_CHAIN])
+def test_a_quantised_row_under_another_abi_is_corrupt(tmp_path, abi):
+    """Only ABI 145 may hold quantised rows: under 81 or 17 the file is bad_manifest."""
+    with make_store(tmp_path, block_tokens=BLOCK, kv_codec="q8") as s:
+        text, _, e = save(s)
+    with open(e.path, "r+b") as f:
+        h = Header.unpack(f.read(HEADER_SIZE))
+        f.seek(0)
+        f.write(dataclasses.replace(h, payload_abi=abi).pack())
+    assert "bad_manifest" in files.verify_file(e.path) or "packed" in files.verify_file(e.path)
+    with make_store(tmp_path) as s:
+        ck = s.load(s.find(text))
+        assert ck is None or ck.tokens.size < TOKENS
+
+
+def test_serve_takes_disk_kv_bits(tmp_path):
+    from kvstore.serve import server
+    p = server.build_parser()
+    opts, _ = p.parse_known_args(["--model", str(tmp_path), "--disk-kv-bits", "4"])
+    assert opts.disk_kv_bits == 4
+    assert server.main(["--model", str(tmp_path), "--disk-kv-bits", "8", "--kv-codec", "lossless"]) == 2
+
+
+def test_inspect_names_each_tensors_codec(tmp_path):
+    import subprocess
+    import sys
+    with make_store(tmp_path, block_tokens=BLOCK, kv_codec="q8") as s:
+        _, _, e = save(s)
+    p = subprocess.run([sys.executable, "-m", "kvstore", "inspect", e.path], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    rows = {m.group(1): m.groups()[1:] for m in
+            re.finditer(r"^    (\S+) .* (\d+) +(\d+) +(\S+) +(?:axis \d+|snapshot)$", p.stdout, re.M)}
+    assert rows["k"][2] == "q8" and rows["pos"][2] == "raw" and rows["window"][2] == "raw", p.stdout
+    assert int(rows["k"][1]) < 0.55 * int(rows["k"][0])
