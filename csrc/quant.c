@@ -98,49 +98,51 @@ static float round_up(float v, int dtype, void *out, size_t i)
     return dtype == KVS_Q_BF16 ? bf16_f32(h) : f16_f32(h);
 }
 
-/* rintf for 0 <= v < 2^22, in a form compilers vectorise: adding 1.5 * 2^23
- * leaves no fraction bits, so the sum is rounded to the nearest (even). */
-static inline float round_even(float v)
+#define KVS_Q_GROUP_MAX 64
+
+/* The smallest and largest of n floats, none NaN.  Min and max do not
+ * depend on the order they are taken in, so GCC may vectorise the
+ * reduction (what it otherwise must not assume: no NaN, one zero). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("finite-math-only", "no-signed-zeros")))
+#endif
+static void range_of(const float *f, size_t n, float *lo_out, float *hi_out)
 {
-    const float magic = 12582912.0f;
-    return (v + magic) - magic;
+    float lo = f[0], hi = f[0];
+    for (size_t i = 1; i < n; i++) {
+        lo = f[i] < lo ? f[i] : lo;
+        hi = f[i] > hi ? f[i] : hi;
+    }
+    *lo_out = lo;
+    *hi_out = hi;
 }
 
-/* One group's integers (the loop the compiler specialises per dtype and bits). */
-static inline __attribute__((always_inline)) void quantize_group(const void *src, size_t at, size_t group,
-                                                                 int dtype, int bits, float lo, float div,
-                                                                 float levels, uint8_t *q)
+/* A group's values as float32 in f; 1 when all are finite. */
+static inline __attribute__((always_inline)) int group_values(const void *src, size_t at, size_t group, int dtype,
+                                                              float *f)
 {
-    for (size_t i = 0; i < group; i += 2) {
-        float a = round_even((load(src, at + i, dtype) - lo) / div);
-        float b = round_even((load(src, at + i + 1, dtype) - lo) / div);
-        a = a < 0 ? 0 : a > levels ? levels : a;
-        b = b < 0 ? 0 : b > levels ? levels : b;
-        if (bits == 8) {
-            q[at + i] = (uint8_t)a;
-            q[at + i + 1] = (uint8_t)b;
-        } else {
-            q[(at + i) / 2] = (uint8_t)((uint8_t)a | ((uint8_t)b << 4));
-        }
+    int bad = 0;
+    for (size_t i = 0; i < group; i++) {
+        float v = load(src, at + i, dtype);
+        f[i] = v;
+        bad |= !(v - v == 0.0f);                        /* NaN for inf and NaN */
     }
+    return !bad;
 }
 
 static inline __attribute__((always_inline)) int quantize_all(const void *src, size_t count, int dtype, int bits,
                                                                size_t group, uint8_t *q, void *scales, void *biases)
 {
     const float levels = (float)((1 << bits) - 1);
+    uint8_t ints[KVS_Q_GROUP_MAX];
+    float f[KVS_Q_GROUP_MAX];
     for (size_t g = 0; g * group < count; g++) {
         size_t at = g * group;
-        float lo = INFINITY, hi = -INFINITY;
-        int finite = 1;
-        for (size_t i = 0; i < group; i++) {
-            float v = load(src, at + i, dtype);
-            finite &= isfinite(v) != 0;
-            lo = v < lo ? v : lo;
-            hi = v > hi ? v : hi;
-        }
-        if (!finite)
+        float lo, hi;
+        if (!group_values(src, at, group, dtype, f))
             return -1;
+        range_of(f, group, &lo, &hi);
+        lo = lo == 0.0f ? 0.0f : lo;                    /* +0 whichever zero was smallest */
         /* lo is a value of the dtype: the bias is lo exactly. */
         store(biases, g, dtype, lo);
         float s = round_up((hi - lo) / levels, dtype, scales, g);
@@ -154,7 +156,19 @@ static inline __attribute__((always_inline)) int quantize_all(const void *src, s
         if (!isfinite(top) || (dtype == KVS_Q_BF16 && (f32_bf16(top) & 0x7F80u) == 0x7F80u)
                 || (dtype == KVS_Q_F16 && (f32_f16(top) & 0x7C00u) == 0x7C00u))
             return -1;
-        quantize_group(src, at, group, dtype, bits, lo, s > 0 ? s : 1.0f, levels, q);
+        const float inv = 1.0f / (s > 0 ? s : 1.0f);
+        uint8_t *out = bits == 8 ? q + at : ints;
+        for (size_t i = 0; i < group; i++) {
+            /* Clamped first (to integers, so the order does not change the
+             * result), then rounded by adding 1.5 * 2^23: the sum's low
+             * mantissa bits are the integer, read without a conversion. */
+            float x = (f[i] - lo) * inv;
+            x = x < 0 ? 0 : x > levels ? levels : x;
+            out[i] = (uint8_t)f32_bits(x + 12582912.0f);
+        }
+        if (bits == 4)
+            for (size_t i = 0; i < group / 2; i++)
+                q[at / 2 + i] = (uint8_t)(ints[2 * i] | (ints[2 * i + 1] << 4));
     }
     return 0;
 }
@@ -163,21 +177,21 @@ static inline __attribute__((always_inline)) void dequantize_all(const uint8_t *
                                                                   const void *biases, size_t count, int dtype,
                                                                   int bits, size_t group, void *dst)
 {
+    uint8_t ints[KVS_Q_GROUP_MAX];
     for (size_t g = 0; g * group < count; g++) {
         size_t at = g * group;
         float s = load(scales, g, dtype), b = load(biases, g, dtype);
-        if (bits == 8) {
-            for (size_t i = 0; i < group; i++) {
-                float p = (float)q[at + i] * s;
-                store(dst, at + i, dtype, p + b);
+        const uint8_t *in = q + at;
+        if (bits == 4) {
+            for (size_t i = 0; i < group / 2; i++) {
+                ints[2 * i] = q[at / 2 + i] & 0xF;
+                ints[2 * i + 1] = q[at / 2 + i] >> 4;
             }
-        } else {
-            for (size_t i = 0; i < group; i += 2) {
-                uint8_t two = q[(at + i) / 2];
-                float p0 = (float)(two & 0xF) * s, p1 = (float)(two >> 4) * s;
-                store(dst, at + i, dtype, p0 + b);
-                store(dst, at + i + 1, dtype, p1 + b);
-            }
+            in = ints;
+        }
+        for (size_t i = 0; i < group; i++) {
+            float p = (float)in[i] * s;
+            store(dst, at + i, dtype, p + b);
         }
     }
 }

@@ -2,13 +2,14 @@
  * chain block's form: kvstore/payload/quantizing.py, docs/format.md §20).
  *
  * count elements of dtype (KVS_Q_F32, KVS_Q_F16, KVS_Q_BF16), in groups of
- * group consecutive elements; a group x is stored as the integers
- * q = round((x - bias) / scale) clipped to [0, 2^bits - 1], bits 8 or 4
+ * group consecutive elements (16, 32 or 64); a group x is stored as the
+ * integers q = round((x - bias) * (1 / scale)) clipped to [0, 2^bits - 1], bits 8 or 4
  * (4: two a byte, the earlier in the low nibble), with bias = min(x) and
  * scale = (max(x) - bias) / (2^bits - 1) rounded up into the dtype; scale
  * and bias are stored in the dtype (a 16-bit float as its 16 bits).
  * Arithmetic is float32, each operation rounded on its own (no fused
- * multiply-add), so the results equal NumPy's twin bit for bit.
+ * multiply-add), so the results equal NumPy's twin bit for bit
+ * (kvstore._reference.quantize).
  */
 #ifndef KVS_QUANT_H
 #define KVS_QUANT_H

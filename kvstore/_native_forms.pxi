@@ -84,7 +84,9 @@ cdef _q_geometry(str dtype, int bits, size_t group, size_t nbytes):
         raise ValueError(f"bits={bits}: 8 or 4")
     code, width = _Q_DTYPES[dtype]
     count = nbytes // width
-    if nbytes % width or group < 2 or group % 2 or count % group:
+    if group not in (16, 32, 64):
+        raise ValueError(f"group={group}: 16, 32 or 64")
+    if nbytes % width or count % group:
         raise ValueError(f"{nbytes} bytes of {dtype} are not whole groups of {group}")
     return code, width, count
 

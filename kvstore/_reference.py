@@ -135,6 +135,7 @@ def quantize(src, dtype, bits, group):
     if not np.isfinite(x).all():
         return False, b"", b"", b""
     lo, hi = x.min(axis=1), x.max(axis=1)
+    lo = np.where(lo == 0, np.float32(0), lo)       # +0 whichever zero was smallest
     with np.errstate(over="ignore"):
         bias = _q_from_f32(lo, dtype)               # lo is a value of dtype: exact
         scale = _q_round_up((hi - lo) / levels, dtype)
@@ -145,7 +146,8 @@ def quantize(src, dtype, bits, group):
         top = _q_f32(_q_from_f32(np.float32(levels) * s + lo, dtype), dtype)
     if not np.isfinite(top).all():
         return False, b"", b"", b""
-    q = np.clip(np.rint((x - lo[:, None]) / np.where(s > 0, s, 1)[:, None]), 0, levels).astype(np.uint8)
+    inv = np.float32(1) / np.where(s > 0, s, np.float32(1))
+    q = np.clip(np.rint((x - lo[:, None]) * inv[:, None]), 0, levels).astype(np.uint8)
     if bits == 4:
         q = q[:, 0::2] | (q[:, 1::2] << 4)
     return True, q.tobytes(), scale.tobytes(), bias.tobytes()

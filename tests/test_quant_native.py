@@ -77,8 +77,10 @@ def test_bad_arguments_name_the_value():
         _native.quantize(src, "int8", 8, 64, bytearray(128), bytearray(8), bytearray(8))
     with pytest.raises(ValueError, match="bits=3"):
         _native.quantize(src, "float32", 3, 64, bytearray(128), bytearray(8), bytearray(8))
-    with pytest.raises(ValueError, match="not whole groups of 48"):
+    with pytest.raises(ValueError, match="group=48"):
         _native.quantize(src, "float32", 8, 48, bytearray(128), bytearray(8), bytearray(8))
+    with pytest.raises(ValueError, match="not whole groups of 64"):
+        _native.quantize(src[:200], "float32", 8, 64, bytearray(50), bytearray(4), bytearray(4))
     with pytest.raises(ValueError, match="outputs of 100"):
         _native.quantize(src, "float32", 8, 64, bytearray(100), bytearray(8), bytearray(8))
     with pytest.raises(ValueError, match="inputs of 64"):
