@@ -69,17 +69,32 @@ def pack(pieces, dtype, codec):
     group = group_of(count)
     if group is None:
         return None
-    if len(views) == 1:
-        src = views[0]
-    else:
-        src = thread_scratch("quantize", n)
-        _native.planes_split(views, [src])          # one plane of whole bytes: the pieces end to end
     bits, groups = BITS[codec], count // group
     q, scales, biases = bytearray(count * bits // 8), bytearray(groups * _WIDTH[dtype]), \
         bytearray(groups * _WIDTH[dtype])
-    if not _native.quantize(src, dtype, bits, group, q, scales, biases):
-        return None
+    runs = _runs(views, dtype, bits, group)
+    if runs is None:                                # a piece ends inside a group: end to end first
+        src = thread_scratch("quantize", n)
+        _native.planes_split(views, [src])          # one plane of whole bytes: the pieces end to end
+        views, runs = [src], _runs([src], dtype, bits, group)
+    qv, sv, bv = memoryview(q), memoryview(scales), memoryview(biases)
+    for v, (qs, gs) in zip(views, runs):
+        if not _native.quantize(v, dtype, bits, group, qv[qs], sv[gs], bv[gs]):
+            return None
     return {"group": group}, [q, scales, biases]
+
+
+def _runs(pieces, dtype, bits, group):
+    """[(slice of the integers, slice of the scales and biases)] of each
+    piece, in order, or None when a piece is not whole groups."""
+    w, out, at = _WIDTH[dtype], [], 0
+    for p in pieces:
+        c = memoryview(p).nbytes // w
+        if c % group:
+            return None
+        out.append((slice(at * bits // 8, (at + c) * bits // 8), slice(at // group * w, (at + c) // group * w)))
+        at += c
+    return out
 
 
 def check(desc, codec, dtype, nbytes):
@@ -113,8 +128,10 @@ class Form:
                                     f"{count} elements of {self.codec}")
         nq, ng = count * bits // 8, count // self.group
         q, scales, biases = mv[:nq], mv[nq:nq + ng * w], mv[nq + ng * w:]
-        if len(pieces) == 1:
-            _native.dequantize(q, scales, biases, self.dtype, bits, self.group, pieces[0])
+        runs = _runs(pieces, self.dtype, bits, self.group)
+        if runs is not None:                        # each piece straight from its groups
+            for p, (qs, gs) in zip(pieces, runs):
+                _native.dequantize(q[qs], scales[gs], biases[gs], self.dtype, bits, self.group, p)
             return
         out = thread_scratch("dequantize", count * w)
         _native.dequantize(q, scales, biases, self.dtype, bits, self.group, out)
