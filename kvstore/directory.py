@@ -85,7 +85,8 @@ class Directory:
         self.stats = dict(hits=0, misses=0, loads=0, bytes_loaded=0, load_s=0.0, saves=0,
                           bytes_saved=0, save_s=0.0, refused=0, save_errors=0, evictions=0,
                           bytes_evicted=0, corrupt=0, consumed=0, stores_skipped_write_budget=0,
-                          canary_checks=0, canary_failures=0, chains_over_half_budget=0)
+                          canary_checks=0, canary_failures=0, chains_over_half_budget=0,
+                          kv_raw_bytes=0, kv_stored_bytes=0)
         self._make()
         self.budget_bytes, self.budget_derived = budget_bytes_for(self.path, budget_mb)
         log.info("kvstore: store_budget bytes=%d derived_from_filesystem=%s", self.budget_bytes,
@@ -278,6 +279,8 @@ class Directory:
         with self.lock:
             self.index.refresh()
             out = dict(self.stats)
+            # What this process's chain saves stored of their tensors' bytes (kv_codec).
+            out["kv_ratio"] = out["kv_stored_bytes"] / out["kv_raw_bytes"] if out["kv_raw_bytes"] else None
             out["entries"] = len(self.index.entries)
             out["bytes"] = self.index.total_bytes()
             out["budget_bytes"] = self.budget_bytes

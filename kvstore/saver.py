@@ -247,6 +247,8 @@ class Saver:
                                                             lookup_tag=b.lookup_tag)))
                 if d.durable:
                     staged[-1][2].sync_soon()
+                raw, stored = plan.tensor_bytes()
+                d.count(kv_raw_bytes=raw, kv_stored_bytes=stored)
             for k, (b, restorable, tmp) in enumerate(staged):
                 written.append(self._publish_block(tmp, b, restorable, nbytes, last=k == len(staged) - 1))
         finally:

@@ -172,3 +172,15 @@ def test_inspect_names_each_tensors_codec(tmp_path):
             re.finditer(r"^    (\S+) .* (\d+) +(\d+) +(\S+) +(?:axis \d+|snapshot)$", p.stdout, re.M)}
     assert rows["k"][2] == "q8" and rows["pos"][2] == "raw" and rows["window"][2] == "raw", p.stdout
     assert int(rows["k"][1]) < 0.55 * int(rows["k"][0])
+
+
+def test_stats_say_what_the_saves_stored_of_the_tensors_bytes(tmp_path):
+    with make_store(tmp_path / "raw", block_tokens=BLOCK, kv_codec="raw") as s:
+        assert s.stats()["kv_ratio"] is None                   # nothing saved yet
+        save(s)
+        assert s.stats()["kv_ratio"] == 1.0
+    with make_store(tmp_path / "q4", block_tokens=BLOCK, kv_codec="q4") as s:
+        save(s)
+        st = s.stats()
+        # k and v quantised (0.28), the window snapshot and positions raw.
+        assert 0.28 < st["kv_ratio"] < 0.45 and st["kv_stored_bytes"] < st["kv_raw_bytes"]

@@ -191,6 +191,12 @@ class Plan:
             self._lay_out()
         return {t["packed"]["codec"] for t in self.manifest["tensors"] if "packed" in t}
 
+    def tensor_bytes(self):
+        """(raw, stored): the tensors' bytes as arrays and as this payload stores them."""
+        rows = self.manifest["tensors"]
+        return (sum(t["nbytes"] for t in rows),
+                sum(t["packed"]["stored"] if "packed" in t else t["nbytes"] for t in rows))
+
     def packed_bytes(self, kv_codec):
         """The payload's size once packed, the plan left as it was: the
         packing is done and dropped (a save that would not fit its budget

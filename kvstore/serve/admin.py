@@ -46,6 +46,8 @@ GET /v1/cache (numbers are ints unless said; "sha" is a name's first 12 hex digi
     model_tag                 this server's model tag (6 hex), as in models[].tag
     layout, block_tokens,     how this server's store writes (kv_codec: "raw", "lossless", "q8" or "q4",
       kv_codec                docs/format.md §20)
+    kv_ratio                  the bytes this server's chain saves stored of their tensors' bytes
+                              (1.0 raw; ~0.53 q8 on bfloat16), null before its first save
     by_reason                 {reason name (cold, continued, evict, ...): bytes}
     ram                       {entries, bytes} of mlx-lm's RAM cache, or null
     activity                  kvstore.serve.activity.Activity.snapshot(): since (unix s),
@@ -287,7 +289,7 @@ class Admin:
             "pins": [pin_view(p, now) for p in live],
             "models": registry.summarize(entries, registry.read_registry(store.path)),
             "model_tag": tag_hex(store.model_tag), "layout": store.layout, "block_tokens": store.block_tokens,
-            "kv_codec": store.kv_codec,
+            "kv_codec": store.kv_codec, "kv_ratio": store.stats()["kv_ratio"],
             "by_reason": by_reason(entries),
             "ram": ram,
             "activity": self.activity.snapshot() if self.activity is not None else None,
