@@ -67,8 +67,6 @@ class Directory:
         _check_settings(budget_mb, model_id, quant_bits, ctx_size, layout, block_tokens)
         if kv_codec not in KV_CODECS:
             raise ValueError(f"kv_codec={kv_codec!r}; expected one of {', '.join(KV_CODECS)}")
-        if kv_codec != "raw" and codec.key_id is not None:
-            raise ValueError(f"kv_codec={kv_codec!r} with a key: sealed stores write raw blocks only")
         self.kv_codec = kv_codec
         self.layout = layout
         self.block_tokens = block_tokens

@@ -59,9 +59,11 @@ LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS, PAYLOAD_ABI_CHAIN}) | PACKED_ABI
 SEALED_ABI_OFFSET = 32
 PAYLOAD_ABI_SEALED = PAYLOAD_ABI_TENSORS + SEALED_ABI_OFFSET        # 48
 PAYLOAD_ABI_SEALED_CHAIN = PAYLOAD_ABI_CHAIN + SEALED_ABI_OFFSET    # 49
-SEALED_ABIS = frozenset({PAYLOAD_ABI_SEALED, PAYLOAD_ABI_SEALED_CHAIN})
+# A sealed block whose inner payload is packed or quantised (§20): 113, 177.
+SEALED_BLOCK_ABIS = frozenset({PAYLOAD_ABI_SEALED_CHAIN} | {a + SEALED_ABI_OFFSET for a in PACKED_ABIS})
+SEALED_ABIS = frozenset({PAYLOAD_ABI_SEALED}) | SEALED_BLOCK_ABIS
 # The ABIs of a chain's blocks: plain, sealed, packed and quantised.
-BLOCK_ABIS = frozenset({PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_SEALED_CHAIN}) | PACKED_ABIS
+BLOCK_ABIS = frozenset({PAYLOAD_ABI_CHAIN}) | PACKED_ABIS | SEALED_BLOCK_ABIS
 
 # The clear seal head of a sealed file, at offset 52 (64 bytes):
 #   0  "KVSL"   4  u8 version 1   5  u8 log2 of the chunk size   6  u16 0
@@ -395,7 +397,7 @@ def parse_seal_heads(head, h, text_len, file_size, path=None):
         CorruptCheckpoint: a head cut short or malformed.
     """
     at = PREFIX_SIZE + SEAL_HEAD_SIZE
-    block = h.payload_abi == PAYLOAD_ABI_SEALED_CHAIN
+    block = h.payload_abi in SEALED_BLOCK_ABIS
     if len(head) < at + (CHAIN_HEAD_SIZE if block else 0):
         raise CorruptCheckpoint("truncated", path, "sealed file shorter than its seal head")
     magic, version, _, _, key_id, _, body, _, inner, _, tag = SEAL_HEAD.unpack_from(head, PREFIX_SIZE)

@@ -114,7 +114,7 @@ class KVStore:
             them (payload ABI 81); "q8", "q4": quantised group-wise to 8 or
             4 bits a value, lossy (ABI 145; a restore through the MLX
             adapter passes the canary with the codec's tolerance).
-            docs/format.md §20; plain stores only.
+            docs/format.md §20; a sealed store packs, then seals.
         max_write_mb_per_hour: an SSD write budget: a token bucket of this
             many MiB, refilled at this many MiB an hour, shared by every
             process using the directory (docs/format.md §15).  When it runs

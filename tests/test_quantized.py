@@ -184,3 +184,36 @@ def test_stats_say_what_the_saves_stored_of_the_tensors_bytes(tmp_path):
         st = s.stats()
         # k and v quantised (0.28), the window snapshot and positions raw.
         assert 0.28 < st["kv_ratio"] < 0.45 and st["kv_stored_bytes"] < st["kv_raw_bytes"]
+
+
+@pytest.mark.parametrize("codec", ["lossless", "q8"])
+def test_a_sealed_store_packs_before_it_encrypts(tmp_path, codec):
+    """kv_codec with a key: the blocks are packed (or quantised), then
+    sealed (ABI 113 or 177: 81 or 145 + 32); the same key reads them back,
+    a store without it sees foreign files."""
+    pytest.importorskip("cryptography")
+    import kvstore
+    key = os.urandom(32)
+    with kvstore.KVStore(tmp_path / "raw", key=key, block_tokens=BLOCK, durable=False,
+                         options=kvstore.Options(min_tokens=1)) as s:
+        save(s)
+    with kvstore.KVStore(tmp_path / "s", key=key, block_tokens=BLOCK, durable=False, kv_codec=codec,
+                         options=kvstore.Options(min_tokens=1)) as s:
+        text, tensors, e = save(s)
+        inner = PAYLOAD_ABI_PACKED_CHAIN if codec == "lossless" else PAYLOAD_ABI_LOSSY_CHAIN
+        assert e.payload_abi == inner + 32
+        assert s.stats()["kv_ratio"] < 0.8
+    assert dir_bytes(tmp_path / "s") < 0.8 * dir_bytes(tmp_path / "raw")
+    with kvstore.KVStore(tmp_path / "s", key=key, durable=False, options=kvstore.Options(min_tokens=1)) as s:
+        ck = s.load(s.find(text))
+        assert ck is not None and ck.tokens.size == TOKENS and ck.lossy == ("" if codec == "lossless" else codec)
+        for name in ("k", "v"):
+            got = np.asarray(ck.tensors[name])
+            assert (got == tensors[name]).all() if codec == "lossless" else rel(got, tensors[name]) <= ERROR[codec]
+        assert (np.asarray(ck.tensors["window"]) == tensors["window"]).all()
+        mx = pytest.importorskip("mlx.core")
+        into_mlx = s.load(s.find(text), into="mlx")         # the MLX read path: the same values
+        assert into_mlx.lossy == ck.lossy
+        assert (np.array(into_mlx.tensors["k"].view(mx.uint16)) == np.asarray(ck.tensors["k"])).all()
+    with make_store(tmp_path / "s") as s:               # no key: foreign files, a miss
+        assert s.find(text) is None

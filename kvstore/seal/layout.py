@@ -24,7 +24,7 @@ import struct
 
 from kvstore import _native
 from kvstore.errors import CorruptCheckpoint
-from kvstore.format import (CHAIN_HEAD_SIZE, PAYLOAD_ABI_SEALED_CHAIN, PREFIX_SIZE, SEAL_HEAD, SEAL_HEAD_SIZE,
+from kvstore.format import (CHAIN_HEAD_SIZE, SEALED_BLOCK_ABIS, PREFIX_SIZE, SEAL_HEAD, SEAL_HEAD_SIZE,
                             SEAL_MAGIC, SEAL_VERSION, SEALED_ABI_OFFSET, SEALED_ABIS, TOKEN_DIGEST, Header,
                             pack_chain_head, parse_chain_head)
 
@@ -201,7 +201,7 @@ def parse_seal_head(head, st, entry, key_id):
         raise CorruptCheckpoint("bad_seal_head", path, f"chunk size 2**{log2}")
     if not 0 < first <= 1 << log2:
         raise CorruptCheckpoint("bad_seal_head", path, f"first chunk of {first} bytes")
-    clear_len = SEAL_HEAD_SIZE + (CHAIN_HEAD_SIZE if h.payload_abi == PAYLOAD_ABI_SEALED_CHAIN else 0)
+    clear_len = SEAL_HEAD_SIZE + (CHAIN_HEAD_SIZE if h.payload_abi in SEALED_BLOCK_ABIS else 0)
     if body == 0:
         raise CorruptCheckpoint("bad_seal_head", path, "empty sealed body")
     grid = Grid(body, 1 << log2, first)

@@ -242,7 +242,7 @@ def build_parser():
                    help="raw: a chain block's KV as it is (default); lossless: its float tensors as zstd-packed "
                         "byte planes where that shrinks them; q8, q4: quantised to 8 or 4 bits a value, group-wise "
                         "(lossy: every restore then passes the canary with the codec's tolerance); "
-                        "docs/format.md §20; not with --cache-key-file")
+                        "docs/format.md §20; with --cache-key-file, packed before sealed")
     p.add_argument("--disk-kv-bits", type=int, choices=(8, 4), default=None,
                    help="the same as --kv-codec q8 or q4")
     p.add_argument("--max-write-mb-per-hour", type=float, default=None,
