@@ -14,7 +14,6 @@ import os
 import numpy as np
 import pytest
 
-import kvstore
 from kvstore import files
 from kvstore.format import PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_PACKED_CHAIN, HEADER_SIZE, Header
 from kvstore.payload import read_manifest
@@ -51,6 +50,23 @@ def save(store, n=TOKENS, seed=0, snapshot=True):
     e = store.save(text, ids, tensors, {"layers": 1}, positional=axes, text_offsets=lambda i: 7 * i, dtypes=dtypes)
     assert e is not None
     return text, tensors, e
+
+
+def manifest_of(e):
+    """The checked manifest of the file of Entry e."""
+    fd = os.open(e.path, os.O_RDONLY)
+    try:
+        return read_manifest(fd, e)
+    finally:
+        os.close(fd)
+
+
+def rewrite_abi(path, abi):
+    """The file's header rewritten to say payload ABI abi (the body as it was)."""
+    with open(path, "r+b") as f:
+        h = Header.unpack(f.read(HEADER_SIZE))
+        f.seek(0)
+        f.write(dataclasses.replace(h, payload_abi=abi).pack())
 
 
 def dir_bytes(path):
@@ -91,11 +107,7 @@ def test_packed_chain_is_smaller_and_loads_bit_exact(tmp_path, into):
 def test_the_manifest_records_each_packed_tensor(tmp_path):
     with make_store(tmp_path, block_tokens=BLOCK, kv_codec="lossless") as s:
         _, _, e = save(s)
-    fd = os.open(e.path, os.O_RDONLY)
-    try:
-        m = read_manifest(fd, e)
-    finally:
-        os.close(fd)
+    m = manifest_of(e)
     assert set(m.packed) == {"k", "v", "window"}            # int32 positions stay raw
     for name, (stored, form) in m.packed.items():
         planes = form.planes
@@ -164,11 +176,7 @@ def test_a_reader_without_abi_81_misses_cleanly(tmp_path, monkeypatch):
 def test_damage_to_a_packed_block_is_found_and_falls_back(tmp_path, caplog):
     with make_store(tmp_path, block_tokens=BLOCK, kv_codec="lossless") as s:
         text, tensors, e = save(s, snapshot=False)      # every block restorable: a fallback is a hit
-        fd = os.open(e.path, os.O_RDONLY)
-        try:
-            m = read_manifest(fd, e)
-        finally:
-            os.close(fd)
+        m = manifest_of(e)
         k = next(r for r in m.tensors if r[0] == "k")
         flip(e.path, e.tensors_offset + k[3] + m.packed["k"][0] - 1)       # the last stored byte
         assert files.verify_file(e.path).startswith("crc:")
@@ -183,10 +191,7 @@ def test_a_packed_manifest_under_abi_17_is_corrupt(tmp_path):
     bad_manifest, never stored bytes read as raw tensors."""
     with make_store(tmp_path, block_tokens=BLOCK, kv_codec="lossless") as s:
         text, _, e = save(s)
-    with open(e.path, "r+b") as f:
-        h = Header.unpack(f.read(HEADER_SIZE))
-        f.seek(0)
-        f.write(dataclasses.replace(h, payload_abi=PAYLOAD_ABI_CHAIN).pack())
+    rewrite_abi(e.path, PAYLOAD_ABI_CHAIN)
     assert "packed in a file whose ABI packs nothing" in files.verify_file(e.path)
     with make_store(tmp_path) as s:
         ck = s.load(s.find(text))
