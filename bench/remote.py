@@ -24,6 +24,10 @@ one warm-up, the two tiers in the same run and interleaved:
   checkpoint (the local copy is deleted before each sample): parallel ranged
   GETs into a temporary file, every CRC checked, the rename into the
   directory, then the local load;
+- a remote hit of a session (bfloat16 K and V of 4 layers x 8 heads x 128)
+  stored through each kv_codec (lossless, q8, q4) against the same session
+  stored raw, all fetched from the bucket: the codecs move their stored
+  bytes; target: at most the bytes ratio x raw's time + 10%;
 - ``find`` with the remote index holding N objects against one hashlib.sha1
   of the prompt and against local-only ``find``: lookup never waits on the
   network, it costs one SHA1 pass for both tiers.
@@ -56,6 +60,10 @@ BUCKET = "kvbench"
 MiB = 1 << 20
 PROMPT_BYTES = 400_000           # the lookup prompt: a long agent prompt, as bench/store.py's
 N_REMOTE = 1000                  # objects listed in the reader's remote index for the lookup rows
+# A session's KV through each kv_codec (docs/format.md §20), fetched from the bucket.
+CODECS = ("raw", "lossless", "q8", "q4")
+KV_LAYERS, KV_HEADS, KV_DIM = 4, 8, 128          # bfloat16: 16 KiB a token
+CODEC_TARGET_SLACK = 0.10        # a hit's time at most its bytes ratio x raw's + 10% (issue 38)
 FIND_SAMPLES_PER_REPEAT = 10     # a find costs microseconds: more samples than the hits get
 
 # boto3 reads these before the shared credentials file: cleared, so that only
@@ -149,6 +157,49 @@ def bench_hits(local, reader, writer, size, repeats):
             "local": _stats(samples["local"]), "remote": _stats(samples["remote"])}
 
 
+def _session(tokens, seed):
+    """(tensors, axes, dtypes) of a session's K and V: normal bfloat16 values (as uint16 bits)."""
+    rng = np.random.default_rng(seed)
+    shape = (1, KV_HEADS, tokens, KV_DIM)
+    ts = {f"layers.{i}.{kv}": (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+          for i in range(KV_LAYERS) for kv in ("keys", "values")}
+    return ts, {k: 2 for k in ts}, {k: "bfloat16" for k in ts}
+
+
+def bench_codecs(root, remote, ro, kw, reader, size, repeats):
+    """A remote hit of one session stored through each codec, the codecs
+    interleaved; returns {codec: {"size", "remote"}}."""
+    tokens = size // (KV_LAYERS * 2 * KV_HEADS * KV_DIM * 2)
+    ts, axes, dtypes = _session(tokens, size)
+    names, sizes = {}, {}
+    for codec in CODECS:
+        with kvstore.KVStore(os.path.join(root, f"writer-{codec}-{size}"), remote=remote, remote_options=ro,
+                             kv_codec=codec, **kw) as w:
+            text = f"codec {codec}, {size} bytes: " + "lorem ipsum dolor " * 200
+            e = w.save(text, np.arange(tokens), ts, positional=axes, dtypes=dtypes)
+            assert e is not None and w.remote.flush(600), "the upload did not finish"
+            names[codec], sizes[codec] = (e.name, text + " and the question"), e.file_size
+    reader.remote.refresh()
+
+    def hit(codec):
+        name, prompt = names[codec]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(reader.path, name))
+        h = reader.find(prompt)
+        assert h is not None and h.remote is not None
+        return reader.load(h)
+
+    samples = {c: [] for c in CODECS}
+    for i in range(repeats + 1):                 # round 0 is the warm-up
+        for codec in (CODECS if i % 2 == 0 else CODECS[::-1]):
+            dt, ck = _timed(lambda: hit(codec))
+            assert ck is not None and ck.lossy == (codec if codec in ("q8", "q4") else "")
+            del ck
+            if i:
+                samples[codec].append(dt)
+    return {c: {"size": sizes[c], "remote": _stats(samples[c])} for c in CODECS}
+
+
 def bench_lookup(local, reader, repeats):
     """find on a 400 KB prompt (a miss) with N_REMOTE objects listed; returns the record."""
     rng = np.random.default_rng(1)
@@ -176,8 +227,9 @@ def measure(sizes, repeats, root):
                 kvstore.KVStore(os.path.join(root, "reader"), remote=remote,
                                 remote_options={**ro, "upload": False}, **kw) as reader:
             hits = [bench_hits(local, reader, writer, size, repeats) for size in sizes]
+            codecs = [bench_codecs(root, remote, ro, kw, reader, size, repeats) for size in sizes[1:]]
             lookup = bench_lookup(local, reader, repeats)
-    return hits, lookup
+    return hits, codecs, lookup
 
 
 def _cell(s, nbytes=None):
@@ -185,6 +237,23 @@ def _cell(s, nbytes=None):
     if nbytes:
         text += f" ({nbytes / s['median_ns'] * 1e3:.0f} / {nbytes / s['min_ns'] * 1e3:.0f} MB/s)"
     return {**s, "text": text}
+
+
+def report_codec_rows(report, codecs):
+    """One row per codec and size: its remote hit against raw's, judged by its bytes ratio."""
+    report.section("Codecs: a session's remote hit stored through each kv_codec vs stored raw")
+    for by in codecs:
+        raw = by["raw"]
+        for codec in CODECS[1:]:
+            got = by[codec]
+            bytes_ratio = got["size"] / raw["size"]
+            ratio = got["remote"]["median_ns"] / raw["remote"]["median_ns"]
+            target = bytes_ratio + CODEC_TARGET_SLACK
+            report.add(f"remote hit (find + fetch + load), {raw['size'] / MiB:.0f} MiB session: {codec} vs raw",
+                       _cell(got["remote"], got["size"]), _cell(raw["remote"], raw["size"]), "time", ratio,
+                       ratio_min=got["remote"]["min_ns"] / raw["remote"]["min_ns"], ratio_text=f"{ratio:.2f}",
+                       target=f"time ratio ≤ bytes ratio {bytes_ratio:.2f} + {CODEC_TARGET_SLACK}",
+                       passed=ratio <= target, note=f"{got['size'] / MiB:.1f} MiB stored")
 
 
 def report_rows(report, hits, lookup):
@@ -213,15 +282,16 @@ def main(argv=None):
     t_start = time.perf_counter()
     info = machine_info()
     report = TextTable()
-    skipped, hits, lookup = missing(), [], None
+    skipped, hits, codecs, lookup = missing(), [], [], None
     if skipped is None:
         with tempfile.TemporaryDirectory(prefix="kvbench-remote-") as root:
             try:
-                hits, lookup = measure(sizes, repeats, root)
+                hits, codecs, lookup = measure(sizes, repeats, root)
             except RuntimeError as e:              # weed mini did not start
                 skipped = f"the S3 server did not start: {e}"
     if skipped is None:
         report_rows(report, hits, lookup)
+        report_codec_rows(report, codecs)
     elapsed = time.perf_counter() - t_start
 
     print(f"# kvstore remote tier benchmarks ({'skipped' if skipped else 'quick' if args.quick else 'full'} run)\n")
@@ -237,7 +307,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "quick": args.quick, "elapsed_s": elapsed, "skipped": skipped,
-                       "repeats": repeats, "hits": hits, "lookup": lookup, "rows": report.rows}, f, indent=2)
+                       "repeats": repeats, "hits": hits, "codecs": codecs, "lookup": lookup, "rows": report.rows},
+                      f, indent=2)
     return 0
 
 
