@@ -67,6 +67,9 @@ class Directory:
         _check_settings(budget_mb, model_id, quant_bits, ctx_size, layout, block_tokens)
         if kv_codec not in KV_CODECS:
             raise ValueError(f"kv_codec={kv_codec!r}; expected one of {', '.join(KV_CODECS)}")
+        if kv_codec != "raw" and layout != "chain":
+            raise ValueError(f"kv_codec={kv_codec!r} with layout={layout!r}: packed and quantised tensors are "
+                             "chain blocks' (docs/format.md §20)")
         self.kv_codec = kv_codec
         self.layout = layout
         self.block_tokens = block_tokens

@@ -60,12 +60,12 @@ def make_store(path, **kw):
     KVSTORE_TEST_LAYOUT names another: CI runs the store's tests once more
     with KVSTORE_TEST_LAYOUT=whole, so both layouts keep every promise; and
     once more with KVSTORE_TEST_KV_CODEC=lossless (packed chain blocks),
-    which a plain store (no key) then writes unless asked otherwise.
+    which a plain chained store (no key) then writes unless asked otherwise.
     """
     kw.setdefault("options", OPTS)
     kw.setdefault("durable", False)
     kw.setdefault("layout", os.environ.get("KVSTORE_TEST_LAYOUT", "chain"))
-    if kw.get("key") is None:
+    if kw.get("key") is None and kw["layout"] == "chain":
         kw.setdefault("kv_codec", os.environ.get("KVSTORE_TEST_KV_CODEC", "raw"))
     return KVStore(path, **kw)
 

@@ -201,6 +201,8 @@ def test_a_packed_manifest_under_abi_17_is_corrupt(tmp_path):
 def test_bad_settings_are_refused_naming_the_value(tmp_path):
     with pytest.raises(ValueError, match="kv_codec='zip'; expected one of raw, lossless, q8, q4"):
         make_store(tmp_path / "a", kv_codec="zip")
+    with pytest.raises(ValueError, match="kv_codec='q8' with layout='whole'"):
+        make_store(tmp_path / "b", kv_codec="q8", layout="whole")
 
 
 def test_a_chain_over_the_budget_raw_but_not_packed_is_kept(tmp_path):

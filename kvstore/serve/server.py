@@ -307,6 +307,9 @@ def main(argv=None):
         if opts.kv_codec not in ("raw", codec):
             return _usage_error(f"--disk-kv-bits {opts.disk_kv_bits} with --kv-codec {opts.kv_codec}: choose one")
         opts.kv_codec = codec
+    if opts.kv_codec != "raw" and opts.layout != "chain":
+        return _usage_error(f"--kv-codec {opts.kv_codec} with --layout {opts.layout}: packed and quantised "
+                            "tensors are chain blocks'")
     if opts.cache_key_file is not None:
         try:
             seal.load_key(opts.cache_key_file)
