@@ -159,8 +159,9 @@ def test_inspect_names_each_tensors_codec(tmp_path):
     import sys
     with make_store(tmp_path, block_tokens=BLOCK, kv_codec="q8") as s:
         _, _, e = save(s)
+    # From outside the repository: the source tree would shadow the installed package.
     p = subprocess.run([sys.executable, "-m", "kvstore", "inspect", e.path], capture_output=True, text=True,
-                       timeout=60)
+                       timeout=60, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     rows = {m.group(1): m.groups()[1:] for m in
             re.finditer(r"^    (\S+) .* (\d+) +(\d+) +(\S+) +(?:axis \d+|snapshot)$", p.stdout, re.M)}
