@@ -147,14 +147,17 @@ class Evictor:
         return evicted
 
     def evict_if_over(self, protect, incoming_text=None):
-        """evict() after a new file, when the directory as last listed is over the
-        budget (or a maximum age applies).  Under the budget the pass is
-        skipped: it re-lists and re-reads the whole directory under the
-        exclusive lock, which in a directory of 100,000 blocks costs far more
-        than the save.  Another process's files count from its next listing;
-        its own saves run this check too."""
+        """evict() after a new file, when the directory is over the budget (or
+        a maximum age applies).  Under the budget the pass is skipped: it
+        re-lists and re-reads the whole directory under the exclusive lock,
+        which in a directory of 100,000 blocks costs far more than the save.
+        The index is refreshed first (the journal names what other processes
+        wrote since, a few names to look at): judged on a listing that missed
+        their newest files, the last of several writers would skip a pass
+        the directory needs."""
         d = self.d
         with d.lock:
+            d.index.refresh()
             total = d.index.total_bytes()
         if d.max_age_s is not None or (d.budget_bytes and total > d.budget_bytes):
             self.evict(protect=protect, incoming_text=incoming_text)
