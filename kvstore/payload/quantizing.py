@@ -2,7 +2,7 @@
 
 The block's elements, in order, fall in groups of GROUP (the first of
 GROUPS that divides the block); a group of values x is stored as the
-unsigned integers q = round((x - bias) / scale), bits wide, with
+unsigned integers q = round((x - bias) * (1 / scale)), bits wide, with
 bias = min(x) and scale = (max(x) - min(x)) / (2**bits - 1), as MLX's own
 mx.quantize stores a matrix along its last axis.  A chain block's rows are
 whole head vectors, so for a head_dim that GROUP divides (64, 128, 256)
@@ -13,8 +13,9 @@ bytes a group of 128, 0.53 of the raw bytes; 4 bits 32 + 4, 0.28.
 
 The stored form is the integers (8 bits: one byte each; 4 bits: two a
 byte, the earlier in the low nibble), then every group's scale, then every
-group's bias.  The scale is rounded up and the bias down into the dtype,
-so every value of the group stays inside the range the integers span.
+group's bias.  The bias, a value of the dtype, is kept exactly and the
+scale rounded up into the dtype, so every value of the group stays inside
+the range the integers span.
 
 A block that holds a value that is not finite, or whose range does not fit
 the dtype, is not quantised (the caller stores it raw): a restore never
