@@ -234,7 +234,15 @@ class HookedAPIHandler(mlx_server.APIHandler):
 
     def _set_stream_headers(self, status_code=200):
         self.on_stream_headers(status_code)
-        super()._set_stream_headers(status_code)
+        if self.stream_goes_whole():
+            super()._set_completion_headers(status_code)
+        else:
+            super()._set_stream_headers(status_code)
+
+    def stream_goes_whole(self):
+        """True when the answer mlx-lm streams reaches the client as one JSON
+        body (a subclass whose wfile collects the stream); False by default."""
+        return False
 
     def on_stream_headers(self, status_code):
         """Called before a streamed answer's headers go out (200: the stream starts)."""

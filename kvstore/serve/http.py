@@ -1,12 +1,13 @@
 """The HTTP side of kvstore serve: mlx-lm's APIHandler plus cache_salt, /metrics and draining."""
 
+import io
 import json
 import logging
 import select
 import socket
 
 from kvstore.mlx.mlxlm import HookedAPIHandler
-from kvstore.serve import pinning, tenants
+from kvstore.serve import anthropic, pinning, tenants
 from kvstore.serve.drain import RETRY_AFTER_S
 from kvstore.serve.generator import ClientGone
 from kvstore.serve.ticket import Ticket
@@ -31,8 +32,14 @@ def _closed(sock):
         return True
 
 
-# The paths mlx-lm answers with a completion.
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+# The paths answered with a completion: mlx-lm's, and Anthropic's (kvstore.serve.anthropic).
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions", anthropic.PATH)
+CHAT_PATH = "/v1/chat/completions"
+
+
+def _route(path):
+    """A request path without its query (Anthropic's clients may add ?beta=true)."""
+    return path.split("?", 1)[0]
 
 
 class _Handler(HookedAPIHandler):
@@ -54,7 +61,7 @@ class _Handler(HookedAPIHandler):
         # is still being read or parsed when the generation thread takes
         # another that arrived with it joins that one's batch.
         ok = super().parse_request()
-        if ok and self.command == "POST" and self.path in COMPLETION_PATHS:
+        if ok and self.command == "POST" and _route(self.path) in COMPLETION_PATHS:
             self._kv_ticket = Ticket()
             self.response_generator.arriving(self._kv_ticket)
         return ok
@@ -66,6 +73,44 @@ class _Handler(HookedAPIHandler):
             if self._kv_ticket is not None:     # (counted off already unless it was answered before the generator)
                 self.response_generator.prepared(self._kv_ticket)
                 self._kv_ticket = None      # the connection's next request has its own
+
+    def do_POST(self):
+        if _route(self.path) == anthropic.PATH:
+            self._messages()
+        else:
+            super().do_POST()
+
+    def _messages(self):
+        """POST /v1/messages: the body translated to the chat-completions one, answered
+        by mlx-lm through an anthropic.Wire that writes Anthropic's shapes."""
+        try:
+            n = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            return self._anthropic_error(411, "the body needs a valid Content-Length header")
+        try:
+            body = json.loads(self.rfile.read(n))
+            chat = anthropic.to_chat(body)
+        except ValueError as e:             # not JSON, or anthropic.BadRequest
+            return self._anthropic_error(400, str(e) if isinstance(e, anthropic.BadRequest) else f"invalid JSON: {e}")
+        real, body_in = self.wfile, self.rfile
+        self.wfile = anthropic.Wire(real, str(body.get("model", "")), bool(chat.get("stream")), lambda: self._kv_ticket)
+        chat.update(stream=True, stream_options={"include_usage": True})
+        raw = json.dumps(chat).encode()
+        self.rfile, self.path = io.BytesIO(raw), CHAT_PATH
+        del self.headers["Content-Length"]
+        self.headers["Content-Length"] = str(len(raw))
+        try:
+            super().do_POST()
+        finally:
+            self.wfile, self.rfile = real, body_in
+
+    def stream_goes_whole(self):
+        return isinstance(self.wfile, anthropic.Wire) and not self.wfile.stream
+
+    def _anthropic_error(self, status, message):
+        self.send_json_headers(status)
+        self.end_headers()
+        self.wfile.write(json.dumps(anthropic.error_body(status, message)).encode())
 
     def handle_completion(self, request, stop_words):
         drain = self.kv_drain

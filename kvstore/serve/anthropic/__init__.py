@@ -1,0 +1,15 @@
+"""Anthropic's Messages API on kvstore serve: `POST /v1/messages`.
+
+request: the body as the chat-completions body mlx-lm serves (one rendering
+path, one cache for both doors); reply: the answer's content blocks, events
+and usage; wire: mlx-lm's writes rewritten in Anthropic's shapes.
+"""
+
+from kvstore.serve.anthropic.request import BadRequest, to_chat
+from kvstore.serve.anthropic.reply import Reply, usage_of
+from kvstore.serve.anthropic.wire import Wire, error_body
+
+# The path Anthropic's clients post to (Claude Code adds ?beta=true).
+PATH = "/v1/messages"
+
+__all__ = ["PATH", "BadRequest", "Reply", "Wire", "error_body", "to_chat", "usage_of"]

@@ -1,0 +1,290 @@
+"""POST /v1/messages on kvstore serve, with the `anthropic` SDK as the client.
+
+The server's model directory has a chat template that renders tools, tool
+calls, tool results and reasoning (TOOL_TEMPLATE), so the same conversation
+sent through /v1/messages and through /v1/chat/completions (with the
+`openai` SDK) can be checked to render to the same prompt.
+"""
+
+import json
+import os
+import urllib.request
+
+import pytest
+
+anthropic = pytest.importorskip("anthropic")
+try:                        # the HTTP package the SDK is built on (httpx2 from anthropic 2.x on)
+    import httpx2 as httpx
+except ImportError:
+    httpx = pytest.importorskip("httpx")
+pytest.importorskip("mlx_lm")
+
+from mlx_lm.server import ToolCallFormatter
+
+from kvstore.serve.anthropic import BadRequest, Reply, to_chat, usage_of
+from kvstore.serve.anthropic.reply import sse
+from kvstore.serve.pinning import PinRequest
+from kvhelpers import kvstore_server, system_prompt
+
+SYSTEM = system_prompt()
+
+# The demo template (kvstore.demo.model.CHAT_TEMPLATE) plus tools, tool calls,
+# tool results and reasoning; no marker mlx-lm would take for a tool parser.
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</s>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m.get('reasoning_content') %}[think]{{ m['reasoning_content'] }}[/think]{% endif %}"
+    "{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}[call {{ c['id'] }}]{{ c['function'] | tojson }}[/call]{% endfor %}"
+    "{% if m.get('tool_call_id') %}[for {{ m['tool_call_id'] }}]{% endif %}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+TOOLS = [{"name": "read_file", "description": "Reads a file of the project.",
+          "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+
+
+# ---- the request as the chat body ------------------------------------------------------------
+
+def test_a_tool_loop_turns_into_the_chat_messages_an_openai_client_sends():
+    chat = to_chat({
+        "model": "claude-x", "max_tokens": 9, "tools": TOOLS, "stop_sequences": ["END"],
+        "system": [{"type": "text", "text": "S", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+        "messages": [
+            {"role": "user", "content": "read it"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "I should look.", "signature": "sig"},
+                {"type": "text", "text": "Reading."},
+                {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "a.py"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "x = 1"}],
+                 "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": "and now?"}]}]})
+    assert chat["model"] == "default_model" and chat["max_tokens"] == 9 and chat["stop"] == ["END"]
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "read_file", "parameters": TOOLS[0]["input_schema"], "description": "Reads a file of the project."}}]
+    assert chat["messages"] == [
+        {"role": "system", "content": [{"type": "text", "text": "S",
+                                        "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "read it"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Reading."}], "reasoning_content": "I should look.",
+         "tool_calls": [{"id": "toolu_1", "type": "function",
+                         "function": {"name": "read_file", "arguments": {"path": "a.py"}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "x = 1", "cache_control": {"type": "ephemeral"}},
+        {"role": "user", "content": [{"type": "text", "text": "and now?"}]}]
+
+
+def test_top_level_and_tool_cache_control_become_breakpoints():
+    chat = to_chat({"max_tokens": 1, "cache_control": {"type": "ephemeral"},
+                    "tools": [dict(TOOLS[0], cache_control={"type": "ephemeral", "ttl": "1h"})],
+                    "system": "S", "messages": [{"role": "user", "content": "u"}]})
+    assert chat["messages"][0]["cache_control"] == {"type": "ephemeral", "ttl": "1h"}
+    assert chat["messages"][-1]["cache_control"] == {"type": "ephemeral"}
+    assert to_chat({"max_tokens": 1, "thinking": {"type": "enabled", "budget_tokens": 9},
+                    "messages": [{"role": "user", "content": "u"}]})["chat_template_kwargs"] == {"enable_thinking": True}
+
+
+@pytest.mark.parametrize("body, where", [
+    ({"messages": [{"role": "user", "content": "u"}]}, "max_tokens"),
+    ({"max_tokens": 1, "messages": []}, "messages"),
+    ({"max_tokens": 1, "messages": [{"role": "system", "content": "u"}]}, "messages[0]"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content[0]"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+     "messages[0].content[0]"),
+    ({"max_tokens": 1, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "n", "input": [1]}]}]}, "messages[0].content[0]"),
+    ({"max_tokens": 1, "stop_sequences": "END", "messages": [{"role": "user", "content": "u"}]}, "stop_sequences"),
+    ({"max_tokens": 1, "thinking": {"type": "maybe"}, "messages": [{"role": "user", "content": "u"}]}, "thinking"),
+])
+def test_a_malformed_request_names_its_field(body, where):
+    with pytest.raises(BadRequest) as e:
+        to_chat(body)
+    assert str(e.value).startswith(where + ":"), str(e.value)
+
+
+# ---- the answer's events, parsed by the SDK -----------------------------------------------------
+
+def _chunks():
+    """mlx-lm's chat chunks of an answer that thinks, says something and calls a tool."""
+    calls = ToolCallFormatter(lambda text, tools: json.loads(text), None, streaming=True)(
+        ['{"name": "read_file", "arguments": {"path": "a.py"}}'])
+    return [({"role": "assistant", "reasoning": "Let me "}, None), ({"reasoning": "look."}, None),
+            ({"content": "Reading "}, None), ({"content": "it."}, None), ({"tool_calls": calls}, "tool_calls")]
+
+
+def _sdk_over(body, content_type):
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body,
+                                                                   headers={"content-type": content_type}))
+    return anthropic.Anthropic(base_url="http://test", api_key="x", http_client=httpx.Client(transport=transport))
+
+
+USAGE = usage_of(100, {"reused_tokens": {"ram": 0, "disk": 60, "bucket": 0}, "stored": [{"kind": "anchor",
+                                                                                        "tokens": 96}]})
+
+
+def test_a_streamed_reply_is_the_event_sequence_the_sdk_assembles():
+    reply = Reply("claude-x", stream=True)
+    events = reply.start(USAGE)
+    for delta, finish in _chunks():
+        events += reply.chunk(delta, finish)
+    events += reply.finish(7)
+    names = [n for n, _ in events]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert names.count("content_block_start") == names.count("content_block_stop") == 3
+    client = _sdk_over(sse(events), "text/event-stream")
+    with client.messages.stream(model="claude-x", max_tokens=9, messages=[{"role": "user", "content": "u"}]) as s:
+        message = s.get_final_message()
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+    assert message.content[0].thinking == "Let me look." and message.content[1].text == "Reading it."
+    assert message.content[2].name == "read_file" and message.content[2].input == {"path": "a.py"}
+    assert message.stop_reason == "tool_use" and message.usage.output_tokens == 7
+    assert message.usage.cache_read_input_tokens == 60 and message.usage.cache_creation_input_tokens == 36
+
+
+def test_a_whole_reply_is_the_message_the_sdk_parses():
+    reply = Reply("claude-x", stream=False)
+    reply.start(USAGE)
+    for delta, finish in _chunks():
+        reply.chunk(delta, finish)
+    client = _sdk_over(json.dumps(reply.finish(7)).encode(), "application/json")
+    message = client.messages.create(model="claude-x", max_tokens=9, messages=[{"role": "user", "content": "u"}])
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+    assert message.content[2].input == {"path": "a.py"} and message.stop_reason == "tool_use"
+
+
+def test_usage_splits_the_prompt_into_read_created_and_input():
+    trace = {"reused_tokens": {"ram": 0, "disk": 512, "bucket": 0},
+             "stored": [{"kind": "pin", "tokens": 1024}, {"kind": "anchor", "tokens": 1500},
+                        {"kind": "assistant", "tokens": 1700}]}
+    pins = [PinRequest(0, 3600, tokens=1024, state="pinned")]
+    u = usage_of(1600, trace, pins)
+    assert (u["cache_read_input_tokens"], u["cache_creation_input_tokens"], u["input_tokens"]) == (512, 988, 100)
+    assert u["cache_creation"] == {"ephemeral_5m_input_tokens": 476, "ephemeral_1h_input_tokens": 512}
+    nothing = usage_of(40, {"reused_tokens": {}, "stored": []})
+    assert (nothing["input_tokens"], nothing["cache_creation_input_tokens"], nothing["cache_read_input_tokens"]) == \
+        (40, 0, 0)
+
+
+# ---- a real server -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tool_model(model_dir):
+    """The module's model directory with TOOL_TEMPLATE as its chat template."""
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["chat_template"] = TOOL_TEMPLATE
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return model_dir
+
+
+def _client(server):
+    return anthropic.Anthropic(base_url=server.url(""), api_key="unused", max_retries=0)
+
+
+def _total(usage):
+    return usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
+
+
+def _loop_messages(turns):
+    """A tool loop of `turns` rounds: each round an assistant that thinks and
+    calls read_file, then the tool's result and a user line."""
+    messages = [{"role": "user", "content": "Look at the project and tell me what a.py does."}]
+    for i in range(turns):
+        messages.append({"role": "assistant", "content": [
+            {"type": "thinking", "thinking": f"Round {i}: I need file {i}.", "signature": ""},
+            {"type": "tool_use", "id": f"toolu_{i}", "name": "read_file", "input": {"path": f"f{i}.py"}}]})
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": f"def f{i}():\n    return {i} * 2\n" * 20},
+            {"type": "text", "text": f"That was file {i}."}]})
+    return messages
+
+
+def _ask(client, messages, stream, **kw):
+    kw = dict(model="claude-local", max_tokens=4, tools=TOOLS,
+              system=[{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+              messages=messages, **kw)
+    if not stream:
+        return client.messages.create(**kw)
+    with client.messages.stream(**kw) as s:
+        kinds = [e.type for e in s]
+        message = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
+    return message
+
+
+def test_a_tool_loop_reads_each_turn_from_the_last_and_a_restart_reads_from_disk(tool_model, workdir, tmp_path):
+    cache = tmp_path / "cache"
+    server = kvstore_server(tool_model, cache, workdir, "anthropic-loop")
+    try:
+        client = _client(server)
+        usages = [_ask(client, _loop_messages(t), stream=t % 2 == 1).usage for t in range(3)]
+    finally:
+        assert server.stop() == 0
+    first = usages[0]
+    assert first.cache_read_input_tokens == 0 and first.cache_creation_input_tokens > 1000
+    assert first.cache_creation.ephemeral_1h_input_tokens > 1000      # the system prompt's 1h pin
+    for before, after in zip(usages, usages[1:]):
+        # Each turn's prompt starts with the last one's (its answer replaced
+        # by the tool call): all of it is read from RAM.
+        assert after.cache_read_input_tokens >= _total(before) - 1, (before, after)
+        assert _total(after) > _total(before)
+    server = kvstore_server(tool_model, cache, workdir, "anthropic-loop-2")
+    try:
+        after = _ask(_client(server), _loop_messages(3), stream=True).usage
+    finally:
+        server.stop()
+    kv = after.model_extra["kvstore"]
+    assert kv["source"] == "disk" and after.cache_read_input_tokens > 1000, after
+    assert after.cache_read_input_tokens == kv["reused_tokens"]["disk"]
+
+
+def test_the_same_conversation_through_chat_completions_reuses_all_of_it(tool_model, workdir, tmp_path):
+    openai = pytest.importorskip("openai")
+    server = kvstore_server(tool_model, tmp_path / "cache", workdir, "anthropic-doors")
+    try:
+        messages = _loop_messages(2)
+        first = _ask(_client(server), messages, stream=False)
+        chat = to_chat({"max_tokens": 4, "system": SYSTEM, "tools": TOOLS, "messages": messages})
+        for m in chat["messages"]:
+            for call in m.get("tool_calls", ()):        # as OpenAI clients send them
+                call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+        r = openai.OpenAI(base_url=server.url("/v1"), api_key="unused").chat.completions.create(
+            model="default_model", max_tokens=4, messages=chat["messages"], tools=chat["tools"])
+    finally:
+        server.stop()
+    assert r.usage.prompt_tokens == _total(first.usage)
+    assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+
+
+def _post(server, body):
+    req = urllib.request.Request(server.url("/v1/messages?beta=true"), data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_errors_come_in_anthropics_shape(tool_model, workdir, tmp_path):
+    server = kvstore_server(tool_model, tmp_path / "cache", workdir, "anthropic-errors")
+    try:
+        client = _client(server)
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "video", "source": {}}]}])
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+        assert "messages[0].content[0]" in e.value.body["error"]["message"]
+        with pytest.raises(anthropic.BadRequestError) as e:        # refused by pinning
+            client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "2d"}}]}])
+        assert "ttl" in e.value.body["error"]["message"]
+        assert _post(server, b"{not json") == (400, {"type": "error", "error": {
+            "type": "invalid_request_error", "message": _post(server, b"{not json")[1]["error"]["message"]}})
+        status, body = _post(server, json.dumps({"max_tokens": 2, "messages": [
+            {"role": "user", "content": "hello"}]}).encode())
+        assert status == 200 and body["type"] == "message" and body["usage"]["output_tokens"] == 2
+    finally:
+        server.stop()
