@@ -503,31 +503,36 @@ class DirectoryIndex:
         out.reverse()
         return out
 
-    def children(self):
-        """sha -> [the block entries that name it as their parent]."""
-        kids = {}
-        for e in self.entries.values():
-            if e.is_block and e.parent:
-                kids.setdefault(e.parent, []).append(e)
-        return kids
-
     def kids_in_forest(self, sha):
         """The blocks in the lookup forest whose parent is the block sha (its
         forest links: the cost of its children, not of the directory)."""
-        node = self._node.get(sha)
-        out = []
-        if node is None:
-            return out
-        c = int(self._forest.first_child[node])
+        node, out = self._node.get(sha), []
+        c = -1 if node is None else int(self._forest.first_child[node])
         while c >= 0:
             if self._forest.entry[c] is not None:
                 out.append(self._forest.entry[c])
             c = int(self._forest.next_sibling[c])
         return out
 
+    def deepest_match(self, data):
+        """The entry with the longest stored text that is a prefix of data, loadable or not
+        (where data's stored path ends), or None."""
+        nodes = self._forest.entry
+        return max((nodes[i] for i in self._forest.matches(data, self.keys)), key=_preference, default=None)
+
+    def longest_below(self, sha):
+        """The block with the most tokens in the forest below the block sha, itself included (None: not there)."""
+        node, nodes = self._node.get(sha), self._forest.entry
+        below = [] if node is None else self._forest.subtree(node) + [node]
+        return max((nodes[i] for i in below if nodes[i] is not None), key=lambda e: e.tokens, default=None)
+
     def descendants(self, entry):
         """Every block below entry in its chains (not entry itself)."""
-        kids, out, todo = self.children(), [], [entry.sha]
+        kids = {}
+        for e in self.entries.values():
+            if e.is_block and e.parent:
+                kids.setdefault(e.parent, []).append(e)
+        out, todo = [], [entry.sha]
         while todo:
             for k in kids.get(todo.pop(), ()):
                 if k.sha != entry.sha and k not in out:

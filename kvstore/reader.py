@@ -384,24 +384,39 @@ class Reader:
         for e in reversed(blocks):
             if len(out) >= n:
                 break
-            try:
-                fd, st = open_checkpoint(e.path)
-            except KVStoreError:
+            part = self.segment(e, n - len(out))
+            if part is None:
                 return b""
-            try:
-                src, plain = self.d.codec.open(fd, st, entry_from_fd(fd, st, e.path))
-                out += payload.pread(src, min(n - len(out), plain.segment_bytes), plain.text_offset)
-            except (KVStoreError, OSError):
-                return b""
-            finally:
-                os.close(fd)
+            out += part
         return out[:n]
+
+    def segment(self, entry, n):
+        """read_segment through this store's codec."""
+        return read_segment(self.d.codec, entry, n)
 
     def has_block(self, sha):
         """True when the block named sha is here (for a remote fetch of its chain)."""
         with self.d.lock:
             self.d.index.refresh()
             return self.d.index.get(sha) is not None
+
+
+def read_segment(codec, entry, n):
+    """The first n bytes (fewer when it is shorter) of the text entry holds
+    itself: a block's own range, a whole file's whole text; None when it
+    cannot be read (gone, corrupt, another key's).  Prompt content: never to
+    show unasked."""
+    try:
+        fd, st = open_checkpoint(entry.path)
+    except KVStoreError:
+        return None
+    try:
+        src, plain = codec.open(fd, st, entry_from_fd(fd, st, entry.path))
+        return payload.pread(src, min(n, plain.segment_bytes), plain.text_offset)
+    except (KVStoreError, OSError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def read_trailer(src, entry, path):

@@ -29,6 +29,7 @@ from kvstore import pins as pins_mod
 from kvstore import identity as identity_mod
 from kvstore.codec import make_codec
 from kvstore.directory import LAYOUTS, LOCK_NAME, Directory
+from kvstore.divergence import divergence
 from kvstore.errors import PinRefused, StoreClosed
 from kvstore.files import short_name
 from kvstore.evictor import ORPHAN_SWEEP_INTERVAL_S, Evictor
@@ -242,6 +243,13 @@ class KVStore:
         if orphans:
             self._evictor.sweep_orphans()
         return match
+
+    def explain(self, prompt):
+        """Where prompt (str or bytes) parts from the longest stored sequence that shares its first
+        block: a kvstore.divergence.Divergence (offsets and counts, no text), or None when no
+        stored block is a prefix of prompt."""
+        self._check_open()
+        return divergence(self._dir.index, as_bytes(prompt), self._reader.segment, self._dir.lock)
 
     def load(self, entry, into="numpy", *, min_tokens=None, consume=True):
         """Loads a checkpoint found by find() (or listed by entries()).

@@ -1284,3 +1284,46 @@ def test_a_tail_goes_once_a_save_of_its_sequence_writes_the_whole_block_it_lay_i
     assert store.find(seq.prompt(150)).tokens == 128
     check_loaded(store.load(store.find(seq.prompt(200)), min_tokens=1), snapshot=False)
     assert store.stats()["evictions"] == 2
+
+
+# ---- where a prompt leaves the stored sequences (KVStore.explain) -------------------------
+
+@pytest.mark.store_args(block_tokens=64)
+def test_explain_finds_the_byte_where_a_prompt_leaves_the_stored_sequence(store):
+    save(store, BASE[:300])
+    d = store.explain(BASE.prompt(150))
+    assert (d.shared_bytes, d.shared_tokens) == (BASE.offsets[128], 128)      # the deepest shared block
+    assert d.byte == BASE.offsets[150] and d.parted
+    assert (d.stored_bytes, d.stored_tokens) == (BASE.offsets[300], 300)
+    # A prompt that only goes on past the stored end parted from nothing.
+    d = store.explain(BASE[:400].text)
+    assert (d.shared_tokens, d.byte, d.stored_tokens, d.parted) == (300, BASE.offsets[300], 300, False)
+    # A prompt that ends inside a stored block: the stored text goes on past it.
+    d = store.explain(BASE.text[:BASE.offsets[150]])
+    assert (d.byte, d.stored_tokens, d.parted) == (BASE.offsets[150], 300, True)
+    # Nothing stored shares the prompt's first block: nothing to explain.
+    assert store.explain(BASE.prompt(10)) is None
+
+
+@pytest.mark.store_args(block_tokens=64)
+def test_explain_follows_the_stored_sequence_the_prompt_agrees_with_longest(store):
+    other = Seq(list(range(128)) + list(range(5000, 5200)))         # BASE's first 128 tokens, then its own
+    save(store, BASE[:300])
+    save(store, other)
+    d = store.explain(other.prompt(140))
+    assert d.shared_tokens == 128 and d.byte == other.offsets[140]
+    assert (d.stored_bytes, d.stored_tokens) == (len(other.text), 328)
+    d = store.explain(BASE.prompt(170))
+    assert d.byte == BASE.offsets[170] and d.stored_tokens == 300
+
+
+@pytest.mark.store_args(block_tokens=64)
+def test_explain_by_text_agrees_with_explain_by_name(store):
+    from kvstore.divergence import divergence_by_text
+    other = Seq(list(range(128)) + list(range(5000, 5200)))
+    save(store, BASE[:300])
+    save(store, other)
+    entries = store.entries()
+    for prompt in (BASE.prompt(150), other.prompt(140), BASE[:400].text, BASE.text[:BASE.offsets[150]],
+                   BASE.prompt(10), other.prompt(300)):
+        assert divergence_by_text(entries, prompt, store._reader.segment) == store.explain(prompt)

@@ -640,3 +640,30 @@ def test_export_and_import_errors_are_one_line(chains, cwd, tmp_path):
     # A block (ABI 17) is not an export: import refuses it.
     p = run(cwd, "import", r["a"].path, "--dir", tmp_path / "d3")
     assert p.returncode == 1 and "only whole (ABI 16) files" in p.stderr
+
+
+def test_explain_shows_where_a_prompt_leaves_the_stored_sequence(tmp_path, cwd):
+    d, secret = tmp_path / "kv", SECRET.encode()
+    text = b"system prompt " * 60 + secret + b" then the first question and its answer " * 20
+    key = tmp_path / "store.key"
+    assert run(cwd, "key", "new", key).returncode == 0
+    for where, k in ((d, None), (tmp_path / "sealed", str(key))):
+        with make_store(where, block_tokens=64, key=k) as s:
+            tokens = np.arange(len(text) // 4, dtype=np.uint32)
+            s.save(text, tokens, {"k": np.zeros((1, 2, tokens.size, 4), np.float16)}, positional={"k": 2},
+                   text_offsets=list(range(0, len(text) - 3, 4))[:tokens.size] + [len(text)])
+    at = text.index(b"first") + 2
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(text[:at] + b"X other question")
+    p = run(cwd, "explain", d, prompt)
+    assert p.returncode == 0 and f"parted at byte {at}:" in p.stdout and "text:" not in p.stdout, p.stdout
+    report = json.loads(run(cwd, "explain", d, prompt, "--json", "--text").stdout)
+    assert (report["byte"], report["parted"], report["stored_bytes"]) == (at, True, len(text))
+    assert report["before"] == text[at - 24:at].decode() and report["after"] == "X other question"
+    sealed = tmp_path / "sealed"
+    assert json.loads(run(cwd, "explain", sealed, prompt, "--json", "--key", key).stdout)["byte"] == at
+    assert_usage_error(run(cwd, "explain", sealed, prompt), "sealed", "--key")
+    prompt.write_bytes(b"nothing like it")
+    assert "nothing shares its first block" in run(cwd, "explain", d, prompt).stdout
+    assert_usage_error(run(cwd, "explain", d, tmp_path / "missing.txt"), "missing.txt")
+    assert_usage_error(run(cwd, "explain", d, prompt, "--cache-salt", ""), "--cache-salt")

@@ -19,7 +19,8 @@ pytest.importorskip("mlx_lm")
 from kvstore import KVStore, registry
 from kvstore.demo.model import prose
 from kvstore.format import PREFIX_SIZE
-from kvstore.serve import admin, page, tenants
+from kvstore import tenants
+from kvstore.serve import admin, page
 from kvhelpers import checkpoint_files, colliding_texts, kvstore_server, make_store, make_tensors
 
 TOKEN = "kv-admin-test-token-7f3a9c1e5b2d"

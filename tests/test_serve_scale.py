@@ -30,7 +30,7 @@ pytest.importorskip("mlx_lm")
 prometheus = pytest.importorskip("prometheus_client.parser")
 
 from kvstore import KVStore
-from kvstore.serve import tenants
+from kvstore import tenants
 import kvhelpers
 from kvhelpers import Server, flip, kvstore_server, system_prompt, wait_for_file
 

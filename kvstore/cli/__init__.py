@@ -2,6 +2,7 @@
 
     kvstore ls DIR [--json] [--budget-mb N]       one row per checkpoint, best kept first
     kvstore inspect FILE|SHA-PREFIX [--dir DIR] [--text]
+    kvstore explain DIR PROMPT_FILE [--text] [--cache-salt SALT] [--json]
     kvstore verify DIR [--quarantine] [--progress]
     kvstore evict DIR --budget-mb N [--dry-run]
     kvstore stats DIR [--json] [--budget-mb N]
@@ -15,7 +16,7 @@
 Rooms: text (formatting, the progress bar, usage errors); local (what the
 directory commands share) and one module per group of them, each
 registering its own sub-commands: listing (ls), inspection (inspect),
-verify, evict, stats, wipe, exchange (export, import), sessions (session
+explain, verify, evict, stats, wipe, exchange (export, import), sessions (session
 list), keys (--key, key new); remote (the bucket commands).  This module
 holds the parser, the demo command and main().
 
@@ -33,7 +34,8 @@ import os
 import sys
 
 from kvstore import __version__
-from kvstore.cli import evict, exchange, inspection, keys, listing, remote, sessions, stats, text, verify, wipe
+from kvstore.cli import (evict, exchange, explain, inspection, keys, listing, remote, sessions, stats, text, verify,
+                         wipe)
 from kvstore.cli.text import PROG, UsageError
 from kvstore.errors import KVStoreError
 
@@ -81,7 +83,7 @@ def build_parser():
     p.add_argument("-v", "--verbose", action="store_true", help="log every store event (key=value lines)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # The directory commands, in the order --help lists them.
-    for group in (listing, inspection, verify, evict, stats, wipe, exchange, sessions, keys):
+    for group in (listing, inspection, explain, verify, evict, stats, wipe, exchange, sessions, keys):
         group.add_parsers(sub)
     remote.add_parsers(sub)
     _add_demo(sub)

@@ -204,17 +204,19 @@ class HookedResponseGenerator(mlx_server.ResponseGenerator):
         """The generation thread's body."""
         return self.stock_generation_loop()
 
-    def render_messages(self, tokenizer, request, args, n):
-        """The tokens of a chat request's first n messages as its prompt
-        renders them (the same template and options), without a generation
-        prompt."""
+    def render_messages(self, tokenizer, request, args, n, tokenize=True):
+        """The tokens (tokenize=False: the text) of a chat request's first n
+        messages as its prompt renders them (the same template and options),
+        without a generation prompt."""
         messages = request.messages[:n]
         if not tokenizer.has_chat_template:
-            return tokenizer.encode(mlx_server.convert_chat(messages, request.role_mapping))
+            text = mlx_server.convert_chat(messages, request.role_mapping)
+            return tokenizer.encode(text) if tokenize else text
         template_args = dict(self.model_provider.cli_args.chat_template_args)
         template_args.update(args.chat_template_kwargs or {})
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=request.tools,
-                                                  tokenize=True, **template_args))
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=request.tools,
+                                            tokenize=tokenize, **template_args)
+        return list(out) if tokenize else out
 
     def stock_tokenize(self, tokenizer, request, args):
         """mlx-lm's own tokenize step."""

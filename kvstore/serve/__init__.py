@@ -26,7 +26,7 @@ TieredPromptCache, a subclass that adds a kvstore directory behind it:
 Keys.  The server's cache API sees token ids only, so a checkpoint's key is
 the detokenized token stream: the exact bytes of each token, concatenated
 (kvstore.mlx.token_bytes_function), opened by the tenant's tag when the
-request carries a cache_salt (kvstore.serve.tenants).  Token prefixes map to
+request carries a cache_salt (kvstore.tenants).  Token prefixes map to
 byte prefixes, so the longest-prefix lookup finds what a token trie would.
 A hit is used only when its stored token ids equal the request's first
 tokens, so a different tokenization of the same bytes can never feed the
@@ -43,7 +43,7 @@ GET /metrics), ticket (what the server knows of one request: its trace),
 pinning (cache_control breakpoints, docs/format.md §19), activity (what the
 server has served: hit rates by source, recent traces), warm (--warm FILE:
 prompts prefilled after start-up), admin (GET/DELETE /v1/cache and its
-access rule) and page (GET /cache), metrics (Prometheus), tenants (salts),
+access rule) and page (GET /cache), metrics (Prometheus),
 server (options, start and stop).
 
 Integration.  Every use of mlx-lm's internals (LRUPromptCache's order and

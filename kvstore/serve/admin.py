@@ -77,7 +77,8 @@ from kvstore import registry
 from kvstore.format import envelope_now
 from kvstore.identity import tag_hex
 from kvstore.policy import eviction_score
-from kvstore.serve import page, tenants
+from kvstore import tenants
+from kvstore.serve import page
 from kvstore.serve.activity import TAG_DIGITS
 
 log = logging.getLogger("kvstore")

@@ -17,6 +17,7 @@ import threading
 import time
 
 from kvstore.mlx.mlxlm import HookedResponseGenerator, extract_views, requested_model_key
+from kvstore.serve.explain import explain as explain_miss
 from kvstore.serve.pinning import BadPin, shared_prefix
 from kvstore.serve.ticket import Ticket
 from kvstore.serve.tier import WAYPOINT_TYPE
@@ -167,7 +168,21 @@ class TieredResponseGenerator(HookedResponseGenerator):
             self._judge_pins(tokenizer, request, generation_args, prompt, ticket)
         if vision is not None or len(prompt) <= 1:
             return None
-        return self.tier.lookup(prompt, ticket.tenant)
+        found = self.tier.lookup(prompt, ticket.tenant)
+        ticket.miss = self._explain(tokenizer, request, generation_args, prompt, ticket.tenant)
+        return found
+
+    def _explain(self, tokenizer, request, args, prompt, tenant):
+        """Where the prompt left what is stored (kvstore.serve.explain), or None.  Never raises."""
+        def render(n):
+            with self._tokenizer_lock:
+                return self.render_messages(tokenizer, request, args, n, tokenize=False)
+        chat = request.request_type == "chat"
+        try:
+            return explain_miss(self.tier, prompt, tenant, request.messages if chat else None, render)
+        except Exception as e:            # noqa: BLE001 - an explanation must never fail a request
+            log.warning("kvstore: explain_failed error=%s", type(e).__name__)
+            return None
 
     def tokenize_request(self, request, generation_args):
         """(prompt, segments, types, state, vision) of a request as generate()

@@ -7,7 +7,8 @@ import select
 import socket
 
 from kvstore.mlx.mlxlm import HookedAPIHandler
-from kvstore.serve import anthropic, pinning, tenants
+from kvstore import tenants
+from kvstore.serve import anthropic, explain, pinning
 from kvstore.serve.drain import RETRY_AFTER_S
 from kvstore.serve.generator import ClientGone
 from kvstore.serve.ticket import Ticket
@@ -164,10 +165,11 @@ class _Handler(HookedAPIHandler):
             self.kv_activity.record(ticket)
         t = ticket.trace()
         log.info("kvstore: request_done source=%s reused_ram=%d reused_disk=%d reused_bucket=%d prefilled=%d "
-                 "load_ms=%.1f stored=%s pins=%s", t["source"], t["reused_tokens"]["ram"],
+                 "load_ms=%.1f stored=%s pins=%s miss=%s", t["source"], t["reused_tokens"]["ram"],
                  t["reused_tokens"]["disk"], t["reused_tokens"]["bucket"], t["prefilled_tokens"], t["load_ms"],
                  ",".join(f"{s['kind']}:{s['tokens']}" for s in t["stored"]) or "-",
-                 ",".join(f"{p['tokens']}:{p['state']}" for p in t.get("pins", ())) or "-")
+                 ",".join(f"{p['tokens']}:{p['state']}" for p in t.get("pins", ())) or "-",
+                 explain.log_words(ticket.miss))
 
     def on_stream_headers(self, status_code):
         self._kv_streaming = status_code == 200

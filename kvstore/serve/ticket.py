@@ -47,6 +47,7 @@ class Ticket:
     prefilled: int = 0
     load_ms: float = 0.0
     stored: list = dataclasses.field(default_factory=list)  # [(kvstore.policy target kind, tokens)] queued
+    miss: dict = None         # where its prompt left the stored sequences (kvstore.serve.explain), or None
 
     def trace(self):
         """The request's `usage.kvstore` object: numbers and states, never text."""
@@ -57,4 +58,6 @@ class Ticket:
                "stored": [{"kind": k, "tokens": n} for k, n in self.stored]}
         if self.pins:
             out["pins"] = [p.view() for p in self.pins]
+        if self.miss is not None:
+            out["miss"] = dict(self.miss)
         return out

@@ -25,7 +25,7 @@ the file is quarantined.  That forward runs on the generation thread (about
 one decode step per hit), never beside it: MLX on the CPU is not safe for two
 threads running a model at once.
 
-Tenants.  A request's tenant (kvstore.serve.tenants) is part of every key it
+Tenants.  A request's tenant (kvstore.tenants) is part of every key it
 uses: the model key of mlx-lm's trie, and the first bytes of the disk key.
 The generation thread tells the tier which request comes next (begin());
 mlx-lm's own insert_cache calls carry only token ids, so each insert goes to
@@ -55,7 +55,7 @@ from kvstore.mlx import (cache_from_checkpoint, checked_state, model_fingerprint
                          token_bytes_function)
 from kvstore.mlx import canary
 from kvstore.mlx.mlxlm import ReportingPromptCache
-from kvstore.serve import tenants
+from kvstore import tenants
 from kvstore.serve.admission import Ledger
 from kvstore.serve.pinning import Pinner
 from kvstore.serve.steps import StepClock
@@ -134,7 +134,7 @@ class TieredPromptCache(ReportingPromptCache):
         #                            the prompt length of the request it finished, or 0)
         self._next = None          # the Ticket of the request the generation thread serves next
         self._active = collections.OrderedDict()   # id -> (tenant, prompt) between begin() and finish
-        self.ledger = Ledger(admit_after, self._offsets)
+        self.ledger = Ledger(admit_after, self.key_offsets)
         self._serial = itertools.count()
         self.steps = StepClock()                 # the generation thread's batch steps (kvstore.serve.steps)
 
@@ -170,7 +170,8 @@ class TieredPromptCache(ReportingPromptCache):
         token_bytes, _ = self._functions()
         return tenants.key_prefix(tenant) + token_bytes(tokens)
 
-    def _offsets(self, tokens, tenant, text_len):
+    def key_offsets(self, tokens, tenant, text_len):
+        """The key byte offset after each of tokens (index i: after i tokens), or None."""
         _, text_offsets = self._functions()
         head = len(tenants.key_prefix(tenant))
         offsets = text_offsets(tokens, text_len - head)
@@ -430,7 +431,7 @@ class TieredPromptCache(ReportingPromptCache):
         accepts (None: every entry; tenant None: no salt), storing nothing of them, and which keys
         are stored (a new Ledger).  Returns how many went."""
         with self._lock:
-            self.ledger = Ledger(self.admit_after, self._offsets)
+            self.ledger = Ledger(self.admit_after, self.key_offsets)
             return self.drop_entries(lambda ns, tokens: select is None or select(tenants.split_trie_key(ns)[1], tokens))
 
     def entry_pushed(self, ns, tokens):
@@ -554,7 +555,7 @@ class TieredPromptCache(ReportingPromptCache):
             # A text stored already is kept as it is (KVStore.save reads its
             # header and writes nothing), chain blocks stored already too.
             entry = self.store.save(key, tokens, tensors, meta=meta, reason=reason, ctx_size=self.store.ctx_size,
-                                    positional=positional, text_offsets=self._offsets(tokens, tenant, len(key)),
+                                    positional=positional, text_offsets=self.key_offsets(tokens, tenant, len(key)),
                                     dtypes=dtypes or None)
             if entry is not None:
                 self.ledger.remember(key, [len(key)])

@@ -1,4 +1,6 @@
-"""POST /v1/messages on kvstore serve, with the `anthropic` SDK as the client.
+"""Agents' front doors on kvstore serve: POST /v1/messages with the `anthropic`
+SDK as the client, the same conversation through /v1/chat/completions with
+the `openai` SDK, and the miss explained (usage.kvstore.miss, `kvstore explain`).
 
 The server's model directory has a chat template that renders tools, tool
 calls, tool results and reasoning (TOOL_TEMPLATE), so the same conversation
@@ -8,6 +10,8 @@ sent through /v1/messages and through /v1/chat/completions (with the
 
 import json
 import os
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -288,3 +292,54 @@ def test_errors_come_in_anthropics_shape(tool_model, workdir, tmp_path):
         assert status == 200 and body["type"] == "message" and body["usage"]["output_tokens"] == 2
     finally:
         server.stop()
+
+
+# ---- the miss explained ------------------------------------------------------------------------
+
+SESSION_AT = 3000          # where the system prompt's session id sits: past its first blocks
+
+
+def _with_session(session):
+    return SYSTEM[:SESSION_AT] + f"\nsession id: {session}\n" + SYSTEM[SESSION_AT:]
+
+
+def test_a_prompt_that_differs_by_one_id_in_its_system_message_is_explained(tool_model, workdir, tmp_path):
+    openai = pytest.importorskip("openai")
+    cache = tmp_path / "cache"
+    ids = ("3f1c9a7e-0b52-4d8e-9a61-5c2f7e8d4b10", "3f1c9a7e-0b52-4d8e-9a61-7d0e1b2c3a49",
+           "3f1c9a7e-0b52-4d8e-9a61-9a8b7c6d5e4f")
+    user = {"role": "user", "content": "Summarise the module in one line."}
+    server = kvstore_server(tool_model, cache, workdir, "explain")
+    try:
+        chat = openai.OpenAI(base_url=server.url("/v1"), api_key="unused").chat.completions
+        first = chat.create(model="default_model", max_tokens=4,
+                            messages=[{"role": "system", "content": _with_session(ids[0])}, user])
+        assert "miss" not in first.usage.model_extra["kvstore"]          # nothing stored yet
+        # The same system prompt with the other id, through the other door.
+        second = _client(server).messages.create(model="claude-local", max_tokens=4, system=_with_session(ids[1]),
+                                                 messages=[user])
+    finally:
+        server.stop()
+    miss = second.usage.model_extra["kvstore"]["miss"]
+    rendered = "<s><|system|>\n" + _with_session(ids[0])
+    differs = next(i for i, (a, b) in enumerate(zip(ids[0], ids[1])) if a != b)
+    byte = len((rendered[:rendered.index(ids[0])] + ids[0][:differs]).encode())
+    assert (miss["byte"], miss["message"], miss["role"]) == (byte, 0, "system"), miss
+    assert miss["shared_tokens"] <= miss["token"] < first.usage.prompt_tokens
+    stored = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert 0 < miss["stored_tokens_after"] <= stored - miss["token"]
+    assert second.usage.cache_read_input_tokens <= miss["token"]
+    lines = [line for line in server.text().splitlines() if "kvstore: request_done" in line]
+    assert f"miss=byte:{byte},token:{miss['token']},message:0,role:system," in lines[-1]
+    assert ids[1] not in server.text() and "session id" not in server.text()
+
+    # The same from the command line, on the directory the server left
+    # (both sessions stored now): a third session's prompt.
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes((rendered.replace(ids[0], ids[2]) + "</s>\n").encode())
+    out = subprocess.run([sys.executable, "-m", "kvstore", "explain", str(cache), str(prompt), "--json", "--text"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["byte"] == byte and report["parted"] and report["stored_tokens"] >= miss["token"]
+    assert report["before"].endswith(ids[0][:differs]) and report["after"].startswith(ids[2][differs:])
