@@ -45,11 +45,13 @@ def check_salt(value):
     return value
 
 
-def tag(salt):
-    """The tenant tag of a salt: 64 hex digits (None for no salt)."""
+def tag(salt, domain=_DOMAIN):
+    """The tenant tag of a salt: 64 hex digits (None for no salt); another
+    domain string gives another kind of tag of a client's string (a
+    prompt_cache_key's, kvstore.serve.routing)."""
     if salt is None:
         return None
-    return hashlib.sha256(_DOMAIN + salt.encode("utf-8", "surrogatepass")).hexdigest()
+    return hashlib.sha256(domain + salt.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def key_prefix(tenant):

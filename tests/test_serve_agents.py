@@ -8,10 +8,12 @@ sent through /v1/messages and through /v1/chat/completions (with the
 `openai` SDK) can be checked to render to the same prompt.
 """
 
+import glob
 import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -25,6 +27,7 @@ pytest.importorskip("mlx_lm")
 
 from mlx_lm.server import ToolCallFormatter
 
+from kvstore.pins import read_pins
 from kvstore.serve.anthropic import BadRequest, Reply, to_chat, usage_of
 from kvstore.serve.anthropic.reply import sse
 from kvstore.serve.pinning import PinRequest
@@ -343,3 +346,102 @@ def test_a_prompt_that_differs_by_one_id_in_its_system_message_is_explained(tool
     report = json.loads(out.stdout)
     assert report["byte"] == byte and report["parted"] and report["stored_tokens"] >= miss["token"]
     assert report["before"].endswith(ids[0][:differs]) and report["after"].startswith(ids[2][differs:])
+
+
+# ---- OpenAI's prompt-cache fields ----------------------------------------------------------------
+
+def _get(server, path):
+    with urllib.request.urlopen(server.url(path), timeout=30) as r:
+        return r.read().decode()
+
+
+def test_prompt_cache_key_counts_as_reuse_and_is_never_written(tool_model, workdir, tmp_path):
+    openai = pytest.importorskip("openai")
+    cache, key = tmp_path / "cache", "agent-session-KEY-51d0e2"
+    server = kvstore_server(tool_model, cache, workdir, "cache-key", "--admit-after", "3", "--admin")
+    try:
+        chat = openai.OpenAI(base_url=server.url("/v1"), api_key="unused").chat.completions
+
+        def ask(system, turn, **kw):
+            return chat.create(model="default_model", max_tokens=4, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": f"Question {turn}?"}], **kw)
+        # Without a key, a prefix two requests used is not admitted yet (--admit-after 3) ...
+        plain = [ask("Plain.\n" + SYSTEM, t).usage.model_extra["kvstore"] for t in range(2)]
+        # ... under one key, the second use of the same prefix is reuse enough.
+        keyed = [ask("Keyed.\n" + SYSTEM, t, prompt_cache_key=key).usage.model_extra["kvstore"] for t in range(2)]
+        view = json.loads(_get(server, "/v1/cache"))
+        metrics = _get(server, "/metrics")
+        with pytest.raises(openai.BadRequestError) as bad:
+            ask("x", 0, prompt_cache_key="")
+        assert "prompt_cache_key" in json.dumps(bad.value.body)
+    finally:
+        server.stop()
+    assert "cache_key" not in plain[1]
+    tag = keyed[0]["cache_key"]
+    assert keyed[1]["cache_key"] == tag and keyed[1]["reused_tokens"]["ram"] > 1000
+    stored = b""
+    for name in glob.glob(os.path.join(cache, "*.kv")):
+        with open(name, "rb") as f:
+            stored += f.read()
+    assert b"Keyed." in stored and b"Plain." not in stored      # admitted under the key only
+    row = view["activity"]["cache_keys"][tag]
+    assert row["requests"] == 2 and row["reused_tokens"]["ram"] == sum(k["reused_tokens"]["ram"] for k in keyed)
+    assert f'kvstore_cache_key_requests_total{{cache_key="{tag}",source="ram"}} 2.0' in metrics
+    assert f'kvstore_cache_key_tokens_reused_total{{cache_key="{tag}",source="ram"}} ' \
+           f'{float(row["reused_tokens"]["ram"])}' in metrics
+    assert key not in server.text() and f"cache_key={tag}" in server.text()
+    for root, _, files in os.walk(cache):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                assert key.encode() not in f.read(), name
+
+
+def test_prompt_cache_retention_24h_pins_the_prefix_as_a_breakpoint_would(tool_model, workdir, tmp_path):
+    openai = pytest.importorskip("openai")
+    server = kvstore_server(tool_model, tmp_path / "cache", workdir, "retention", "--max-pin-ttl", "2h")
+    try:
+        chat = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0).chat.completions
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Keep this a day."}]
+        kept = chat.create(model="default_model", max_tokens=4, messages=messages, prompt_cache_retention="24h")
+        memory = chat.create(model="default_model", max_tokens=4, messages=messages[:1] + [
+            {"role": "user", "content": "Only in memory."}], prompt_cache_retention="in_memory")
+        short = chat.create(model="default_model", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                            prompt_cache_retention="24h")
+        with pytest.raises(openai.BadRequestError) as bad:
+            chat.create(model="default_model", max_tokens=4, messages=messages, extra_body={
+                "prompt_cache_retention": "1w"})
+        assert "prompt_cache_retention" in json.dumps(bad.value.body)
+    finally:
+        server.stop()
+    [pin] = kept.usage.model_extra["kvstore"]["pins"]
+    assert (pin["origin"], pin["message"], pin["ttl_s"]) == ("retention", 1, 86400)
+    assert pin["state"] in ("queued", "storing", "pinned") and pin["tokens"] > 1000
+    if pin["state"] == "pinned":
+        assert 7100 < pin["granted_s"] <= 7200          # cut to --max-pin-ttl
+    [kept_pin] = read_pins(str(tmp_path / "cache"), time.time()).values()
+    assert kept_pin.tokens == pin["tokens"] and kept_pin.until - kept_pin.created == 7200
+    assert "pins" not in memory.usage.model_extra["kvstore"]
+    assert short.usage.model_extra["kvstore"]["pins"][0]["state"] == "not_stored"    # too short: no error
+    assert "pinned tokens=" in server.text()
+
+
+def test_prompt_cache_retention_past_the_pinned_share_is_refused(tool_model, workdir, tmp_path):
+    openai = pytest.importorskip("openai")
+    cache = tmp_path / "cache"
+    server = kvstore_server(tool_model, cache, workdir, "retention-share", "--budget-mb", "64",
+                            "--max-pinned-share", "0.001")
+    try:
+        chat = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0).chat.completions
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Keep this a day."}]
+        first = chat.create(model="default_model", max_tokens=4, messages=messages, prompt_cache_retention="24h")
+        deadline = time.monotonic() + 30                # its prefix stored (and its pin refused) ...
+        while "pin_refused reason=share" not in server.text():
+            assert time.monotonic() < deadline, server.text()
+            time.sleep(0.1)
+        with pytest.raises(openai.ConflictError) as refused:       # ... so a second ask is refused upfront
+            chat.create(model="default_model", max_tokens=4, messages=messages, prompt_cache_retention="24h")
+    finally:
+        server.stop()
+    assert first.usage.model_extra["kvstore"]["pins"][0]["origin"] == "retention"
+    assert "messages[1]" in json.dumps(refused.value.body)
+    assert read_pins(str(cache), time.time()) == {}

@@ -251,8 +251,11 @@ def test_segments_are_cut_at_a_pinned_prefix_end_and_keep_their_boundaries():
 def test_a_trace_holds_numbers_and_states_only():
     from kvstore.serve.pinning import PinRequest
     from kvstore.serve.ticket import Ticket
-    t = Ticket(tenant="ab" * 32, pins=[PinRequest(0, 300, tokens=700, state="pinned", until=123)])
+    t = Ticket(tenant="ab" * 32, pins=[PinRequest(0, 300, tokens=700, state="pinned", until=123, granted_s=299.6)])
     t.source, t.reused, t.prefilled, t.load_ms, t.stored = "remote", 512, 40, 3.14159, [("blocks", 768)]
+    t.cache_key = "cd" * 32
     assert t.trace() == {"source": "bucket", "reused_tokens": {"ram": 0, "disk": 0, "bucket": 512},
                          "prefilled_tokens": 40, "load_ms": 3.1, "stored": [{"kind": "blocks", "tokens": 768}],
-                         "pins": [{"message": 0, "tokens": 700, "state": "pinned", "until": 123}]}
+                         "pins": [{"message": 0, "tokens": 700, "state": "pinned", "origin": "cache_control",
+                                   "ttl_s": 300, "until": 123, "granted_s": 300}],
+                         "cache_key": "cdcdcdcd"}

@@ -47,6 +47,7 @@ class Ledger:
         self._offsets = offsets
         self._lock = threading.Lock()
         self._uses = collections.OrderedDict()     # prefix digest -> requests that used it
+        self._keyed = collections.OrderedDict()    # (prompt_cache_key tag, prefix digest) seen
         self._stored = collections.OrderedDict()   # digests of keys known on disk
 
     # -- stored already ---------------------------------------------------------
@@ -81,16 +82,25 @@ class Ledger:
             return {}
         return dict(zip(cuts, _native.sha1_prefixes(key, [int(offsets[c]) for c in cuts])))
 
-    def count_uses(self, tokens, tenant, key):
-        """Counts one request's use of every grid prefix of tokens (key: their key bytes)."""
+    def count_uses(self, tokens, tenant, key, cache_key=None):
+        """Counts one request's use of every grid prefix of tokens (key: their
+        key bytes).  Under a prompt_cache_key's tag (cache_key), a prefix the
+        same key used before is admitted at once: the client said these
+        requests share it, and the second one shows that they do."""
         if self.admit_after <= 1:
             return
         digests = self._grid_digests(tokens, tenant, key)
         with self._lock:
             for d in digests.values():
-                self._uses[d] = self._uses.pop(d, 0) + 1
-            while len(self._uses) > ADMISSION_TABLE:
-                self._uses.popitem(last=False)
+                uses = self._uses.pop(d, 0) + 1
+                if cache_key is not None:
+                    if (cache_key, d) in self._keyed:
+                        uses = max(uses, self.admit_after)
+                    self._keyed[(cache_key, d)] = True
+                self._uses[d] = uses
+            for table in (self._uses, self._keyed):
+                while len(table) > ADMISSION_TABLE:
+                    table.popitem(last=False)
 
     def admitted(self, tokens, tenant, key):
         """The longest grid boundary <= len(tokens) that admit_after requests

@@ -168,7 +168,7 @@ class TieredResponseGenerator(HookedResponseGenerator):
             self._judge_pins(tokenizer, request, generation_args, prompt, ticket)
         if vision is not None or len(prompt) <= 1:
             return None
-        found = self.tier.lookup(prompt, ticket.tenant)
+        found = self.tier.lookup(prompt, ticket.tenant, ticket.cache_key)
         ticket.miss = self._explain(tokenizer, request, generation_args, prompt, ticket.tenant)
         return found
 

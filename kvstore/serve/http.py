@@ -8,7 +8,7 @@ import socket
 
 from kvstore.mlx.mlxlm import HookedAPIHandler
 from kvstore import tenants
-from kvstore.serve import anthropic, explain, pinning
+from kvstore.serve import anthropic, explain, pinning, routing
 from kvstore.serve.drain import RETRY_AFTER_S
 from kvstore.serve.generator import ClientGone
 from kvstore.serve.ticket import Ticket
@@ -122,13 +122,18 @@ class _Handler(HookedAPIHandler):
             salt = tenants.check_salt(self.body.get("cache_salt"))
             if salt is None and self.kv_require_salt:
                 raise ValueError("cache_salt is required by this server (--require-cache-salt)")
-            breakpoints = pinning.breakpoints(request.messages) if request.request_type == "chat" else []
+            chat = request.request_type == "chat"
+            breakpoints = pinning.breakpoints(request.messages) if chat else []
+            cache_key = routing.key_tag(self.body.get("prompt_cache_key"))
+            routing.retention_pin(self.body.get("prompt_cache_retention"), request.messages if chat else None,
+                                  breakpoints)
         except ValueError as e:
             self._error(400, str(e))
             return
         sock = self.connection
         ticket = self._kv_ticket = self._kv_ticket or Ticket()
         ticket.tenant, ticket.gone, ticket.pins = tenants.tag(salt), lambda: _closed(sock), breakpoints
+        ticket.cache_key = cache_key
         request.kvstore_ticket = ticket
         with drain.request():
             try:
@@ -163,13 +168,15 @@ class _Handler(HookedAPIHandler):
             return
         if self.kv_activity is not None:
             self.kv_activity.record(ticket)
+        if self.kv_metrics is not None and ticket.cache_key is not None:
+            self.kv_metrics.keyed(ticket.cache_key[:routing.TAG_DIGITS], ticket.source, ticket.reused)
         t = ticket.trace()
         log.info("kvstore: request_done source=%s reused_ram=%d reused_disk=%d reused_bucket=%d prefilled=%d "
-                 "load_ms=%.1f stored=%s pins=%s miss=%s", t["source"], t["reused_tokens"]["ram"],
+                 "load_ms=%.1f stored=%s pins=%s miss=%s cache_key=%s", t["source"], t["reused_tokens"]["ram"],
                  t["reused_tokens"]["disk"], t["reused_tokens"]["bucket"], t["prefilled_tokens"], t["load_ms"],
                  ",".join(f"{s['kind']}:{s['tokens']}" for s in t["stored"]) or "-",
                  ",".join(f"{p['tokens']}:{p['state']}" for p in t.get("pins", ())) or "-",
-                 explain.log_words(ticket.miss))
+                 explain.log_words(ticket.miss), t.get("cache_key", "-"))
 
     def on_stream_headers(self, status_code):
         self._kv_streaming = status_code == 200

@@ -5,7 +5,7 @@ Two kinds of numbers:
   cache came from (ram, disk, remote, none), tokens reused and prefilled,
   the time each request's disk or bucket load took, loads in progress,
   stores skipped (by admission, or with the writer behind), pins asked for by outcome, --warm prompts
-  by outcome;
+  by outcome, requests and tokens reused by prompt_cache_key tag (kvstore.serve.routing);
 - the directory's, read from the store when the endpoint is scraped: the
   cumulative counters every process using the directory adds to
   (KVStore.counters(), the same numbers `kvstore stats --json` prints:
@@ -29,6 +29,9 @@ WARM_OUTCOMES = ("stored", "skipped", "failed")
 # Why the server skipped a store: admission (--admit-after), writer_busy (the
 # background writer's queue was full: the generation thread never waits for it).
 SKIPPED = ("admission", "writer_busy")
+# prompt_cache_key tags given a label of their own, at most: the rest count
+# as "other" (a label per client-chosen key would grow without bound).
+MAX_KEY_LABELS = 64
 
 
 def available():
@@ -77,6 +80,12 @@ class Metrics:
                              "stored already, failed)", ["outcome"], registry=self.registry)
         for outcome in WARM_OUTCOMES:
             self._warm.labels(outcome)
+        self._keyed_requests = Counter("kvstore_cache_key_requests", "Requests by prompt_cache_key tag (its first "
+                                       "digits; past MAX_KEY_LABELS tags: other) and source",
+                                       ["cache_key", "source"], registry=self.registry)
+        self._keyed_reused = Counter("kvstore_cache_key_tokens_reused", "Prompt tokens taken from a cache, by "
+                                     "prompt_cache_key tag and source", ["cache_key", "source"], registry=self.registry)
+        self._key_labels = set()
         self.registry.register(_StoreCollector(store))
         self._lock = threading.Lock()
 
@@ -89,6 +98,15 @@ class Metrics:
         self._prefilled.inc(prefilled)
         if load_s is not None:
             self._load.labels(source).observe(load_s)
+
+    def keyed(self, tag, source, reused):
+        """One request under a prompt_cache_key tag: its source and tokens reused."""
+        with self._lock:
+            if tag not in self._key_labels and len(self._key_labels) >= MAX_KEY_LABELS:
+                tag = "other"
+            self._key_labels.add(tag)
+        self._keyed_requests.labels(tag, source).inc()
+        self._keyed_reused.labels(tag, source).inc(reused)
 
     def loading(self, delta):
         self._loading.inc(delta)

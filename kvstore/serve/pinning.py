@@ -19,6 +19,7 @@ tokens it shares with the whole prompt.
 import argparse
 import dataclasses
 import logging
+import time
 
 from kvstore import pins, policy
 from kvstore.errors import PinRefused
@@ -50,12 +51,15 @@ class PinRequest:
     tokens: int = 0          # the prefix's length in tokens, once tokenized
     state: str = "pending"   # "pending", "queued", "pinned", "refused" or "not_stored"
     until: int = 0           # the pin's end (unix seconds) once pinned
+    origin: str = "cache_control"   # or "retention" (prompt_cache_retention, kvstore.serve.routing)
+    granted_s: float = 0.0   # the lifetime granted (ttl_s, or cut to --max-pin-ttl) once pinned
 
     def view(self):
         """The trace's view of it (no text)."""
-        out = {"message": self.message, "tokens": self.tokens, "state": self.state}
+        out = {"message": self.message, "tokens": self.tokens, "state": self.state, "origin": self.origin,
+               "ttl_s": self.ttl_s}
         if self.until:
-            out["until"] = self.until
+            out["until"], out["granted_s"] = self.until, round(self.granted_s)
         return out
 
 
@@ -128,6 +132,9 @@ class Pinner:
             BadPin: the request's answer.
         """
         for p in ticket.pins:
+            if not policy.store_cut(p.tokens, self.options) and p.origin == "retention":
+                p.state = "not_stored"            # too short to keep: not the client's error
+                continue
             if not policy.store_cut(p.tokens, self.options):
                 raise BadPin(f"messages[{p.message}]: the prefix that ends there is {p.tokens} tokens, shorter "
                              f"than the {self.options.min_tokens} tokens a checkpoint needs (--min-tokens)")
@@ -146,7 +153,7 @@ class Pinner:
             if upfront:
                 raise BadPin(f"messages[{p.message}]: {e}", 409) from None
             return
-        p.state, p.until = "pinned", pin.until
+        p.state, p.until, p.granted_s = "pinned", pin.until, pin.until - time.time()
         log.info("kvstore: pinned tokens=%d until=%d file=%s", p.tokens, pin.until, pin.sha[:12])
         if self.metrics is not None:
             self.metrics.pin("pinned")

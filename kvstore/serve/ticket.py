@@ -11,6 +11,8 @@ states only: never prompt text.
 
 import dataclasses
 
+from kvstore.serve.routing import TAG_DIGITS
+
 
 @dataclasses.dataclass
 class Found:
@@ -48,6 +50,7 @@ class Ticket:
     load_ms: float = 0.0
     stored: list = dataclasses.field(default_factory=list)  # [(kvstore.policy target kind, tokens)] queued
     miss: dict = None         # where its prompt left the stored sequences (kvstore.serve.explain), or None
+    cache_key: str = None     # the tag of its prompt_cache_key (kvstore.serve.routing), or None
 
     def trace(self):
         """The request's `usage.kvstore` object: numbers and states, never text."""
@@ -60,4 +63,6 @@ class Ticket:
             out["pins"] = [p.view() for p in self.pins]
         if self.miss is not None:
             out["miss"] = dict(self.miss)
+        if self.cache_key is not None:
+            out["cache_key"] = self.cache_key[:TAG_DIGITS]
         return out

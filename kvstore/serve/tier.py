@@ -179,7 +179,7 @@ class TieredPromptCache(ReportingPromptCache):
 
     # -- the HTTP thread ------------------------------------------------------
 
-    def lookup(self, tokens, tenant):
+    def lookup(self, tokens, tenant, cache_key=None):
         """Finds the longest stored prefix of tokens that beats RAM; on the calling (HTTP) thread.
 
         The cheap half of a request's preparation, at the thread's own
@@ -189,7 +189,8 @@ class TieredPromptCache(ReportingPromptCache):
         mlx-lm's full search (milliseconds in a large trie, and run again by
         the generation thread, as stock's) unless it cannot decide.  load()
         reads what it found.  Also counts the request's prefixes for
-        admission.  Never raises: the disk tier must never fail a request.
+        admission (under the tag of its prompt_cache_key, cache_key, when it
+        has one).  Never raises: the disk tier must never fail a request.
 
         Returns:
             Found, or None (RAM as good, or nothing stored).
@@ -197,7 +198,7 @@ class TieredPromptCache(ReportingPromptCache):
         try:
             key = self.key_bytes(tokens[:-1], tenant)
             if self.admit_after > 1:
-                self.ledger.count_uses(tokens[:-1], tenant, key)
+                self.ledger.count_uses(tokens[:-1], tenant, key, cache_key)
             ns = tenants.trie_key(self.model_key, tenant)
             with self._lock:
                 lo, hi = self.ram_reuse_bounds(ns, tokens)
