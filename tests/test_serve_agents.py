@@ -445,3 +445,76 @@ def test_prompt_cache_retention_past_the_pinned_share_is_refused(tool_model, wor
     assert first.usage.model_extra["kvstore"]["pins"][0]["origin"] == "retention"
     assert "messages[1]" in json.dumps(refused.value.body)
     assert read_pins(str(cache), time.time()) == {}
+
+
+# ---- one shared prefix across tenants ------------------------------------------------------------
+
+PRIVATE_TURN = "Tenant A's private question: what does invoice 8841-QX cover?"
+
+
+def _tenant_messages(scope_at=0, scope="global", turn=PRIVATE_TURN):
+    """The system prompt and a user turn; a global breakpoint on message scope_at (None: none)."""
+    messages = [{"role": "system", "content": [{"type": "text", "text": SYSTEM}]},
+                {"role": "user", "content": [{"type": "text", "text": turn}]}]
+    if scope_at is not None:
+        messages[scope_at]["content"][0]["cache_control"] = {"type": "ephemeral", "scope": scope}
+    return messages
+
+
+def _as(server, salt, messages):
+    status, r = server.post({"messages": messages, "max_tokens": 4, "cache_salt": salt})
+    assert status == 200, r
+    return r["usage"]["kvstore"]
+
+
+def _wait_pinned(server, n):
+    deadline = time.monotonic() + 30
+    while server.text().count("kvstore: pinned ") < n:
+        assert time.monotonic() < deadline, server.text()
+        time.sleep(0.1)
+
+
+def test_tenants_share_a_global_system_prompt_and_never_each_others_turns(tool_model, workdir, tmp_path):
+    cache = tmp_path / "cache"
+    server = kvstore_server(tool_model, cache, workdir, "global")
+    try:
+        a = _as(server, "tenant-a", _tenant_messages())
+        _wait_pinned(server, 1)
+        # B sends A's very messages: it gets the global system prompt, not A's turn.
+        b = _as(server, "tenant-b", _tenant_messages())
+        # E marks the turn global too: still only what is stored globally (the
+        # system prompt), never A's turn, which A stored under its salt.
+        e = _as(server, "tenant-e", _tenant_messages(scope_at=1))
+        _wait_pinned(server, 3)             # A's, B's (stored already) and E's: E's turn is global now
+        # F marks only the system prompt: it finds no more than that without its salt.
+        f = _as(server, "tenant-f", _tenant_messages())
+        # Without a global breakpoint a tenant reads nothing of the others'.
+        d = _as(server, "tenant-d", _tenant_messages(scope_at=None))
+    finally:
+        assert server.stop() == 0
+    system = a["pins"][0]["tokens"]
+    assert a["pins"][0]["scope"] == "global" and a["source"] == "none" and system > 1000
+    assert b["source"] == "disk" and 1000 < b["reused_tokens"]["disk"] <= system
+    assert e["source"] == "disk" and e["reused_tokens"]["disk"] <= system
+    assert e["pins"][0]["tokens"] > system and f["reused_tokens"]["disk"] <= system
+    assert d["source"] == "none" and d["reused_tokens"] == {"ram": 0, "disk": 0, "bucket": 0}
+    server = kvstore_server(tool_model, cache, workdir, "global-2")
+    try:
+        c = _as(server, "tenant-c", _tenant_messages())
+    finally:
+        server.stop()
+    assert c["source"] == "disk" and 1000 < c["reused_tokens"]["disk"] <= system
+
+
+def test_global_system_prompt_option_and_a_bad_scope(tool_model, workdir, tmp_path):
+    server = kvstore_server(tool_model, tmp_path / "cache", workdir, "global-option", "--global-system-prompt")
+    try:
+        a = _as(server, "tenant-a", _tenant_messages(scope_at=None))
+        _wait_pinned(server, 1)
+        b = _as(server, "tenant-b", _tenant_messages(scope_at=None, turn="Another tenant's own turn."))
+        status, r = server.post({"messages": _tenant_messages(scope="everyone"), "max_tokens": 4})
+    finally:
+        server.stop()
+    assert a["pins"][0]["scope"] == "global" and a["pins"][0]["origin"] == "server"
+    assert b["source"] == "disk" and 1000 < b["reused_tokens"]["disk"] <= a["pins"][0]["tokens"]
+    assert status == 400 and "scope" in json.dumps(r)

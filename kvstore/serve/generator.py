@@ -18,7 +18,7 @@ import time
 
 from kvstore.mlx.mlxlm import HookedResponseGenerator, extract_views, requested_model_key
 from kvstore.serve.explain import explain as explain_miss
-from kvstore.serve.pinning import BadPin, shared_prefix
+from kvstore.serve.pinning import GLOBAL_SCOPE, BadPin, shared_prefix
 from kvstore.serve.ticket import Ticket
 from kvstore.serve.tier import WAYPOINT_TYPE
 
@@ -168,7 +168,8 @@ class TieredResponseGenerator(HookedResponseGenerator):
             self._judge_pins(tokenizer, request, generation_args, prompt, ticket)
         if vision is not None or len(prompt) <= 1:
             return None
-        found = self.tier.lookup(prompt, ticket.tenant, ticket.cache_key)
+        shared = max((p.tokens for p in ticket.pins if p.scope == GLOBAL_SCOPE), default=0)
+        found = self.tier.lookup(prompt, ticket.tenant, ticket.cache_key, shared)
         ticket.miss = self._explain(tokenizer, request, generation_args, prompt, ticket.tenant)
         return found
 

@@ -48,6 +48,7 @@ class _Handler(HookedAPIHandler):
     binds one server's options and parts to it."""
 
     kv_require_salt = False
+    kv_global_system = False        # --global-system-prompt (kvstore.serve.pinning.global_system)
     kv_metrics = None
     kv_drain = None
     kv_activity = None              # kvstore.serve.activity.Activity, or None
@@ -124,6 +125,8 @@ class _Handler(HookedAPIHandler):
                 raise ValueError("cache_salt is required by this server (--require-cache-salt)")
             chat = request.request_type == "chat"
             breakpoints = pinning.breakpoints(request.messages) if chat else []
+            if chat and self.kv_global_system:
+                pinning.global_system(request.messages, breakpoints)
             cache_key = routing.key_tag(self.body.get("prompt_cache_key"))
             routing.retention_pin(self.body.get("prompt_cache_retention"), request.messages if chat else None,
                                   breakpoints)
@@ -242,7 +245,7 @@ class _Handler(HookedAPIHandler):
         self.wfile.write(json.dumps({key: message}).encode())
 
 
-def handler_class(require_salt, metrics, drain, activity=None, warm=None, admin=None):
+def handler_class(require_salt, metrics, drain, activity=None, warm=None, admin=None, global_system=False):
     """An APIHandler subclass for one server.
 
     Args:
@@ -255,6 +258,8 @@ def handler_class(require_salt, metrics, drain, activity=None, warm=None, admin=
             its status() as "warm"), or None.
         admin: the server's kvstore.serve.admin.Admin (GET and DELETE
             /v1/cache, GET /cache), or None (those paths answer 404).
+        global_system: every system message's breakpoint is global
+            (--global-system-prompt).
     """
 
     class Handler(_Handler):
@@ -264,5 +269,6 @@ def handler_class(require_salt, metrics, drain, activity=None, warm=None, admin=
         kv_activity = activity
         kv_warm = warm
         kv_admin = admin
+        kv_global_system = global_system
 
     return Handler

@@ -27,6 +27,12 @@ from kvstore.policy import DEFAULT_MAX_PINNED_SHARE
 
 log = logging.getLogger("kvstore")
 
+# A breakpoint's scope: "tenant" (the default) keeps its prefix under the
+# request's cache_salt; "global" stores it, and looks it up, without the salt
+# (one shared system prompt for every tenant; kvstore.serve.tier).
+TENANT_SCOPE, GLOBAL_SCOPE = "tenant", "global"
+SCOPES = (TENANT_SCOPE, GLOBAL_SCOPE)
+
 # Anthropic allows four breakpoints in one request.
 MAX_BREAKPOINTS = 4
 DEFAULT_TTL = "5m"
@@ -52,19 +58,24 @@ class PinRequest:
     state: str = "pending"   # "pending", "queued", "pinned", "refused" or "not_stored"
     until: int = 0           # the pin's end (unix seconds) once pinned
     origin: str = "cache_control"   # or "retention" (prompt_cache_retention, kvstore.serve.routing)
+    scope: str = "tenant"    # "global": stored and found without the request's salt (GLOBAL_SCOPE)
     granted_s: float = 0.0   # the lifetime granted (ttl_s, or cut to --max-pin-ttl) once pinned
+
+    def tenant_of(self, tenant):
+        """The tenant whose keys this pin's prefix goes under: none for a global one."""
+        return None if self.scope == GLOBAL_SCOPE else tenant
 
     def view(self):
         """The trace's view of it (no text)."""
         out = {"message": self.message, "tokens": self.tokens, "state": self.state, "origin": self.origin,
-               "ttl_s": self.ttl_s}
+               "ttl_s": self.ttl_s, "scope": self.scope}
         if self.until:
             out["until"], out["granted_s"] = self.until, round(self.granted_s)
         return out
 
 
 def _control_of(part, where):
-    """The ttl of one cache_control object, or None when there is none."""
+    """(ttl, global) of one cache_control object, or None when there is none."""
     cc = part.get("cache_control") if isinstance(part, dict) else None
     if cc is None:
         return None
@@ -74,7 +85,10 @@ def _control_of(part, where):
     ttl = cc.get("ttl", DEFAULT_TTL)
     if ttl not in pins.TTL_NAMES:
         raise BadPin(f"{where}: cache_control ttl {_short(ttl)} is not one of {', '.join(pins.TTL_NAMES)}")
-    return pins.TTL_NAMES[ttl]
+    scope = cc.get("scope", TENANT_SCOPE)
+    if scope not in SCOPES:
+        raise BadPin(f"{where}: cache_control scope {_short(scope)} is not one of {', '.join(SCOPES)}")
+    return pins.TTL_NAMES[ttl], scope == GLOBAL_SCOPE
 
 
 def _short(value):
@@ -90,16 +104,30 @@ def breakpoints(messages):
     """
     out = []
     for i, m in enumerate(messages if isinstance(messages, list) else []):
-        ttls = [_control_of(m, f"messages[{i}]")]
+        found = [_control_of(m, f"messages[{i}]")]
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
-            ttls += [_control_of(p, f"messages[{i}].content[{j}]") for j, p in enumerate(content)]
-        ttls = [t for t in ttls if t is not None]
-        if ttls:
-            out.append(PinRequest(i, max(ttls)))
+            found += [_control_of(p, f"messages[{i}].content[{j}]") for j, p in enumerate(content)]
+        found = [f for f in found if f is not None]
+        if found:
+            out.append(PinRequest(i, max(ttl for ttl, _ in found),
+                                  scope=GLOBAL_SCOPE if any(g for _, g in found) else TENANT_SCOPE))
     if len(out) > MAX_BREAKPOINTS:
         raise BadPin(f"{len(out)} cache_control breakpoints; at most {MAX_BREAKPOINTS} per request")
     return out
+
+
+def global_system(messages, out):
+    """Makes the breakpoint on a chat request's system message global, adding
+    one (DEFAULT_TTL) to out (its PinRequests) when it has none: `kvstore
+    serve --global-system-prompt`."""
+    if not messages or not isinstance(messages[0], dict) or messages[0].get("role") != "system":
+        return
+    for p in out:
+        if p.message == 0:
+            p.scope = GLOBAL_SCOPE
+            return
+    out.insert(0, PinRequest(0, pins.TTL_NAMES[DEFAULT_TTL], origin="server", scope=GLOBAL_SCOPE))
 
 
 class Pinner:
@@ -139,7 +167,8 @@ class Pinner:
                 raise BadPin(f"messages[{p.message}]: the prefix that ends there is {p.tokens} tokens, shorter "
                              f"than the {self.options.min_tokens} tokens a checkpoint needs (--min-tokens)")
             p.state = "queued"
-            self.grant(p, key_of(prompt[:p.tokens], ticket.tenant), ticket.tenant, upfront=True)
+            tenant = p.tenant_of(ticket.tenant)
+            self.grant(p, key_of(prompt[:p.tokens], tenant), tenant, upfront=True)
 
     def grant(self, p, key, tenant, upfront=False):
         """Pins the stored prefix key for p (a PinRequest), the outcome recorded in p; raises
@@ -167,11 +196,16 @@ class Pinner:
 
 
 def add_arguments(p):
-    """`kvstore serve`'s pin options: --max-pinned-share and --max-pin-ttl."""
+    """`kvstore serve`'s pin options: --max-pinned-share, --global-system-prompt and --max-pin-ttl."""
     p.add_argument("--max-pinned-share", type=float, default=DEFAULT_MAX_PINNED_SHARE,
                    help="the share of --budget-mb that prefixes pinned by cache_control may keep; a pin past it "
                         f"is refused (409), never granted by unpinning others (default {DEFAULT_MAX_PINNED_SHARE:g}; "
                         "0: no pins)")
+    p.add_argument("--global-system-prompt", action="store_true",
+                   help="share every request's system message across tenants: the prefix through it is stored "
+                        "and found without the cache_salt (a 5m breakpoint, or the client's, made global); the "
+                        "rest stays salted. Per breakpoint: cache_control {\"type\": \"ephemeral\", "
+                        "\"scope\": \"global\"}")
     p.add_argument("--max-pin-ttl", type=duration, default=DEFAULT_MAX_PIN_TTL_S, metavar="SECONDS",
                    help="the longest lifetime a pin is granted, in seconds or with a unit (90s, 5m, 1h, 2d); a "
                         f"longer cache_control ttl is cut to it (default {DEFAULT_MAX_PIN_TTL_S // 60}m)")
@@ -199,5 +233,5 @@ def shared_prefix(a, b):
     return i
 
 
-__all__ = ["BadPin", "PinRequest", "Pinner", "breakpoints", "shared_prefix", "add_arguments", "duration", "MAX_BREAKPOINTS",
+__all__ = ["BadPin", "PinRequest", "Pinner", "breakpoints", "global_system", "GLOBAL_SCOPE", "shared_prefix", "add_arguments", "duration", "MAX_BREAKPOINTS",
            "DEFAULT_TTL", "DEFAULT_MAX_PIN_TTL_S"]

@@ -157,7 +157,7 @@ class _Server:
                                                                  self.drain, self.metrics)
         admin = admin_mod.from_options(opts, lambda: self.tier.store, self.activity, self.tier)
         handler = handler_class(opts.require_cache_salt, self.metrics, self.drain, self.activity, warm=self.warmer,
-                                admin=admin)
+                                admin=admin, global_system=opts.global_system_prompt)
         self.httpd = Server(address, lambda *a, **kw: handler(self.generator, *a, system_fingerprint=fingerprint,
                                                               **kw))
 

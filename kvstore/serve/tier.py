@@ -179,7 +179,7 @@ class TieredPromptCache(ReportingPromptCache):
 
     # -- the HTTP thread ------------------------------------------------------
 
-    def lookup(self, tokens, tenant, cache_key=None):
+    def lookup(self, tokens, tenant, cache_key=None, shared=0):
         """Finds the longest stored prefix of tokens that beats RAM; on the calling (HTTP) thread.
 
         The cheap half of a request's preparation, at the thread's own
@@ -190,7 +190,8 @@ class TieredPromptCache(ReportingPromptCache):
         the generation thread, as stock's) unless it cannot decide.  load()
         reads what it found.  Also counts the request's prefixes for
         admission (under the tag of its prompt_cache_key, cache_key, when it
-        has one).  Never raises: the disk tier must never fail a request.
+        has one); its global prefix (first `shared` tokens) also without its
+        salt.  Never raises: the disk tier must never fail a request.
 
         Returns:
             Found, or None (RAM as good, or nothing stored).
@@ -205,6 +206,11 @@ class TieredPromptCache(ReportingPromptCache):
             if not self._beats(None, tokens, lo, tenant):
                 return None
             entry = self.store.find(key)
+            if shared and tenant is not None:       # its global prefix, without the salt, and no more
+                head = self.key_bytes(tokens[:min(shared, len(tokens) - 1)], None)
+                other = self.store.find(head)
+                if other is not None and (entry is None or other.tokens > entry.tokens):
+                    entry, key = other, head
             if entry is None:
                 return None
             found = Found(entry, key, "remote" if getattr(entry, "remote", None) is not None else "disk")
@@ -418,7 +424,8 @@ class TieredPromptCache(ReportingPromptCache):
             for p in ticket.pins:
                 if p.state != "queued" or p.tokens > len(tokens):
                     continue
-                if self._persist(model, tenant, tokens, cache, policy.pin_target(p.tokens), (ticket,), pin=p):
+                if self._persist(model, p.tenant_of(tenant), tokens, cache, policy.pin_target(p.tokens), (ticket,),
+                                 pin=p):
                     p.state = "storing"
                 elif finished:
                     self.pinner.refused(p, "not_stored")
