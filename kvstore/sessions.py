@@ -21,7 +21,8 @@ What differs from cache checkpoints, and why:
 - a session still counts towards the disk budget and can be evicted like
   any checkpoint.
 
-Titles are labels a person gives; prompt text is never read or printed here.
+Titles are labels a person gives; prompt text is read here only for a ds4
+session's title, and only when asked (from_entries(text=True)).
 """
 
 import dataclasses
@@ -29,7 +30,7 @@ import logging
 import os
 import re
 
-from kvstore import _native, identity, payload
+from kvstore import _native, ds4, identity, payload
 from kvstore import trailers as trailer_mod
 from kvstore.errors import AmbiguousSession, KVStoreError, SessionNotFound
 from kvstore.format import ExtFlag, Reason, entry_from_fd, open_checkpoint, read_entry
@@ -45,6 +46,9 @@ MIN_PREFIX = 4
 _PREFIX_RE = re.compile(r"^[0-9a-fA-F]+$")
 
 _TITLE_BIT = ExtFlag.SESSION_TITLE.bit_length() - 1
+# Text read for a ds4 session's title: its first user turn starts near the
+# front (after the system prompt); a transcript's tail is never needed.
+DS4_TITLE_SCAN = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,7 @@ class SessionInfo:
         created_at, last_used: unix seconds (last_used 0: never switched to).
         model_id, payload_abi, file_size: header fields, for tools.
         path: the file.
+        ds4: ds4-agent saved it (kvstore.ds4): listed, not loadable here.
     """
     sha: str
     title: object
@@ -69,6 +74,7 @@ class SessionInfo:
     payload_abi: int
     file_size: int
     path: str
+    ds4: bool = False
 
     @property
     def prefix(self):
@@ -180,25 +186,47 @@ def list(store):   # noqa: A001 - the verb of docs/format.md §9; the builtin is
     return from_entries(store.entries(), store.sealer)
 
 
-def from_entries(entries, sealer=None):
+def from_entries(entries, sealer=None, text=False):
     """The agent sessions among entries (headers re-read from disk), newest first.
 
     For a caller that lists a directory itself (`kvstore session list`
-    reads it without opening a store).
+    reads it without opening a store).  ds4-agent's sessions are listed too
+    (SessionInfo.ds4); theirs have no title but the one ds4 derives from the
+    first user turn (kvstore.ds4.session_title), which is prompt text: read
+    only with text=True.
 
     Args:
         entries: Entry objects (kvstore.files.scan_directory, KVStore.entries).
         sealer: the key of sealed sessions' titles (see read_title), or None.
+        text: give ds4 sessions the title ds4-agent's /list shows.
 
     Returns:
         list of SessionInfo, by creation time, newest first.
     """
-    out = [SessionInfo(sha=e.sha, title=read_title(e, sealer), tokens=e.tokens, hits=e.hits,
+    out = [SessionInfo(sha=e.sha, title=_title(e, sealer, text), tokens=e.tokens, hits=e.hits,
                        created_at=e.created_at, last_used=e.last_used, model_id=e.model_id,
-                       payload_abi=e.payload_abi, file_size=e.file_size, path=e.path)
-           for e in _fresh(entries) if e.reason == Reason.AGENT_SESSION and e.sha and e.restorable]
+                       payload_abi=e.payload_abi, file_size=e.file_size, path=e.path, ds4=ds4.is_ds4(e))
+           for e in _fresh(entries)
+           if e.reason == Reason.AGENT_SESSION and e.sha and (e.restorable or ds4.is_ds4(e))]
     out.sort(key=lambda s: (s.created_at, s.last_used, s.sha), reverse=True)
     return out
+
+
+def _title(e, sealer, text):
+    if not ds4.is_ds4(e):
+        return read_title(e, sealer)
+    if not text:
+        return None
+    try:
+        fd, _ = open_checkpoint(e.path)
+    except KVStoreError:
+        return None
+    try:
+        return ds4.session_title(payload.pread(fd, min(e.text_bytes, DS4_TITLE_SCAN), e.text_offset))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _fresh(entries):
@@ -255,6 +283,8 @@ def resolve(store, sha_prefix):
 def _why_not(store, e):
     """Why store.load refused a session (for the error message only)."""
     why = store.misfit(e)
+    if why == "payload_abi" and ds4.is_ds4(e):
+        return "ds4 wrote it (payload ABI 0 or 2: ds4's graph state): switch to it in ds4-agent"
     if why == "payload_abi":
         return f"its payload ABI {e.payload_abi} is not one this build loads"
     if why == "model":

@@ -29,6 +29,7 @@ import os
 import struct
 from typing import Protocol
 
+from kvstore import ds4
 from kvstore._native import crc32c
 from kvstore.format import ExtFlag
 from kvstore.sources import as_source
@@ -282,6 +283,14 @@ def parse_trailer(buf, path=None, log=_log):
         its CRC matches, and its hook (if any) decodes it.
     """
     name = "-" if path is None else os.path.basename(os.fspath(path))
+    if ds4.is_tool_map(buf):
+        # ds4-server's tool map: not framed, told apart by its first byte (kvstore.ds4).
+        try:
+            return {0: ds4.parse_tool_map(buf)}, [], 1
+        except ValueError:
+            log.warning("kvstore: trailer_drop file=%s bit=0 reason=ds4_tool_map offset=0 length=%d",
+                        name, len(buf))
+            return {}, [], 0
     values = {}
     sections = []
     flags = 0

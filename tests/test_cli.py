@@ -147,13 +147,13 @@ def test_ls_table_rows_totals_and_foreign_marker(cache, cwd):
     order = [json_row["prefix"] for json_row in json.loads(run(cwd, "ls", d, "--json").stdout)]
     assert [ln.split()[0] for ln in lines[1:7]] == order
     rows = {ln.split()[0]: ln for ln in lines[1:7]}
-    assert "foreign" in rows[sha_of(roles["ds4"])[:12]]
-    assert "foreign" not in rows[roles["cold"].sha[:12]]
+    assert "2(ds4)" in rows[sha_of(roles["ds4"])[:12]]
+    assert "ds4" not in rows[roles["cold"].sha[:12]] and "foreign" not in rows[roles["cold"].sha[:12]]
     assert rows[roles["session"].sha[:12]].rstrip().endswith("fix the io path")
     assert "never" in rows[roles["cold"].sha[:12]]
     total = sum(os.path.getsize(os.path.join(d, n)) for n in names(d))
     assert f"6 checkpoints, {cli.text.size(total)} of 1.0 MiB budget ({100 * total / 2**20:.1f}%)" in p.stdout
-    assert "1 with a foreign payload ABI" in p.stdout
+    assert "1 written by ds4 (payload ABI 0 or 2)" in p.stdout and "foreign payload ABI" not in p.stdout
 
 
 def test_ls_skips_bad_envelopes_and_sanitises_titles(tmp_path, cwd):
@@ -203,7 +203,7 @@ def test_inspect_text_prints_the_prompt_only_when_asked(cache, cwd):
     assert p.stdout.endswith(f"text:\n{SECRET} cold anchor\n")
     p = run(cwd, "inspect", sha_of(roles["ds4"])[:6], "--dir", d, "--text")
     assert p.returncode == 0
-    assert "2 (foreign" in p.stdout and "manifest" not in p.stdout
+    assert "2 (ds4's graph state" in p.stdout and "manifest" not in p.stdout
     assert DS4_TEXT.decode() in p.stdout
 
 

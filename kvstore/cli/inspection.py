@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from kvstore import _native, files, identity, registry, sessions, trailers
+from kvstore import _native, ds4, files, identity, registry, sessions, trailers
 from kvstore.cli import keys, text
 from kvstore.cli.local import directory, match
 from kvstore.cli.text import PROG, UsageError
@@ -54,6 +54,7 @@ def header_rows(e, path, now):
         ("ctx size", e.ctx_size),
         ("payload abi", f"{e.payload_abi} (loadable)" if e.loadable
          else f"{e.payload_abi} (sealed {e.payload_abi - SEALED_ABI_OFFSET})" if e.sealed
+         else f"{e.payload_abi} (ds4's graph state: listed and counted, not loadable here)" if ds4.is_ds4(e)
          else f"{e.payload_abi} (foreign: listed and counted, not loadable by this build)"),
         ("created", text.stamp(e.created_at, now)),
         ("last used", text.stamp(e.last_used, now) if e.last_used else "never"),
@@ -130,7 +131,16 @@ def print_manifest(src, plain, sealed):
 
 
 def print_trailers(fd, src, plain, path):
-    """Every trailer section's bit, length and whether its CRC checks (a bad one is dropped on load)."""
+    """Every trailer section's bit, length and whether its CRC checks (a bad one is dropped on load);
+    for ds4's unframed tool map, how many entries it holds (never their content)."""
+    head = pread(src, len(ds4.KTM_MAGIC), plain.trailer_offset) if plain.file_size > plain.trailer_offset else b""
+    if ds4.is_tool_map(head):
+        try:
+            n = len(ds4.parse_tool_map(pread(src, plain.file_size - plain.trailer_offset, plain.trailer_offset)))
+            print(f"trailer: ds4 tool map (KTM v1), {n} entr{'y' if n == 1 else 'ies'}")
+        except ValueError as e:
+            print(f"trailer: ds4 tool map (KTM v1), unreadable: {e}")
+        return
     sections = list(trailers.trailer_sections(src, plain))
     print(f"trailer sections ({len(sections)}):")
     for bit, off, length, crc in sections:

@@ -10,7 +10,7 @@ blocks are the ones kvstore.files.ancestors finds in the directory.
 import json
 import time
 
-from kvstore import identity, policy, registry, remote, sessions
+from kvstore import ds4, identity, policy, registry, remote, sessions
 from kvstore.cli import keys, text
 from kvstore.cli.local import directory
 from kvstore.cli.remote import cmd_remote_ls
@@ -118,7 +118,8 @@ def print_totals(entries, seqs, bad, sealer, budget, budget_derived=False):
     blocks = sum(1 for e in entries if e.is_block)
     total = sum(e.file_size for e in entries)
     ours = sum(1 for e in entries if sealer is not None and sealer.owns(e))
-    foreign = sum(1 for e in entries if not e.loadable) - ours
+    theirs = sum(1 for e in entries if ds4.is_ds4(e))
+    foreign = sum(1 for e in entries if not e.loadable) - ours - theirs
     if blocks:
         print(f"{text.plural(len(seqs), 'stored sequence')} in {text.plural(len(entries), 'file')} "
               f"({text.plural(blocks, 'chain block')}), {text.budget_line(total, budget, budget_derived)}")
@@ -126,6 +127,8 @@ def print_totals(entries, seqs, bad, sealer, budget, budget_derived=False):
         print(f"{len(entries)} checkpoint{'s' if len(entries) != 1 else ''}, {text.budget_line(total, budget, budget_derived)}")
     if ours:
         print(f"{ours} sealed with this key")
+    if theirs:
+        print(f"{theirs} written by ds4 (payload ABI 0 or 2): listed and counted in the budget, not loadable")
     if foreign:
         print(f"{foreign} with a foreign payload ABI (or sealed with another key): listed and counted in the "
               "budget, not loadable")

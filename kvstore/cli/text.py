@@ -12,7 +12,7 @@ import sys
 import time
 import unicodedata
 
-from kvstore import policy
+from kvstore import ds4, policy
 from kvstore.format import ExtFlag, Reason
 
 PROG = "kvstore"
@@ -124,7 +124,9 @@ def printable(s, limit=None):
 def abi(e):
     if e.loadable:
         return str(e.payload_abi)
-    return f"{e.payload_abi}(sealed)" if e.sealed else f"{e.payload_abi}(foreign)"
+    if e.sealed:
+        return f"{e.payload_abi}(sealed)"
+    return f"{e.payload_abi}(ds4)" if ds4.is_ds4(e) else f"{e.payload_abi}(foreign)"
 
 
 def table(rows, header, right=()):
