@@ -97,6 +97,7 @@ GEOMETRY = {
     "serve_trace": TOY,
     "canary": "toy: a llama of 4 layers, hidden 256",
     "serve_sizes": "Qwen3-8B's: 36 layers × 8 KV heads × 128, bfloat16 (144 KiB a token)",
+    "agents": TOY,
 }
 GEOMETRY_ROWS = {
     # serve_load's decode row runs its own model (bench/serve_load.py LOAD_MODEL).

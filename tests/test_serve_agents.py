@@ -3,7 +3,7 @@ SDK as the client, the same conversation through /v1/chat/completions with
 the `openai` SDK, and the miss explained (usage.kvstore.miss, `kvstore explain`).
 
 The server's model directory has a chat template that renders tools, tool
-calls, tool results and reasoning (TOOL_TEMPLATE), so the same conversation
+calls, tool results and reasoning (kvstore.demo.model.TOOL_CHAT_TEMPLATE), so the same conversation
 sent through /v1/messages and through /v1/chat/completions (with the
 `openai` SDK) can be checked to render to the same prompt.
 """
@@ -34,18 +34,6 @@ from kvstore.serve.pinning import PinRequest
 from kvhelpers import kvstore_server, system_prompt
 
 SYSTEM = system_prompt()
-
-# The demo template (kvstore.demo.model.CHAT_TEMPLATE) plus tools, tool calls,
-# tool results and reasoning; no marker mlx-lm would take for a tool parser.
-TOOL_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}<|system|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</s>\n{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>\n"
-    "{% if m.get('reasoning_content') %}[think]{{ m['reasoning_content'] }}[/think]{% endif %}"
-    "{{ m['content'] }}"
-    "{% for c in m.get('tool_calls') or [] %}[call {{ c['id'] }}]{{ c['function'] | tojson }}[/call]{% endfor %}"
-    "{% if m.get('tool_call_id') %}[for {{ m['tool_call_id'] }}]{% endif %}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
 TOOLS = [{"name": "read_file", "description": "Reads a file of the project.",
           "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
@@ -175,15 +163,13 @@ def test_usage_splits_the_prompt_into_read_created_and_input():
 # ---- a real server -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tool_model(model_dir):
-    """The module's model directory with TOOL_TEMPLATE as its chat template."""
-    path = os.path.join(model_dir, "tokenizer_config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["chat_template"] = TOOL_TEMPLATE
-    with open(path, "w") as f:
-        json.dump(config, f)
-    return model_dir
+def tool_model(tmp_path_factory):
+    """A random-weight model directory whose chat template renders tools, tool
+    calls, tool results and reasoning (kvstore.demo.model.TOOL_CHAT_TEMPLATE)."""
+    from kvstore.demo.model import TOOL_CHAT_TEMPLATE, write_model_dir
+    path = tmp_path_factory.mktemp("agents-model")
+    write_model_dir(path, seed=3, chat_template=TOOL_CHAT_TEMPLATE)
+    return str(path)
 
 
 def _client(server):

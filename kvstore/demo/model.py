@@ -38,6 +38,20 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+# CHAT_TEMPLATE plus what agents send: the tool list, an assistant's tool
+# calls and reasoning, a tool result's call id.  Messages without them render
+# as CHAT_TEMPLATE renders them; no marker mlx-lm would take for a tool
+# parser (the random-weight model never calls a tool itself).
+TOOL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</s>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m.get('reasoning_content') %}[think]{{ m['reasoning_content'] }}[/think]{% endif %}"
+    "{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}[call {{ c['id'] }}]{{ c['function'] | tojson }}[/call]{% endfor %}"
+    "{% if m.get('tool_call_id') %}[for {{ m['tool_call_id'] }}]{% endif %}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 # Standard-library modules whose docstrings are the training text: plain
 # English about programming, present in every CPython 3.11+.
 _CORPUS_MODULES = [
@@ -175,8 +189,9 @@ class Tokenizer:
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
-def make_tokenizer(tmpdir, vocab_size=VOCAB_SIZE):
-    """Trains (once per process) and writes the tokenizer files into tmpdir.
+def make_tokenizer(tmpdir, vocab_size=VOCAB_SIZE, chat_template=CHAT_TEMPLATE):
+    """Trains (once per process) and writes the tokenizer files into tmpdir
+    (with chat_template: CHAT_TEMPLATE, or TOOL_CHAT_TEMPLATE for agents).
 
     Returns:
         Tokenizer.
@@ -193,7 +208,7 @@ def make_tokenizer(tmpdir, vocab_size=VOCAB_SIZE):
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "additional_special_tokens": SPECIAL_TOKENS[2:],
         **{k: v for k, v in special.items() if v is not None},
     }
@@ -280,13 +295,14 @@ def prefill(model, cache, tokens, step=None):
     return logits[:, -1, :]
 
 
-def write_model_dir(path, seed=0, tokenizer=None, **kw):
+def write_model_dir(path, seed=0, tokenizer=None, chat_template=CHAT_TEMPLATE, **kw):
     """Writes a loadable model directory: config.json, model.safetensors, tokenizer files.
 
     Args:
         path: the directory (created).
         seed, kw: make_model arguments.
         tokenizer: a Tokenizer to copy the files of (default: make_tokenizer(path)).
+        chat_template: the template of a tokenizer made here.
 
     Returns:
         (model, tokenizer) as built here; mlx_lm.load(path) gives the same model.
@@ -294,7 +310,7 @@ def write_model_dir(path, seed=0, tokenizer=None, **kw):
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     if tokenizer is None or os.path.abspath(tokenizer.path) != os.path.abspath(path):
-        tokenizer = make_tokenizer(path)
+        tokenizer = make_tokenizer(path, chat_template=chat_template)
     model = make_model(seed, **kw)
     cfg = dict(model.config, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -304,6 +320,6 @@ def write_model_dir(path, seed=0, tokenizer=None, **kw):
     return model, tokenizer
 
 
-__all__ = ["VOCAB_SIZE", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "Tokenizer", "make_tokenizer", "model_config",
+__all__ = ["VOCAB_SIZE", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "TOOL_CHAT_TEMPLATE", "Tokenizer", "make_tokenizer", "model_config",
            "module_docstrings", "prose", "text_of_tokens",
            "make_model", "make_cache", "rotating_cache", "prefill", "write_model_dir"]
