@@ -239,6 +239,8 @@ def test_the_same_conversation_through_chat_completions_reuses_all_of_it(tool_mo
     try:
         messages = _loop_messages(2)
         first = _ask(_client(server), messages, stream=False)
+        counted = _client(server).messages.count_tokens(model="claude-local", system=SYSTEM, tools=TOOLS,
+                                                        messages=messages, thinking={"type": "adaptive"})
         chat = to_chat({"max_tokens": 4, "system": SYSTEM, "tools": TOOLS, "messages": messages})
         for m in chat["messages"]:
             for call in m.get("tool_calls", ()):        # as OpenAI clients send them
@@ -247,7 +249,7 @@ def test_the_same_conversation_through_chat_completions_reuses_all_of_it(tool_mo
             model="default_model", max_tokens=4, messages=chat["messages"], tools=chat["tools"])
     finally:
         server.stop()
-    assert r.usage.prompt_tokens == _total(first.usage)
+    assert r.usage.prompt_tokens == _total(first.usage) == counted.input_tokens
     assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
 
 

@@ -1,10 +1,13 @@
 """The HTTP side of kvstore serve: mlx-lm's APIHandler plus cache_salt, /metrics and draining."""
 
+import dataclasses
 import io
 import json
 import logging
 import select
 import socket
+
+from mlx_lm import server as mlx_server
 
 from kvstore.mlx.mlxlm import HookedAPIHandler
 from kvstore import tenants
@@ -12,6 +15,7 @@ from kvstore.serve import anthropic, explain, pinning, routing
 from kvstore.serve.drain import RETRY_AFTER_S
 from kvstore.serve.generator import ClientGone
 from kvstore.serve.ticket import Ticket
+from kvstore.serve.warm import generation_arguments
 
 log = logging.getLogger("kvstore")
 
@@ -79,8 +83,31 @@ class _Handler(HookedAPIHandler):
     def do_POST(self):
         if _route(self.path) == anthropic.PATH:
             self._messages()
+        elif _route(self.path) == anthropic.COUNT_PATH:
+            self._count_tokens()
         else:
             super().do_POST()
+
+    def _count_tokens(self):
+        """POST /v1/messages/count_tokens: the prompt's tokens as /v1/messages would render them."""
+        try:
+            chat = anthropic.to_chat(json.loads(self.rfile.read(int(self.headers.get("Content-Length", "")))),
+                                     counting=True)
+        except ValueError as e:             # no length, not JSON, anthropic.BadRequest
+            return self._anthropic_error(400, str(e))
+        generator = self.response_generator
+        if generator.model_provider.tokenizer is None:
+            return self._anthropic_error(503, "the model is loading; retry shortly")
+        request = mlx_server.CompletionRequest("chat", "", chat["messages"], chat.get("tools"), None)
+        args = dataclasses.replace(generation_arguments(generator.cli_args),
+                                   chat_template_kwargs=chat.get("chat_template_kwargs"))
+        try:
+            n = len(generator.tokenize_request(request, args)[0])
+        except Exception as e:              # noqa: BLE001 - the template refused the conversation
+            return self._anthropic_error(400, f"the chat template cannot render this conversation: {e}")
+        self.send_json_headers(200)
+        self.end_headers()
+        self.wfile.write(json.dumps({"input_tokens": n}).encode())
 
     def _messages(self):
         """POST /v1/messages: the body translated to the chat-completions one, answered

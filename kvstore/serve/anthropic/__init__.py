@@ -9,7 +9,8 @@ from kvstore.serve.anthropic.request import BadRequest, to_chat
 from kvstore.serve.anthropic.reply import Reply, usage_of
 from kvstore.serve.anthropic.wire import Wire, error_body
 
-# The path Anthropic's clients post to (Claude Code adds ?beta=true).
+# The paths Anthropic's clients post to (Claude Code adds ?beta=true).
 PATH = "/v1/messages"
+COUNT_PATH = "/v1/messages/count_tokens"
 
-__all__ = ["PATH", "BadRequest", "Reply", "Wire", "error_body", "to_chat", "usage_of"]
+__all__ = ["PATH", "COUNT_PATH", "BadRequest", "Reply", "Wire", "error_body", "to_chat", "usage_of"]

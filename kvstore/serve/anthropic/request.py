@@ -16,7 +16,7 @@ The mapping (the chat side is what OpenAI clients send for the same turns):
                                            before the rest of that user turn
     tools [{name, description, input_schema}] -> [{"type": "function", "function": {...}}]
     stop_sequences, max_tokens, temperature, top_p, top_k -> the chat fields
-    thinking {"type": "enabled"|"disabled"} -> chat_template_kwargs enable_thinking
+    thinking {"type": ...}              -> chat_template_kwargs enable_thinking (false for "disabled")
     cache_control at the top level      -> a breakpoint on the last message
     model                               -> the server's model (the answer names the one asked for)
 
@@ -174,20 +174,25 @@ def _tools(tools):
     return out, control
 
 
+# Anthropic's thinking types: every one but "disabled" lets the model think.
+THINKING_TYPES = ("enabled", "adaptive", "between_tools", "disabled")
+
+
 def _thinking(value):
-    _need(isinstance(value, dict) and value.get("type") in ("enabled", "disabled"), "thinking",
-          f"must be {{\"type\": \"enabled\"}} or {{\"type\": \"disabled\"}}, not {_short(value)}")
-    return {"enable_thinking": value["type"] == "enabled"}
+    _need(isinstance(value, dict) and value.get("type") in THINKING_TYPES, "thinking",
+          f"must be {{\"type\": ...}} with a type of {', '.join(THINKING_TYPES)}, not {_short(value)}")
+    return {"enable_thinking": value["type"] != "disabled"}
 
 
-def to_chat(body):
-    """The chat-completions body of a /v1/messages body (module docstring).
+def to_chat(body, counting=False):
+    """The chat-completions body of a /v1/messages body (module docstring);
+    counting: a /v1/messages/count_tokens body (no max_tokens).
 
     Raises:
         BadRequest: a message naming the field that is missing or malformed.
     """
     _need(isinstance(body, dict), "body", "must be a JSON object")
-    max_tokens = body.get("max_tokens")
+    max_tokens = body.get("max_tokens", 1 if counting else None)
     _need(isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1, "max_tokens",
           f"must be an integer >= 1, not {_short(max_tokens)}")
     # The server's own model, whatever `model` names: Anthropic's clients
