@@ -32,12 +32,12 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from foundation import Report, finish, harness_arguments, machine_info, machine_lines  # noqa: E402
-from serve import FULL_MODEL, FULL_SYSTEM_CHARS, QUICK_MODEL, QUICK_SYSTEM_CHARS, start, stop  # noqa: E402
+from serve import FULL_MODEL, QUICK_MODEL, long_system, start, stop  # noqa: E402
+from serve import chat as chat_completion  # noqa: E402
 
 FULL_ROUNDS, QUICK_ROUNDS = 3, 1
 SESSION_IDS = ("5f0e3b1c-7d2a-4e9b-8c61-0a4d2e9f7b13", "5f0e3b1c-7d2a-4e9b-8c61-93b7e1c0d5a8")
@@ -87,6 +87,17 @@ def kvstore_round(cmd, tmp, log, system, other, prose):
         usage.append(m.usage.model_dump())
         return ns, m
 
+    ns4, m4, ns_new = play_round(cmd, tmp, log, ask, system, other)
+    return ns4, "".join(b.text for b in m4.content if b.type == "text"), ns_new, usage
+
+
+def play_round(cmd, tmp, log, ask, system, other):
+    """Start, turns 1-3, SIGTERM, start, turn 4 and the new session, each asked with
+    ask(base URL, system prompt, tool calls so far, max_tokens) -> (ns, answer).
+
+    Returns:
+        (turn 4's ns, its answer, the new session's ns).
+    """
     proc, base = start(cmd, tmp, log)
     try:
         for turns in range(3):
@@ -95,11 +106,11 @@ def kvstore_round(cmd, tmp, log, system, other, prose):
         stop(proc)
     proc, base = start(cmd, tmp, log)
     try:
-        ns4, m4 = ask(base, system, 3, 1)
+        ns4, answer = ask(base, system, 3, 1)
         ns_new, _ = ask(base, other, 0, 1)
     finally:
         stop(proc)
-    return ns4, "".join(b.text for b in m4.content if b.type == "text"), ns_new, usage
+    return ns4, answer, ns_new
 
 
 def stock_round(cmd, tmp, log, system, other, prose):
@@ -112,27 +123,9 @@ def stock_round(cmd, tmp, log, system, other, prose):
             m.pop("cache_control", None)
             for call in m.get("tool_calls", ()):
                 call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
-        body = json.dumps({"messages": chat["messages"], "tools": chat["tools"], "max_tokens": max_tokens,
-                           "temperature": 0.0}).encode()
-        req = urllib.request.Request(base + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        t0 = time.perf_counter_ns()
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.load(r)
-        return time.perf_counter_ns() - t0, out
+        return chat_completion(base, chat["messages"], max_tokens, tools=chat["tools"])
 
-    proc, base = start(cmd, tmp, log)
-    try:
-        for turns in range(3):
-            ask(base, system, turns, 8)
-    finally:
-        stop(proc)
-    proc, base = start(cmd, tmp, log)
-    try:
-        ns4, r4 = ask(base, system, 3, 1)
-        ns_new, _ = ask(base, other, 0, 1)
-    finally:
-        stop(proc)
+    ns4, r4, ns_new = play_round(cmd, tmp, log, ask, system, other)
     return ns4, r4["choices"][0]["message"]["content"] or "", ns_new, r4["usage"]["prompt_tokens"]
 
 
@@ -156,17 +149,12 @@ def usage_table(usage):
 
 
 def main(argv=None):
-    args = harness_arguments(__doc__, "a smaller model and prompt", argv,
-                             strict_help="exit 1 when the target is missed")
+    args = harness_arguments(__doc__, "a smaller model and prompt", argv)     # context rows: no --strict
     from kvstore.demo import model as demo_model
 
-    t_start = time.perf_counter()
-    info = machine_info()
-    spec = QUICK_MODEL if args.quick else FULL_MODEL
-    rounds = QUICK_ROUNDS if args.quick else FULL_ROUNDS
-    base_text = (demo_model.prose(["argparse", "collections", "json", "logging", "pathlib"]) * 4)[
-        :QUICK_SYSTEM_CHARS if args.quick else FULL_SYSTEM_CHARS]
-    system, other = (system_prompt(base_text, s) for s in SESSION_IDS)
+    t_start, info = time.perf_counter(), machine_info()
+    spec, rounds = (QUICK_MODEL, QUICK_ROUNDS) if args.quick else (FULL_MODEL, FULL_ROUNDS)
+    system, other = (system_prompt(long_system(args.quick), s) for s in SESSION_IDS)
     samples, new_samples, answers, usages, prompt_tokens = {"stock": [], "kvstore": []}, {}, set(), [], None
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-agents-") as tmp:
         model = os.path.join(tmp, "model")

@@ -302,7 +302,7 @@ def finish(args, info, elapsed, report, **extra):
         with open(args.json, "w") as f:
             json.dump({"machine": info, "quick": args.quick, "elapsed_s": elapsed, **extra,
                        "rows": report.rows}, f, indent=2)
-    return int(bool(args.strict and any(r["result"] == "MISS" for r in report.rows)))
+    return int(bool(getattr(args, "strict", False) and any(r["result"] == "MISS" for r in report.rows)))
 
 
 # ---------------------------------------------------------------- peers

@@ -121,9 +121,10 @@ def stop(proc):
     proc.wait(120)
 
 
-def chat(base, messages, max_tokens):
+def chat(base, messages, max_tokens, **fields):
+    """(ns from request to response, the parsed answer) of a greedy chat completion; fields join the body."""
     body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-                       "logprobs": True}).encode()
+                       "logprobs": True, **fields}).encode()
     req = urllib.request.Request(base + "/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter_ns()
@@ -307,6 +308,13 @@ def bench_reasoning(report, cmds, system, model, tok, rounds, tmp):
             "samples_ns": samples, "first_token": first.pop()}
 
 
+def long_system(quick):
+    """The long system prompt of the restart scenarios: standard-library prose."""
+    from kvstore.demo import model as demo_model
+    return (demo_model.prose(["argparse", "collections", "json", "logging", "pathlib"]) * 4)[
+        :QUICK_SYSTEM_CHARS if quick else FULL_SYSTEM_CHARS]
+
+
 def round_for(kind, cmd, system, tmp, log):
     """One round of one server kind: (ttft_ns, usage, first token)."""
     proc, base = start(cmd, tmp, log)
@@ -332,8 +340,7 @@ def main(argv=None):
     info = machine_info()
     spec = QUICK_MODEL if args.quick else FULL_MODEL
     rounds = QUICK_ROUNDS if args.quick else FULL_ROUNDS
-    system = (demo_model.prose(["argparse", "collections", "json", "logging", "pathlib"]) * 4)[
-        :QUICK_SYSTEM_CHARS if args.quick else FULL_SYSTEM_CHARS]
+    system = long_system(args.quick)
     samples = {"stock": [], "kvstore": []}
     seen = {}
     report = ServeReport()

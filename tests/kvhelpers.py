@@ -245,10 +245,10 @@ class Server:
     def url(self, path):
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def post(self, body, raw=None):
-        """(status, parsed JSON or None) of a POST to /v1/chat/completions."""
+    def post(self, body, raw=None, path="/v1/chat/completions"):
+        """(status, parsed JSON or None) of a POST to path (raw: the body's bytes as given)."""
         data = raw if raw is not None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url("/v1/chat/completions"), data=data,
+        req = urllib.request.Request(self.url(path), data=data,
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=120) as r:

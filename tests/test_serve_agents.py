@@ -254,13 +254,7 @@ def test_the_same_conversation_through_chat_completions_reuses_all_of_it(tool_mo
 
 
 def _post(server, body):
-    req = urllib.request.Request(server.url("/v1/messages?beta=true"), data=body,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return server.post(None, raw=body, path="/v1/messages?beta=true")
 
 
 def test_errors_come_in_anthropics_shape(tool_model, workdir, tmp_path):
