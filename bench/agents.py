@@ -148,6 +148,33 @@ def usage_table(usage):
     return "\n".join([USAGE_HEAD] + rows)
 
 
+def measure(spec, rounds, system, other):
+    """The rounds, each kind first in turn: (turn-4 ns by kind, new-session ns by kind,
+    turn-4 answers, kvstore's usage per round, stock's turn-4 prompt tokens)."""
+    from kvstore.demo import model as demo_model
+    samples, new_samples, answers, usages, prompt_tokens = {"stock": [], "kvstore": []}, {}, set(), [], None
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-agents-") as tmp:
+        model = os.path.join(tmp, "model")
+        demo_model.write_model_dir(model, chat_template=demo_model.TOOL_CHAT_TEMPLATE, **spec)
+        with open(os.path.join(tmp, "servers.log"), "wb") as log:
+            for i in range(rounds):
+                for kind in (("stock", "kvstore") if i % 2 == 0 else ("kvstore", "stock")):
+                    if kind == "kvstore":
+                        cmd = [sys.executable, "-m", "kvstore", "serve", "--model", model,
+                               "--cache-dir", os.path.join(tmp, f"cache-{i}")]
+                        ns, text, ns_new, usage = kvstore_round(cmd, tmp, log, system, other, demo_model.prose)
+                        usages.append(usage)
+                    else:
+                        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model]
+                        ns, text, ns_new, prompt_tokens = stock_round(cmd, tmp, log, system, other, demo_model.prose)
+                    samples[kind].append(ns)
+                    new_samples.setdefault(kind, []).append(ns_new)
+                    answers.add(text)
+                    print(f"  round {i + 1} {kind}: turn 4 {ns / 1e6:.0f} ms, new session {ns_new / 1e6:.0f} ms",
+                          file=sys.stderr, flush=True)
+    return samples, new_samples, answers, usages, prompt_tokens
+
+
 def main(argv=None):
     args = harness_arguments(__doc__, "a smaller model and prompt", argv)     # context rows: no --strict
     from kvstore.demo import model as demo_model
@@ -155,27 +182,7 @@ def main(argv=None):
     t_start, info = time.perf_counter(), machine_info()
     spec, rounds = (QUICK_MODEL, QUICK_ROUNDS) if args.quick else (FULL_MODEL, FULL_ROUNDS)
     system, other = (system_prompt(long_system(args.quick), s) for s in SESSION_IDS)
-    samples, new_samples, answers, usages, prompt_tokens = {"stock": [], "kvstore": []}, {}, set(), [], None
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-agents-") as tmp:
-        model = os.path.join(tmp, "model")
-        demo_model.write_model_dir(model, chat_template=demo_model.TOOL_CHAT_TEMPLATE, **spec)
-        prose = demo_model.prose
-        with open(os.path.join(tmp, "servers.log"), "wb") as log:
-            for i in range(rounds):
-                for kind in (("stock", "kvstore") if i % 2 == 0 else ("kvstore", "stock")):
-                    if kind == "kvstore":
-                        cmd = [sys.executable, "-m", "kvstore", "serve", "--model", model,
-                               "--cache-dir", os.path.join(tmp, f"cache-{i}")]
-                        ns, text, ns_new, usage = kvstore_round(cmd, tmp, log, system, other, prose)
-                        usages.append(usage)
-                    else:
-                        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model]
-                        ns, text, ns_new, prompt_tokens = stock_round(cmd, tmp, log, system, other, prose)
-                    samples[kind].append(ns)
-                    new_samples.setdefault(kind, []).append(ns_new)
-                    answers.add(text)
-                    print(f"  round {i + 1} {kind}: turn 4 {ns / 1e6:.0f} ms, new session {ns_new / 1e6:.0f} ms",
-                          file=sys.stderr, flush=True)
+    samples, new_samples, answers, usages, prompt_tokens = measure(spec, rounds, system, other)
     if len(answers) != 1:
         raise SystemExit(f"the servers answered turn 4 differently: {answers}")
     last = usages[-1]
