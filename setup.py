@@ -35,7 +35,8 @@ ext = Extension(
     sources=["kvstore/_native.pyx"] + CSRC,
     include_dirs=["csrc"],
     extra_compile_args=extra + opt_flags,
-    depends=[p.replace(".c", ".h") for p in CSRC] + ["kvstore/_native.pxd", "kvstore/_native_forms.pxi"],
+    depends=[p.replace(".c", ".h") for p in CSRC] + ["kvstore/_native.pxd", "kvstore/_native_forms.pxi",
+                                                   "kvstore/_native_lookup.pxi"],
 )
 
 setup(
