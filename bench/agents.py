@@ -20,7 +20,9 @@ differs only by its session id, timed too.  The report gives turn 4's time
 to first token (stock / kvstore), kvstore's usage of every turn (cache read,
 cache creation, input tokens) and what kvstore's usage.kvstore.miss says of
 the new session: where its prompt left the stored one, in which message,
-and how much stored prefill that id cost.  Both servers must answer turn 4
+and how much stored prefill that id cost; then what that explanation costs
+on a directory of conversations that share a system prompt (KVStore.explain
+against the lookup, KVStore.find).  Both servers must answer turn 4
 with the same text.  The rows are context, not targets: turn 4's gain is
 bounded by the tool call and result it adds, which no cache can hold
 (bench/serve.py judges the restart on a conversation that adds one line).
@@ -175,6 +177,50 @@ def measure(spec, rounds, system, other):
     return samples, new_samples, answers, usages, prompt_tokens
 
 
+# The explanation's cost (KVStore.explain against KVStore.find): conversations
+# sharing a system prompt, as a server's directory holds them.
+EXPLAIN_SHARED, EXPLAIN_OWN, EXPLAIN_CONVERSATIONS = 10000, 20000, 50
+EXPLAIN_REPEATS = 50
+
+
+def explain_cost(report, quick):
+    """Rows: explain against find where a prompt parts after its own turns, and just
+    after a system prompt 50 stored conversations share (50 blocks' text read)."""
+    import numpy as np
+
+    from kvstore import KVStore
+
+    def text_of(ids):
+        words = [f"w{t} ".encode() for t in ids]
+        return b"".join(words), [0, *np.cumsum([len(w) for w in words]).tolist()]
+
+    n = 10 if quick else EXPLAIN_CONVERSATIONS
+    shared = list(range(EXPLAIN_SHARED))
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-explain-") as d, KVStore(d, budget_mb=0) as store:
+        for c in range(n):
+            ids = shared + [100000 + c * EXPLAIN_OWN + i for i in range(EXPLAIN_OWN)]
+            text, offsets = text_of(ids)
+            store.save(text, np.array(ids, np.uint32), {"k": np.zeros((1, 1, len(ids), 2), np.float16)},
+                       positional={"k": 2}, text_offsets=offsets)
+        cases = [("parts after 15,000 of its own tokens (one block follows)",
+                  shared + [100000 + 7 * EXPLAIN_OWN + i for i in range(15000)] + [9] * 5000),
+                 (f"parts right after the shared system prompt ({n} blocks follow)", shared + [3] * 20000)]
+        for name, ids in cases:
+            prompt = text_of(ids)[0]
+            times = {}
+            for label, fn in (("explain", store.explain), ("find", store.find)):
+                ts = []
+                for _ in range(EXPLAIN_REPEATS):
+                    t0 = time.perf_counter_ns()
+                    fn(prompt)
+                    ts.append(time.perf_counter_ns() - t0)
+                times[label] = {"median_ns": statistics.median(ts), "min_ns": min(ts), "n": len(ts)}
+            report.add(f"{len(ids):,}-token prompt that {name}, {len(store.entries()):,} files", times["explain"],
+                       times["find"], "time", target=None,
+                       note="peer = the same store's find (the lookup every request makes); explain reads "
+                            "the followers' own text segments")
+
+
 def main(argv=None):
     args = harness_arguments(__doc__, "a smaller model and prompt", argv)     # context rows: no --strict
     from kvstore.demo import model as demo_model
@@ -206,6 +252,8 @@ def main(argv=None):
                note=f"both reuse the prefix before the id from RAM; kvstore says where it left: byte "
                     f"{miss.get('byte', 0):,}, token {miss.get('token', 0):,}, message {miss.get('message')} "
                     f"({miss.get('role')})")
+    report.section("What the explanation costs: KVStore.explain against KVStore.find on the same directory")
+    explain_cost(report, args.quick)
     elapsed = time.perf_counter() - t_start
     cfg = demo_model.model_config(**{k: v for k, v in spec.items() if k != "seed"})
     print(f"# Agents' front doors benchmark ({'quick' if args.quick else 'full'} run)\n")

@@ -26,10 +26,11 @@ LAYERS = [
     # envelope and names; a file's bytes; which temporaries are debris; the
     # counters; the background writer.
     ["kvstore.format", "kvstore.names", "kvstore.sources", "kvstore.temps", "kvstore.counters", "kvstore.writer"],
-    # Model identities, the index snapshot, the journal, the lookup forest,
-    # the payload, the pure rules, the trailers.
-    ["kvstore.identity", "kvstore.index_snapshot", "kvstore.journal", "kvstore.forest", "kvstore.payload", "kvstore.policy",
-     "kvstore.trailers"],
+    # Model identities, tenants' tags, the index snapshot, the journal, the
+    # lookup forest, the payload, the pure rules, the trailers (kvstore's and
+    # ds4's).
+    ["kvstore.identity", "kvstore.tenants", "kvstore.index_snapshot", "kvstore.journal", "kvstore.forest",
+     "kvstore.payload", "kvstore.policy", "kvstore.ds4", "kvstore.trailers"],
     # The lookup index.
     ["kvstore.index"],
     # Writing and checking files; chains of blocks.
@@ -42,7 +43,7 @@ LAYERS = [
     # bytes are read and written) below the reader, the saver and the
     # evictor; KVStore wires them.
     ["kvstore.codec", "kvstore.directory"],
-    ["kvstore.reader", "kvstore.saver", "kvstore.evictor"],
+    ["kvstore.reader", "kvstore.saver", "kvstore.evictor", "kvstore.divergence"],
     ["kvstore.store"],
     # Above the store: sealing (a codec it registers), the remote tier (an
     # opener it registers), the MLX adapter, the prompt cache, sessions.
