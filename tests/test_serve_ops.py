@@ -257,5 +257,5 @@ def test_a_trace_holds_numbers_and_states_only():
     assert t.trace() == {"source": "bucket", "reused_tokens": {"ram": 0, "disk": 0, "bucket": 512},
                          "prefilled_tokens": 40, "load_ms": 3.1, "stored": [{"kind": "blocks", "tokens": 768}],
                          "pins": [{"message": 0, "tokens": 700, "state": "pinned", "origin": "cache_control",
-                                   "ttl_s": 300, "until": 123, "granted_s": 300}],
+                                   "ttl_s": 300, "scope": "tenant", "until": 123, "granted_s": 300}],
                          "cache_key": "cdcdcdcd"}
