@@ -11,8 +11,10 @@ sent through /v1/messages and through /v1/chat/completions (with the
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -500,3 +502,35 @@ def test_global_system_prompt_option_and_a_bad_scope(tool_model, workdir, tmp_pa
     assert a["pins"][0]["scope"] == "global" and a["pins"][0]["origin"] == "server"
     assert b["source"] == "disk" and 1000 < b["reused_tokens"]["disk"] <= a["pins"][0]["tokens"]
     assert status == 400 and "scope" in json.dumps(r)
+
+
+def test_a_stream_the_drain_timeout_cuts_ends_with_an_anthropic_error_event(tool_model, workdir, tmp_path):
+    server = kvstore_server(tool_model, tmp_path / "cache", workdir, "anthropic-cut", "--drain-timeout", "0.5")
+    deltas, caught = [], []
+
+    def read():
+        try:
+            with _client(server).messages.stream(
+                    model="claude-local", max_tokens=100_000, messages=[{"role": "user", "content": "Go on."}],
+                    extra_body={"logit_bias": {"1": -100.0}}) as s:        # no EOS: it runs until cut
+                for event in s:
+                    if event.type == "content_block_delta":
+                        deltas.append(event)
+        except anthropic.APIError as e:
+            caught.append(e)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(deltas) < 5:
+            assert time.monotonic() < deadline and t.is_alive(), server.text()
+            time.sleep(0.02)
+        server.proc.send_signal(signal.SIGTERM)
+    finally:
+        t.join(120)
+        rc = server.proc.wait(120)
+        server.log.close()
+    assert rc == 0 and len(caught) == 1, (caught, server.text())
+    assert "server stopped" in str(caught[0]) and caught[0].body["error"]["type"] == "overloaded_error"
+    assert "kvstore: request_cut reason=shutdown stream=1" in server.text()

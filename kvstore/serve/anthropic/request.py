@@ -15,7 +15,8 @@ The mapping (the chat side is what OpenAI clients send for the same turns):
     a user's tool_result blocks         -> {"role": "tool", "tool_call_id"} messages,
                                            before the rest of that user turn
     tools [{name, description, input_schema}] -> [{"type": "function", "function": {...}}]
-    stop_sequences, max_tokens, temperature, top_p, top_k -> the chat fields
+    stop_sequences, max_tokens, temperature, top_p, top_k -> the chat fields (and mlx-lm's
+                                           own: min_p, seed, logit_bias, repetition_penalty)
     thinking {"type": ...}              -> chat_template_kwargs enable_thinking (false for "disabled")
     cache_control at the top level      -> a breakpoint on the last message
     model                               -> the server's model (the answer names the one asked for)
@@ -34,9 +35,11 @@ import json
 _USER_BLOCKS = ("text", "image", "tool_result")
 _ASSISTANT_BLOCKS = ("text", "thinking", "redacted_thinking", "tool_use")
 
-# Sampling fields with the same meaning on both doors.
+# Fields with the same meaning on both doors: Anthropic's sampling, kvstore's
+# own, and mlx-lm's sampling extensions (a client's extra body fields).
 _SAME_FIELDS = ("temperature", "top_p", "top_k", "stream", "cache_salt", "prompt_cache_key",
-                "prompt_cache_retention")
+                "prompt_cache_retention", "min_p", "seed", "logit_bias", "repetition_penalty",
+                "repetition_context_size")
 
 
 class BadRequest(ValueError):
