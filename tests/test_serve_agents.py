@@ -30,7 +30,7 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.server import ToolCallFormatter
 
 from kvstore.pins import read_pins
-from kvstore.serve.anthropic import BadRequest, Reply, to_chat, usage_of
+from kvstore.serve.anthropic import BadRequest, Reply, origins_of, to_chat, usage_of
 from kvstore.serve.anthropic.reply import sse
 from kvstore.serve.pinning import PinRequest
 from kvhelpers import kvstore_server, system_prompt
@@ -69,6 +69,19 @@ def test_a_tool_loop_turns_into_the_chat_messages_an_openai_client_sends():
                          "function": {"name": "read_file", "arguments": {"path": "a.py"}}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "x = 1", "cache_control": {"type": "ephemeral"}},
         {"role": "user", "content": [{"type": "text", "text": "and now?"}]}]
+
+
+def test_each_chat_message_names_where_the_body_held_it():
+    body = {"max_tokens": 1, "system": "S", "messages": [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "n", "input": {}},
+                                          {"type": "tool_use", "id": "t2", "name": "n", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a"},
+                                     {"type": "tool_result", "tool_use_id": "t2", "content": "b"},
+                                     {"type": "text", "text": "next"}]}]}
+    assert origins_of(body) == ["system", "messages[0]", "messages[1]", "messages[2]", "messages[2]",
+                                "messages[2]"]
+    assert len(origins_of(body)) == len(to_chat(body)["messages"])
 
 
 def test_top_level_and_tool_cache_control_become_breakpoints():
@@ -312,6 +325,7 @@ def test_a_prompt_that_differs_by_one_id_in_its_system_message_is_explained(tool
     differs = next(i for i, (a, b) in enumerate(zip(ids[0], ids[1])) if a != b)
     byte = len((rendered[:rendered.index(ids[0])] + ids[0][:differs]).encode())
     assert (miss["byte"], miss["message"], miss["role"]) == (byte, 0, "system"), miss
+    assert miss["request_message"] == "system"          # where the Anthropic body holds it
     assert miss["shared_tokens"] <= miss["token"] < first.usage.prompt_tokens
     stored = first.usage.prompt_tokens + first.usage.completion_tokens
     assert 0 < miss["stored_tokens_after"] <= stored - miss["token"]

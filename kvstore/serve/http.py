@@ -122,7 +122,8 @@ class _Handler(HookedAPIHandler):
         except ValueError as e:             # not JSON, or anthropic.BadRequest
             return self._anthropic_error(400, str(e) if isinstance(e, anthropic.BadRequest) else f"invalid JSON: {e}")
         real, body_in = self.wfile, self.rfile
-        self.wfile = anthropic.Wire(real, str(body.get("model", "")), bool(chat.get("stream")), lambda: self._kv_ticket)
+        self.wfile = anthropic.Wire(real, str(body.get("model", "")), bool(chat.get("stream")), lambda: self._kv_ticket,
+                                    anthropic.origins_of(body))
         chat.update(stream=True, stream_options={"include_usage": True})
         raw = json.dumps(chat).encode()
         self.rfile, self.path = io.BytesIO(raw), CHAT_PATH

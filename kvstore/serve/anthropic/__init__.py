@@ -5,7 +5,7 @@ path, one cache for both doors); reply: the answer's content blocks, events
 and usage; wire: mlx-lm's writes rewritten in Anthropic's shapes.
 """
 
-from kvstore.serve.anthropic.request import BadRequest, to_chat
+from kvstore.serve.anthropic.request import BadRequest, origins_of, to_chat
 from kvstore.serve.anthropic.reply import Reply, usage_of
 from kvstore.serve.anthropic.wire import Wire, error_body
 
@@ -13,4 +13,4 @@ from kvstore.serve.anthropic.wire import Wire, error_body
 PATH = "/v1/messages"
 COUNT_PATH = "/v1/messages/count_tokens"
 
-__all__ = ["PATH", "COUNT_PATH", "BadRequest", "Reply", "Wire", "error_body", "to_chat", "usage_of"]
+__all__ = ["PATH", "COUNT_PATH", "BadRequest", "Reply", "Wire", "error_body", "origins_of", "to_chat", "usage_of"]

@@ -149,19 +149,27 @@ def _system(system):
 
 
 def _messages(body):
+    """(the chat messages, where each came from in the body: "system" or "messages[i]")."""
     messages = body.get("messages")
     _need(isinstance(messages, list) and messages, "messages", "must be a non-empty list")
     out = _system(body.get("system"))
+    origins = ["system"] * len(out)
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         _need(isinstance(m, dict) and m.get("role") in ("user", "assistant"), where,
               "each message needs a role of \"user\" or \"assistant\"")
         _need("content" in m, where, "a message needs \"content\"")
-        if m["role"] == "user":
-            out += _user_messages(m["content"], where)
-        else:
-            out.append(_assistant_message(m["content"], where))
-    return out
+        made = _user_messages(m["content"], where) if m["role"] == "user" else \
+            [_assistant_message(m["content"], where)]
+        out += made
+        origins += [where] * len(made)
+    return out, origins
+
+
+def origins_of(body):
+    """Where each chat message of to_chat(body) came from: "system" or "messages[i]"
+    (a user turn with tool results becomes several chat messages)."""
+    return _messages(body)[1]
 
 
 def _tools(tools):
@@ -200,7 +208,7 @@ def to_chat(body, counting=False):
           f"must be an integer >= 1, not {_short(max_tokens)}")
     # The server's own model, whatever `model` names: Anthropic's clients
     # send their own model ids, which mlx-lm would try to fetch.
-    chat = {"model": "default_model", "messages": _messages(body), "max_tokens": max_tokens}
+    chat = {"model": "default_model", "messages": _messages(body)[0], "max_tokens": max_tokens}
     chat.update({k: body[k] for k in _SAME_FIELDS if k in body})
     stops = body.get("stop_sequences")
     if stops is not None:

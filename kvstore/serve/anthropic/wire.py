@@ -35,10 +35,12 @@ class Wire:
         model: the model name of the request.
         stream: whether the client asked for a stream.
         ticket: callable returning the request's kvstore Ticket, or None.
+        origins: where each chat message came from in the request's body
+            (request.origins_of): a miss names it as request_message.
     """
 
-    def __init__(self, out, model, stream, ticket):
-        self.out, self.stream, self.ticket = out, stream, ticket
+    def __init__(self, out, model, stream, ticket, origins=()):
+        self.out, self.stream, self.ticket, self.origins = out, stream, ticket, list(origins)
         self.reply = Reply(model, stream)
         self.status = None
         self.started = False
@@ -116,6 +118,10 @@ class Wire:
         usage = usage_of(prompt_tokens, trace, ticket.pins if served else ())
         if served:
             usage["kvstore"] = trace
+            miss = trace.get("miss")
+            if miss is not None and miss.get("message") is not None and miss["message"] < len(self.origins):
+                # The chat message index, and where the request's body holds that message.
+                trace["miss"] = dict(miss, request_message=self.origins[miss["message"]])
         return usage
 
     def _finish(self):
