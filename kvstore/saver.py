@@ -62,7 +62,7 @@ class Saver:
         return None
 
     def save(self, text, tokens, tensors, meta, reason, ctx, trailers, min_tokens, positional, text_offsets,
-             dtypes):
+             dtypes, exact=()):
         """KVStore.save (see there), with text as bytes and tokens as an array."""
         d = self.d
         if tokens.size and (tokens.dtype.kind not in "ui" or tokens.min() < 0 or tokens.max() >= 2**32):
@@ -81,9 +81,11 @@ class Saver:
         tensors, dtypes = payload.host_tensors(tensors, dtypes)
         values = {trailer_mod.bit_index(k): v for k, v in (trailers or {}).items()}
         trailer_raw, ext = trailer_mod.encode_trailer(values) if values else (b"", 0)
-        save = self._save_chain if d.layout == "chain" else self._save_whole
-        return save(text, tokens, tensors, meta, Reason(reason), ctx, values, trailer_raw, ext, axes,
-                    text_offsets, dtypes)
+        if d.layout != "chain":             # (no codecs: nothing is lossy)
+            return self._save_whole(text, tokens, tensors, meta, Reason(reason), ctx, values, trailer_raw, ext,
+                                    axes, text_offsets, dtypes)
+        return self._save_chain(text, tokens, tensors, meta, Reason(reason), ctx, values, trailer_raw, ext, axes,
+                                text_offsets, dtypes, exact)
 
     # -- a whole file -------------------------------------------------------
 
@@ -142,7 +144,7 @@ class Saver:
     # -- a chain of blocks --------------------------------------------------
 
     def _save_chain(self, text, tokens, tensors, meta, reason, ctx, values, trailer_raw, ext, axes, text_offsets,
-                    dtypes):
+                    dtypes, exact=()):
         """save() in the chain layout: the blocks not stored yet, parent first."""
         d = self.d
         blocks = chain.plan_blocks(text, tokens, d.block_tokens, text_offsets, d.codec.name_key)
@@ -154,7 +156,7 @@ class Saver:
             # parent this save relies on is removed under it.
             with d.dir_lock(fcntl.LOCK_SH):
                 kept, todo, have = self._missing_blocks(blocks, text, tokens, tensors, meta, reason, ctx, values,
-                                                        trailer_raw, axes, dtypes)
+                                                        trailer_raw, axes, dtypes, exact)
                 total = sum(PREFIX_SIZE + len(seg) + plan.payload_bytes + len(tr) for _, _, _, seg, plan, tr in todo)
                 if d.budget_bytes and not policy.bytes_fit(have + total, d.budget_bytes) and d.kv_codec != "raw":
                     # Over the budget raw: what the blocks come to packed decides.
@@ -194,7 +196,8 @@ class Saver:
             return None
         return entry
 
-    def _missing_blocks(self, blocks, text, tokens, tensors, meta, reason, ctx, values, trailer_raw, axes, dtypes):
+    def _missing_blocks(self, blocks, text, tokens, tensors, meta, reason, ctx, values, trailer_raw, axes, dtypes,
+                        exact):
         """(the kept last block or None, the blocks to write as (block,
         restorable, path, text segment, payload plan, trailer), the bytes of
         the blocks already stored)."""
@@ -217,7 +220,7 @@ class Saver:
             seg = text[b.text_start:b.text_bytes]
             plan = payload.Plan(len(seg), tokens[b.token_start:b.tokens],
                                 chain.block_tensors(tensors, axes, b, restorable), meta, axes=axes,
-                                head=CHAIN_HEAD_SIZE, dtypes=dtypes, model=d.model_identity)
+                                head=CHAIN_HEAD_SIZE, dtypes=dtypes, model=d.model_identity, exact=exact)
             todo.append((b, restorable, path, seg, plan, trailer_raw if b.last else b""))
         return kept, todo, have
 

@@ -245,9 +245,7 @@ class KVStore:
         return match
 
     def explain(self, prompt):
-        """Where prompt (str or bytes) parts from the longest stored sequence that shares its first
-        block: a kvstore.divergence.Divergence (offsets and counts, no text), or None when no
-        stored block is a prefix of prompt."""
+        """Where prompt (str or bytes) parts from what is stored: kvstore.divergence.Divergence, or None."""
         self._check_open()
         return divergence(self._dir.index, as_bytes(prompt), self._reader.segment, self._dir.lock)
 
@@ -315,7 +313,7 @@ class KVStore:
     # -- save (section 6) --------------------------------------------------
 
     def save(self, text, tokens, tensors, meta=None, reason=Reason.COLD, ctx_size=None,
-             trailers=None, *, min_tokens=None, positional=None, text_offsets=None, dtypes=None):
+             trailers=None, *, min_tokens=None, positional=None, text_offsets=None, dtypes=None, exact=()):
         """Stores a checkpoint for the prompt text.
 
         With layout "chain" (the default) the state is cut into blocks of
@@ -344,6 +342,8 @@ class KVStore:
                 points): where blocks may be cut.
             dtypes: name -> the dtype to record for a tensor whose array
                 cannot hold it (bfloat16 bits in a NumPy uint16 array).
+            exact: names of tensors a lossy kv_codec leaves exact: a state
+                quantised already (kvstore.mlx.quantized_names).
 
         Returns:
             the new (or kept) Entry, or None when refused (too few tokens, over
@@ -351,7 +351,7 @@ class KVStore:
         """
         self._check_open()
         return self._saver.save(as_bytes(text), token_array(tokens), tensors, meta, reason, ctx_size, trailers,
-                                min_tokens, positional, text_offsets, dtypes)
+                                min_tokens, positional, text_offsets, dtypes, exact)
 
     def verify_file(self, path, name=None):
         """Checks one file as a load would, without keeping arrays (kvstore verify).

@@ -18,7 +18,7 @@ from kvstore import files
 from kvstore.format import PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_LOSSY_CHAIN, PAYLOAD_ABI_PACKED_CHAIN
 from kvstore.payload import quantizing
 from kvhelpers import checkpoint_files, make_store
-from test_packed import BLOCK, TOKENS, dir_bytes, manifest_of, older_build, rewrite_abi, save
+from test_packed import BLOCK, TOKENS, dir_bytes, manifest_of, older_build, rewrite_abi, save, state
 
 # Relative L2 error of normal values, groups of 64: 8 bits ~0.0055, 4 bits ~0.09.
 ERROR = {"q8": 0.01, "q4": 0.12}
@@ -212,3 +212,46 @@ def test_a_sealed_store_packs_before_it_encrypts(tmp_path, codec):
         assert (np.array(into_mlx.tensors["k"].view(mx.uint16)) == np.asarray(ck.tensors["k"])).all()
     with make_store(tmp_path / "s") as s:               # no key: foreign files, a miss
         assert s.find(text) is None
+
+
+def test_tensors_named_exact_stay_exact_under_a_lossy_codec(tmp_path):
+    text, ids, tensors, axes, dtypes = state()
+    for codec in ("q8", "lossless"):
+        with make_store(tmp_path / codec, block_tokens=BLOCK, kv_codec=codec) as s:
+            e = s.save(text, ids, tensors, {"layers": 1}, positional=axes, text_offsets=lambda i: 7 * i,
+                       dtypes=dtypes, exact={"k"})
+            packed = {name: form.codec for name, (_, form) in manifest_of(e).packed.items()}
+            got = s.load(s.find(text)).tensors
+        if codec == "q8":
+            assert packed == {"v": "q8"}                  # k kept exact, v quantised
+            assert (np.asarray(got["k"]) == tensors["k"]).all()
+        else:
+            assert "k" in packed                          # lossless packing is exact: it still applies
+
+
+def test_a_quantized_kv_cache_is_never_quantised_again(tmp_path):
+    """mlx-lm's QuantizedKVCache (kvstore serve --kv-bits) holds 8-bit words
+    and float scales and biases: a q8 store keeps all of them exact (quantising
+    a scale again would move every value of its group) and restores them bit
+    for bit."""
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.models import cache as mlc
+    from kvstore import mlx as kvmlx
+    from kvstore.demo.model import make_model
+    from test_mlx_architectures import model_store
+    model = make_model(0, head_dim=64, hidden=128, heads=2, kv_heads=1)
+    ids = list(range(5, 700))
+    cache = mlc.make_prompt_cache(model)
+    model(mx.array([ids]), cache=cache)
+    quantized = [c.to_quantized(group_size=64, bits=8) for c in cache]
+    tensors, meta, _ = kvmlx.cache_state(quantized)
+    assert kvmlx.quantized_names(meta) == set(tensors)
+    text = bytes(i % 200 + 32 for i in ids)
+    with model_store(tmp_path, model, kv_codec="q8", block_tokens=256) as store:   # scales of 1 KiB a block
+        e = kvmlx.save_prompt_cache(store, text, ids, quantized, model, text_offsets=list(range(len(ids) + 1)))
+        assert e is not None and len(store.entries()) > 2
+        assert all(manifest_of(b).packed == {} for b in store.entries())      # every block
+        assert store.load(store.find(text)).lossy == ""
+        restored = kvmlx.load_prompt_cache(store, text, model, check=False)[0]
+    want, got = kvmlx.cache_state(quantized)[0], kvmlx.cache_state(restored)[0]
+    assert all(np.array_equal(np.array(got[k]), np.array(want[k])) for k in want)

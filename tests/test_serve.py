@@ -511,3 +511,32 @@ def test_disk_kv_bits_stores_quantised_blocks_and_a_restart_hits_them(model_dir,
     # passes (~5e-3): the hit is the canary passing with q8's tolerance.
     with open(os.path.join(workdir, "q8-2.log")) as f:
         assert "canary_failed" not in f.read()
+
+
+def test_kv_bits_states_are_stored_exact_under_disk_kv_bits(workdir, tmp_path):
+    """kvstore serve --kv-bits 8 --disk-kv-bits 8: mlx-lm's QuantizedKVCache is
+    8-bit already; its words, scales and biases are stored as they are (no
+    block quantised again), and the next server's disk hit is the same state."""
+    model = tmp_path / "model64"
+    write_model_dir(model, seed=3, head_dim=64, hidden=128, heads=4, kv_heads=2)
+    cache = tmp_path / "cache"
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": USER_TURNS[0]}]
+    flags = ("--kv-bits", "8", "--kv-group-size", "64", "--quantized-kv-start", "0", "--disk-kv-bits", "8")
+    first = kvstore_server(str(model), cache, workdir, "kvbits-1", *flags)
+    try:
+        r1 = first.chat(messages)
+    finally:
+        assert first.stop() == 0
+    files = glob.glob(os.path.join(cache, "**", "*.kv"), recursive=True)
+    assert files and {read_entry(p).payload_abi for p in files} == {17}, files    # raw chain blocks only
+    second = kvstore_server(str(model), cache, workdir, "kvbits-2", *flags)
+    try:
+        r2 = second.chat(messages)
+    finally:
+        second.stop()
+    n = r1["usage"]["prompt_tokens"]
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1     # the QuantizedKVCache restored
+    assert second.request_lines()[0].startswith(f"request source=disk reused={n - 1} prefilled=1 ")
+    # The same greedy answer (its logprobs differ in the last digits: the cold
+    # prefill attended over chunks quantised as it went, the hit prefills one token).
+    assert answer(r2)[0] == answer(r1)[0]

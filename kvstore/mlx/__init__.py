@@ -20,7 +20,8 @@ supported mlx-lm releases: an unsupported one fails this import).
 # First: an mlx-lm release outside SUPPORTED_MLX_LM fails here, with its version.
 from kvstore.mlx.mlxlm import SUPPORTED_MLX_LM
 from kvstore.mlx.codecs import (CACHE_CLASSES, cache_from_checkpoint, cache_state, cache_to_tensors,
-                                checked_state, checked_tensors, supported, tensors_to_cache)
+                                checked_state, checked_tensors, quantized_names, same_layout, supported,
+                                tensors_to_cache)
 from kvstore.mlx.engine import (DEFAULT_CTX_SIZE, MLXEngine, bytes_to_unicode, text_offsets_function,
                                 token_bytes_function)
 from kvstore.mlx.fingerprint import model_fingerprint, model_label
@@ -28,5 +29,6 @@ from kvstore.mlx.stored import load_prompt_cache, save_prompt_cache
 
 __all__ = ["MLXEngine", "save_prompt_cache", "load_prompt_cache", "model_fingerprint", "model_label",
            "cache_to_tensors", "tensors_to_cache", "cache_state", "checked_state", "checked_tensors",
-           "cache_from_checkpoint", "supported", "CACHE_CLASSES", "token_bytes_function", "text_offsets_function",
+           "cache_from_checkpoint", "quantized_names", "same_layout", "supported", "CACHE_CLASSES", "token_bytes_function",
+           "text_offsets_function",
            "bytes_to_unicode", "DEFAULT_CTX_SIZE", "SUPPORTED_MLX_LM"]

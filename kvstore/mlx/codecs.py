@@ -332,6 +332,35 @@ def _dump_layer(c, depth=0):
     return meta, slots, axes
 
 
+# Caches whose state is quantised already: a lossy disk codec leaves their
+# tensors exact (quantising a scale again would move every value of its group).
+QUANTIZED_CLASSES = ("QuantizedKVCache",)
+
+
+def same_layout(got, expect):
+    """Whether a restored cache (a list of layers) stands where mlx-lm made
+    expect (make_prompt_cache): the same classes layer by layer, except that
+    a QuantizedKVCache stands for a KVCache (mlx-lm quantises a KVCache as
+    its prompt grows, with --kv-bits, and attends over either)."""
+    return len(got) == len(expect) and all(
+        type(g) is type(e) or (type(g).__name__ in QUANTIZED_CLASSES and type(e).__name__ == "KVCache")
+        for g, e in zip(got, expect))
+
+
+def _slot_classes(layer_meta):
+    """The class of the cache each slot of a layer meta came from, CacheList children flattened."""
+    if layer_meta["class"] == "CacheList":
+        return [c for m in layer_meta["meta_state"]["children"] for c in _slot_classes(m)]
+    return [layer_meta["class"]] * layer_meta["n_state"]
+
+
+def quantized_names(meta):
+    """The names (cache_state's) of the tensors of caches quantised already
+    (QUANTIZED_CLASSES), for KVStore.save's exact=."""
+    return {f"{li}.{i}" for li, lm in enumerate(meta["layers"]) for i, c in enumerate(_slot_classes(lm))
+            if c in QUANTIZED_CLASSES}
+
+
 def _offsets(layer_meta):
     """Every token offset recorded in a layer meta, CacheList children included."""
     if layer_meta["class"] == "CacheList":

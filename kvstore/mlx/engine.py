@@ -16,7 +16,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from kvstore.identity import ModelIdentity
 from kvstore.mlx import canary
-from kvstore.mlx.codecs import cache_state, tensors_to_cache
+from kvstore.mlx.codecs import cache_state, quantized_names, tensors_to_cache
 from kvstore.mlx.fingerprint import model_fingerprint, model_label
 from kvstore.mlx.mlxlm import hf_tokenizer
 
@@ -194,7 +194,9 @@ class MLXEngine:
         return last
 
     def snapshot(self):
-        return cache_state(self.cache)
+        """(tensors, meta, positional, the names a lossy codec leaves exact)."""
+        tensors, meta, positional = cache_state(self.cache)
+        return tensors, meta, positional, quantized_names(meta)
 
     def restore(self, tensors, meta):
         self.cache = tensors_to_cache(tensors, meta)

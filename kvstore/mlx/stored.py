@@ -16,7 +16,7 @@ import logging
 
 from kvstore.format import Reason
 from kvstore.mlx import canary
-from kvstore.mlx.codecs import cache_from_checkpoint, checked_state
+from kvstore.mlx.codecs import cache_from_checkpoint, checked_state, quantized_names
 from kvstore.mlx.fingerprint import model_fingerprint
 
 log = logging.getLogger("kvstore")
@@ -79,7 +79,8 @@ def save_prompt_cache(store, text, tokens, cache, model, reason=Reason.COLD, **k
     """
     check_store(store, model)
     tensors, meta, positional = checked_state(cache, len(tokens))
-    return store.save(text, tokens, tensors, meta=meta, reason=reason, positional=positional, **kw)
+    return store.save(text, tokens, tensors, meta=meta, reason=reason, positional=positional,
+                      exact=quantized_names(meta), **kw)
 
 
 def load_prompt_cache(store, prompt, model, check=True):

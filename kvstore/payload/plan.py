@@ -103,10 +103,14 @@ class Plan:
             block's 64-byte header).
         model: the identity of the model that made the state (recorded as
             "model"; docs/format.md §17), or None.
+        exact: names of tensors a lossy codec leaves exact (a state quantised
+            already); lossless packing still applies to them.
     """
 
-    def __init__(self, text_len, tokens, tensors, meta, axes=None, head=0, cuts=None, dtypes=None, model=None):
+    def __init__(self, text_len, tokens, tensors, meta, axes=None, head=0, cuts=None, dtypes=None, model=None,
+                 exact=()):
         self.payload_start = PREFIX_SIZE + text_len + head
+        self.exact = frozenset(exact)
         self.head = head
         self.tokens = np.ascontiguousarray(tokens, dtype="<u4").reshape(-1)
         self.sources = [(name,) + tensor_source(name, a) for name, a in tensors.items()]
@@ -179,7 +183,7 @@ class Plan:
         are held until write().
         """
         todo = [(t, src) for t, src in zip(self.manifest["tensors"], self.sources)
-                if forms.tries(kv_codec, src[1], src[3], "axis" in t)]
+                if forms.tries(kv_codec, src[1], src[3], "axis" in t and src[0] not in self.exact)]
         jobs = [io_pool().submit(forms.pack, kv_codec, src[1], DTYPES[src[1]][0], src[3],
                                  [bytes_view(b) for b in src[4]()])
                 for _, src in todo]

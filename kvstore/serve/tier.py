@@ -51,8 +51,8 @@ from kvstore import policy
 from kvstore.chain import DEFAULT_BLOCK_TOKENS, slice_along
 from kvstore.format import Reason
 from kvstore.identity import ModelIdentity
-from kvstore.mlx import (cache_from_checkpoint, checked_state, model_fingerprint, model_label, text_offsets_function,
-                         token_bytes_function)
+from kvstore.mlx import (cache_from_checkpoint, checked_state, model_fingerprint, model_label, quantized_names,
+                         same_layout, text_offsets_function, token_bytes_function)
 from kvstore.mlx import canary
 from kvstore.mlx.mlxlm import ReportingPromptCache
 from kvstore import tenants
@@ -290,7 +290,7 @@ class TieredPromptCache(ReportingPromptCache):
             expect = make_prompt_cache(m)
             parts.append((m, cache[at:at + len(expect)], expect))
             at += len(expect)
-        if at != len(cache) or any([type(c) for c in got] != [type(c) for c in expect] for _, got, expect in parts):
+        if at != len(cache) or not all(same_layout(got, expect) for _, got, expect in parts):
             log.info("kvstore: disk_miss reason=cache_layout tokens=%d file=%s", len(ckpt.tokens),
                      ckpt.entry.name[:12])
             return None
@@ -564,7 +564,7 @@ class TieredPromptCache(ReportingPromptCache):
             # header and writes nothing), chain blocks stored already too.
             entry = self.store.save(key, tokens, tensors, meta=meta, reason=reason, ctx_size=self.store.ctx_size,
                                     positional=positional, text_offsets=self.key_offsets(tokens, tenant, len(key)),
-                                    dtypes=dtypes or None)
+                                    dtypes=dtypes or None, exact=quantized_names(meta))
             if entry is not None:
                 self.ledger.remember(key, [len(key)])
             if pin is not None:
