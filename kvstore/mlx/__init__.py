@@ -29,6 +29,5 @@ from kvstore.mlx.stored import load_prompt_cache, save_prompt_cache
 
 __all__ = ["MLXEngine", "save_prompt_cache", "load_prompt_cache", "model_fingerprint", "model_label",
            "cache_to_tensors", "tensors_to_cache", "cache_state", "checked_state", "checked_tensors",
-           "cache_from_checkpoint", "quantized_names", "same_layout", "supported", "CACHE_CLASSES", "token_bytes_function",
-           "text_offsets_function",
-           "bytes_to_unicode", "DEFAULT_CTX_SIZE", "SUPPORTED_MLX_LM"]
+           "cache_from_checkpoint", "quantized_names", "same_layout", "supported", "CACHE_CLASSES",
+           "token_bytes_function", "text_offsets_function", "bytes_to_unicode", "DEFAULT_CTX_SIZE", "SUPPORTED_MLX_LM"]

@@ -233,5 +233,6 @@ def shared_prefix(a, b):
     return i
 
 
-__all__ = ["BadPin", "PinRequest", "Pinner", "breakpoints", "global_system", "GLOBAL_SCOPE", "shared_prefix", "add_arguments", "duration", "MAX_BREAKPOINTS",
+__all__ = ["BadPin", "PinRequest", "Pinner", "breakpoints", "global_system", "GLOBAL_SCOPE", "shared_prefix",
+           "add_arguments", "duration", "MAX_BREAKPOINTS",
            "DEFAULT_TTL", "DEFAULT_MAX_PIN_TTL_S"]
