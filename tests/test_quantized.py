@@ -169,6 +169,21 @@ def test_inspect_names_each_tensors_codec(tmp_path):
     assert int(rows["k"][1]) < 0.55 * int(rows["k"][0])
 
 
+def test_ls_says_what_the_codecs_stored(tmp_path):
+    import subprocess
+    import sys
+    for codec in ("q8", "raw"):
+        with make_store(tmp_path / codec, block_tokens=BLOCK, kv_codec=codec) as s:
+            save(s)
+    run = lambda d: subprocess.run([sys.executable, "-m", "kvstore", "ls", str(d)],   # noqa: E731
+                                   capture_output=True, text=True, timeout=60, cwd=tmp_path).stdout
+    line = re.search(r"^(\d+) packed blocks \(q8\): their tensors take ([\d.]+) of their raw bytes",
+                     run(tmp_path / "q8"), re.M)
+    assert line and int(line.group(1)) == len(checkpoint_files(tmp_path / "q8")), run(tmp_path / "q8")
+    assert 0.4 < float(line.group(2)) < 0.7          # k and v at 0.53, the exact tensors at 1
+    assert "packed block" not in run(tmp_path / "raw")
+
+
 def test_stats_say_what_the_saves_stored_of_the_tensors_bytes(tmp_path):
     with make_store(tmp_path / "raw", block_tokens=BLOCK, kv_codec="raw") as s:
         assert s.stats()["kv_ratio"] is None                   # nothing saved yet

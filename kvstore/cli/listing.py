@@ -8,6 +8,7 @@ blocks are the ones kvstore.files.ancestors finds in the directory.
 """
 
 import json
+import os
 import time
 
 from kvstore import ds4, identity, policy, registry, remote, sessions
@@ -17,6 +18,8 @@ from kvstore.cli.remote import cmd_remote_ls
 from kvstore.cli.text import UsageError
 from kvstore.files import BrokenChain, ancestors, scan_directory
 from kvstore.directory import budget_bytes_for
+from kvstore.errors import KVStoreError
+from kvstore.payload import read_manifest
 
 # The columns of the sequence table that hold numbers (right-aligned).
 NUMBER_COLUMNS = ("TOKENS", "BLOCKS", "HITS", "CTX", "QUANT", "SIZE")
@@ -113,6 +116,37 @@ def sequence_table(ranked, chains, titles, models, now, has_blocks):
     return text.table(rows, head, right={i for i, h in enumerate(head) if h in NUMBER_COLUMNS})
 
 
+def codec_line(entries):
+    """What the codecs stored (docs/format.md §20), or None when no block is
+    packed: the packed blocks, their codecs and their tensors' stored bytes
+    against their raw ones, from each block's manifest (a sealed block's
+    needs its key and is left out)."""
+    raw = stored = blocks = 0
+    codecs = set()
+    for e in entries:
+        if not e.packed:
+            continue
+        try:
+            fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            m = read_manifest(fd, e)
+        except (KVStoreError, OSError):
+            continue
+        finally:
+            os.close(fd)
+        blocks += 1
+        for name, _, _, _, nbytes, _ in m.tensors:
+            raw += nbytes
+            stored += m.packed[name][0] if name in m.packed else nbytes
+        codecs |= {form.codec for _, form in m.packed.values()}
+    if not blocks:
+        return None
+    return (f"{text.plural(blocks, 'packed block')} ({', '.join(sorted(codecs)) or 'none shrank'}): their tensors "
+            f"take {stored / raw if raw else 1:.2f} of their raw bytes ({text.size(stored)} for {text.size(raw)})")
+
+
 def print_totals(entries, seqs, bad, sealer, budget, budget_derived=False):
     """The lines under the table: files, bytes against the budget, sealed, foreign and bad ones."""
     blocks = sum(1 for e in entries if e.is_block)
@@ -125,6 +159,9 @@ def print_totals(entries, seqs, bad, sealer, budget, budget_derived=False):
               f"({text.plural(blocks, 'chain block')}), {text.budget_line(total, budget, budget_derived)}")
     else:
         print(f"{len(entries)} checkpoint{'s' if len(entries) != 1 else ''}, {text.budget_line(total, budget, budget_derived)}")
+    line = codec_line(entries)
+    if line is not None:
+        print(line)
     if ours:
         print(f"{ours} sealed with this key")
     if theirs:
