@@ -59,8 +59,10 @@ class Engine(Protocol):
     """(tensors, meta) of the live state, captured now (immutable arrays); or
     (tensors, meta, positional) where positional maps each tensor that holds
     one row per token to its axis (KVStore.save), so a chained store writes
-    each token's state once; or (tensors, meta, positional, exact), exact the
-    names of tensors quantised already, which a lossy kv_codec leaves exact."""
+    each token's state once."""
+
+    # Optional: exact_names(meta) -> the names of a snapshot's tensors that
+    # are quantised already, which a lossy kv_codec leaves exact.
 
     # Optional: text_offsets(tokens, text_len) -> the byte offset where each
     # token's text starts (len(tokens) + 1 ints) or None; with it a chained
@@ -364,8 +366,9 @@ class PromptCache:
         snap = self.engine.snapshot()
         tensors, meta = snap[0], snap[1]
         chained = {}
-        if len(snap) > 3:
-            chained["exact"] = snap[3]              # a state quantised already (kvstore.mlx.quantized_names)
+        exact = getattr(self.engine, "exact_names", None)
+        if exact is not None:
+            chained["exact"] = exact(meta)          # a state quantised already (kvstore.mlx.quantized_names)
         if len(snap) > 2:
             chained["positional"] = snap[2]
             offsets = getattr(self.engine, "text_offsets", None)

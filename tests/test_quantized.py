@@ -270,3 +270,25 @@ def test_a_quantized_kv_cache_is_never_quantised_again(tmp_path):
         restored = kvmlx.load_prompt_cache(store, text, model, check=False)[0]
     want, got = kvmlx.cache_state(quantized)[0], kvmlx.cache_state(restored)[0]
     assert all(np.array_equal(np.array(got[k]), np.array(want[k])) for k in want)
+
+
+class _ExactEngine:
+    """A ToyEngine with snapshots whose KV rows it says are quantised already."""
+
+    def exact_names(self, meta):
+        return {"kv"}
+
+
+def test_prompt_cache_passes_the_engines_exact_names(tmp_path):
+    from kvstore.prompt_cache import PromptCache
+    from kvhelpers import ToyEngine
+    prompt = bytes(range(32, 127)) * 8                  # no chat markers: stored at store_len
+    codecs = {}
+    for name, engine in (("plain", ToyEngine(snapshots=True)),
+                         ("exact", type("E", (_ExactEngine, ToyEngine), {})(snapshots=True))):
+        with make_store(tmp_path / name, kv_codec="q8") as store:
+            pc = PromptCache(store, engine, prefill_step=64)
+            pc.prefill(pc.begin(prompt))
+            store.flush()
+            codecs[name] = {n: form.codec for e in store.entries() for n, (_, form) in manifest_of(e).packed.items()}
+    assert codecs["plain"] == {"kv": "q8"} and codecs["exact"] == {}

@@ -194,9 +194,11 @@ class MLXEngine:
         return last
 
     def snapshot(self):
-        """(tensors, meta, positional, the names a lossy codec leaves exact)."""
-        tensors, meta, positional = cache_state(self.cache)
-        return tensors, meta, positional, quantized_names(meta)
+        return cache_state(self.cache)
+
+    def exact_names(self, meta):
+        """The tensors of a snapshot's meta that are quantised already (a lossy codec leaves them exact)."""
+        return quantized_names(meta)
 
     def restore(self, tensors, meta):
         self.cache = tensors_to_cache(tensors, meta)
