@@ -51,7 +51,7 @@ class Divergence:
 
 
 def common_prefix(a, b):
-    """How many leading bytes a and b share."""
+    """How many leading items (bytes, token ids) a and b share."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n

@@ -18,7 +18,8 @@ import time
 
 from kvstore.mlx.mlxlm import HookedResponseGenerator, extract_views, requested_model_key
 from kvstore.serve.explain import explain as explain_miss
-from kvstore.serve.pinning import GLOBAL_SCOPE, BadPin, shared_prefix
+from kvstore.divergence import common_prefix
+from kvstore.serve.pinning import GLOBAL_SCOPE, BadPin
 from kvstore.serve.ticket import Ticket
 from kvstore.serve.tier import WAYPOINT_TYPE
 
@@ -202,7 +203,7 @@ class TieredResponseGenerator(HookedResponseGenerator):
             for p in ticket.pins:
                 with self._tokenizer_lock:
                     head = self.render_messages(tokenizer, request, args, p.message + 1)
-                p.tokens = shared_prefix(head, prompt)
+                p.tokens = common_prefix(list(head), list(prompt))
             self.tier.judge_pins(prompt, ticket)
         except BadPin as e:
             ticket.error = e

@@ -224,15 +224,6 @@ def duration(text):
     return value
 
 
-def shared_prefix(a, b):
-    """The number of leading items a and b share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-__all__ = ["BadPin", "PinRequest", "Pinner", "breakpoints", "global_system", "GLOBAL_SCOPE", "shared_prefix",
+__all__ = ["BadPin", "PinRequest", "Pinner", "breakpoints", "global_system", "GLOBAL_SCOPE",
            "add_arguments", "duration", "MAX_BREAKPOINTS",
            "DEFAULT_TTL", "DEFAULT_MAX_PIN_TTL_S"]

@@ -107,12 +107,11 @@ class Wire:
             return []
         self.started = True
         ticket = self.ticket()
-        prompt = ticket.reused + ticket.prefilled if ticket is not None and ticket.source is not None else 0
+        prompt = ticket.reused + ticket.prefilled if self._served() else 0
         return self.reply.start(self._usage(prompt, None))
 
     def _usage(self, prompt_tokens, trace):
-        ticket = self.ticket()
-        served = ticket is not None and ticket.source is not None
+        ticket, served = self.ticket(), self._served()
         if trace is None:
             trace = ticket.trace() if served else {"reused_tokens": {}, "stored": []}
         usage = usage_of(prompt_tokens, trace, ticket.pins if served else ())
