@@ -11,6 +11,7 @@ sent through /v1/messages and through /v1/chat/completions (with the
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -303,6 +304,14 @@ def _with_session(session):
     return SYSTEM[:SESSION_AT] + f"\nsession id: {session}\n" + SYSTEM[SESSION_AT:]
 
 
+def _wait_saved(server, tokens, timeout=30):
+    """Waits until the server has logged a save of at least tokens tokens."""
+    deadline = time.monotonic() + timeout
+    while max(map(int, re.findall(r"kvstore: saved reason=\w+ tokens=(\d+)", server.text())), default=0) < tokens:
+        assert time.monotonic() < deadline, server.text()
+        time.sleep(0.05)
+
+
 def test_a_prompt_that_differs_by_one_id_in_its_system_message_is_explained(tool_model, workdir, tmp_path):
     openai = pytest.importorskip("openai")
     cache = tmp_path / "cache"
@@ -315,6 +324,7 @@ def test_a_prompt_that_differs_by_one_id_in_its_system_message_is_explained(tool
         first = chat.create(model="default_model", max_tokens=4,
                             messages=[{"role": "system", "content": _with_session(ids[0])}, user])
         assert "miss" not in first.usage.model_extra["kvstore"]          # nothing stored yet
+        _wait_saved(server, first.usage.prompt_tokens // 256 * 256)       # its blocks are on disk (background writer)
         # The same system prompt with the other id, through the other door.
         second = _client(server).messages.create(model="claude-local", max_tokens=4, system=_with_session(ids[1]),
                                                  messages=[user])
