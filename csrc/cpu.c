@@ -21,6 +21,13 @@ int kvs_cpu_has_shani(void)
     return (l7[1] >> 29 & 1) && (l1[2] >> 9 & 1) && (l1[2] >> 19 & 1);
 }
 
+int kvs_cpu_has_ssse3(void)
+{
+    unsigned l1[4];
+    cpuid_regs(1, 0, l1);
+    return l1[2] >> 9 & 1;
+}
+
 int kvs_cpu_has_sse42(void)
 {
     unsigned l1[4];
@@ -47,6 +54,7 @@ int kvs_cpu_has_avx512_vpclmul(void)
 }
 #else
 int kvs_cpu_has_shani(void) { return 0; }
+int kvs_cpu_has_ssse3(void) { return 0; }
 int kvs_cpu_has_sse42(void) { return 0; }
 int kvs_cpu_has_avx512_vpclmul(void) { return 0; }
 #endif

@@ -1,4 +1,4 @@
-/* cpu.h: run-time CPU feature probes shared by sha1.c and crc32c.c.
+/* cpu.h: run-time CPU feature probes shared by sha1.c, crc32c.c and table.c.
  * Only compile-time-available paths are probed; each probe is cheap and
  * called once from kvs_init(). */
 #ifndef KVS_CPU_H
@@ -25,6 +25,7 @@
 #endif
 
 int kvs_cpu_has_shani(void);
+int kvs_cpu_has_ssse3(void);
 int kvs_cpu_has_sse42(void);
 int kvs_cpu_has_avx512_vpclmul(void);
 int kvs_cpu_has_arm_sha1(void);

@@ -2,6 +2,7 @@
 #include "crc32c.h"
 #include "dispatch.h"
 #include "io.h"
+#include "table.h"
 
 void kvs_init(void)
 {
@@ -11,5 +12,6 @@ void kvs_init(void)
     kvs_io_init();
     kvs_sha1_select(KVS_IMPL_AUTO);
     kvs_crc32c_select(KVS_IMPL_AUTO);
+    kvs_table_select(KVS_IMPL_AUTO);
     done = 1;
 }

@@ -9,7 +9,7 @@
  * and bias are stored in the dtype (a 16-bit float as its 16 bits).
  * Arithmetic is float32, each operation rounded on its own (no fused
  * multiply-add), so the results equal NumPy's twin bit for bit
- * (kvstore._reference.quantize).
+ * (tests/reference.py: quantize).
  */
 #ifndef KVS_QUANT_H
 #define KVS_QUANT_H

@@ -100,6 +100,20 @@ cdef extern from "planes.h" nogil:
     void kvs_planes_join(uint8_t *dst, const uint8_t **planes, size_t first, size_t count, size_t width)
 
 
+cdef extern from "table.h" nogil:
+    enum: KVS_TABLE_HEAD, KVS_EBADTABLE
+    ctypedef struct kvs_plane:
+        const uint8_t *bytes
+        int table
+    size_t kvs_table_plan(const uint8_t *plane, size_t n, uint8_t *table)
+    void kvs_table_encode(const uint8_t *plane, size_t n, const uint8_t *table, size_t exceptions, uint8_t *out)
+    int kvs_table_check(const uint8_t *stored, size_t len, size_t n)
+    void kvs_table_join(uint8_t *dst, const kvs_plane *planes, size_t width, size_t n, size_t first, size_t count)
+    int kvs_table_select(int impl)
+    int kvs_table_has(int impl)
+    const char *kvs_table_impl_name()
+
+
 cdef extern from "quant.h" nogil:
     enum: KVS_Q_F32, KVS_Q_F16, KVS_Q_BF16
     int kvs_quantize(const void *src, size_t count, int dtype, int bits, size_t group,

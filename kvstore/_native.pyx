@@ -35,6 +35,7 @@ _REASONS = {
     KVS_ETOKENS: "zero_tokens",
     KVS_ETRUNC: "truncated",
     KVS_ESHORT: "truncated",
+    KVS_EBADTABLE: "bad_payload",
 }
 
 
@@ -49,37 +50,42 @@ cdef int _raise_status(int rc, object path, str what) except -1:
     raise CorruptCheckpoint(_REASONS.get(rc, f"status_{rc}"), path, what)
 
 
-def select(sha1=None, crc32c=None):
-    """Selects the SHA1 and/or CRC32C implementation.
+def select(sha1=None, crc32c=None, table=None):
+    """Selects the SHA1, CRC32C and/or table-plane decoder implementation.
 
     Args:
-        sha1, crc32c: "auto", "portable", "x86" or "arm"; for crc32c also
-            "avx512" (x86-64 with VPCLMULQDQ).  None keeps the current.
+        sha1, crc32c, table: "auto", "portable", "x86" or "arm"; for crc32c
+            also "avx512" (x86-64 with VPCLMULQDQ); for table "x86" is SSSE3
+            and "arm" NEON.  None keeps the current.
 
     Raises:
         ValueError: the name is unknown or that path cannot run on this CPU.
     """
-    for name, value in (("sha1", sha1), ("crc32c", crc32c)):
+    for name, value in (("sha1", sha1), ("crc32c", crc32c), ("table", table)):
         if value is None:
             continue
         if value not in _IMPLS:
             raise ValueError(f"unknown {name} implementation {value!r}; expected one of {sorted(_IMPLS)}")
-        rc = kvs_sha1_select(_IMPLS[value]) if name == "sha1" else kvs_crc32c_select(_IMPLS[value])
+        impl = _IMPLS[value]
+        rc = (kvs_sha1_select(impl) if name == "sha1" else kvs_crc32c_select(impl) if name == "crc32c"
+              else kvs_table_select(impl))
         if rc != 0:
             raise ValueError(f"{name} implementation {value!r} is not available on this machine")
 
 
 def available():
-    """The implementations that can run here: {"sha1": [...], "crc32c": [...]}."""
+    """The implementations that can run here: {"sha1": [...], "crc32c": [...], "table": [...]}."""
     return {
         "sha1": [n for n in _ORDER if kvs_sha1_has(_IMPLS[n])],
         "crc32c": [n for n in _ORDER if kvs_crc32c_has(_IMPLS[n])],
+        "table": [n for n in _ORDER if kvs_table_has(_IMPLS[n])],
     }
 
 
 def implementation():
-    """The running implementations, e.g. {"sha1": "sha-ni", "crc32c": "sse4.2"}."""
-    return {"sha1": kvs_sha1_impl_name().decode(), "crc32c": kvs_crc32c_impl_name().decode()}
+    """The running implementations, e.g. {"sha1": "sha-ni", "crc32c": "sse4.2", "table": "ssse3"}."""
+    return {"sha1": kvs_sha1_impl_name().decode(), "crc32c": kvs_crc32c_impl_name().decode(),
+            "table": kvs_table_impl_name().decode()}
 
 
 def read_prefaults():
@@ -422,5 +428,5 @@ def pwrite_from(int fd, buf, uint64_t offset, path=None, crc=None):
 
 
 if os.environ.get("KVSTORE_PORTABLE", "") not in ("", "0"):
-    select(sha1="portable", crc32c="portable")
+    select(sha1="portable", crc32c="portable", table="portable")
     set_read_prefaults(False)

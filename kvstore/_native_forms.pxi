@@ -137,3 +137,75 @@ cdef _q_sizes(str what, const uint8_t[::1] q, const uint8_t[::1] scales, const u
             or <size_t>biases.shape[0] != count // group * width:
         raise ValueError(f"{what} of {q.shape[0]}, {scales.shape[0]}, {biases.shape[0]} bytes for {count} "
                          f"elements in groups of {group}")
+
+
+def table_pack(const uint8_t[::1] plane, size_t limit):
+    """plane's table form (csrc/table.h) as bytes, or None when that would
+    take more than limit bytes; GIL released."""
+    cdef uint8_t table[16]
+    cdef size_t n = plane.shape[0], e, size
+    cdef const uint8_t *src = &plane[0] if n else NULL
+    if n == 0:
+        return None
+    with nogil:
+        e = kvs_table_plan(src, n, table)
+    size = KVS_TABLE_HEAD + (n + 1) // 2 + 5 * e
+    if size > limit:
+        return None
+    out = PyBytes_FromStringAndSize(NULL, size)
+    cdef uint8_t *o = <uint8_t *>PyBytes_AS_STRING(out)
+    with nogil:
+        kvs_table_encode(src, n, table, e, o)
+    return out
+
+
+def table_join(stored, planes, dst, size_t offset, size_t run, size_t count, size_t stride, path, str what):
+    """Rebuilds a block of byte planes into count runs of run bytes in dst
+    (a writable buffer), at offset, offset + stride, ...; GIL released.
+
+    Args:
+        stored: the block's stored bytes, its planes end to end.
+        planes: [(is_table, stored length), ...], one per byte of an element.
+
+    Raises:
+        CorruptCheckpoint: "bad_payload" when a table plane's form does not
+            hold (csrc/table.h: kvs_table_check) or the lengths do not add up.
+        ValueError: the runs do not fit dst or are not whole elements.
+    """
+    cdef kvs_plane ps[KVS_PLANES_MAX]
+    cdef size_t lens[KVS_PLANES_MAX]
+    cdef size_t width = len(planes), n, at = 0, p, r, first = 0
+    cdef Py_buffer src, out
+    cdef int rc = 0
+    if width < 1 or width > KVS_PLANES_MAX or run % width:
+        raise ValueError(f"{width} planes for runs of {run} bytes")
+    n = run * count // width
+    PyObject_GetBuffer(stored, &src, PyBUF_SIMPLE)
+    try:
+        PyObject_GetBuffer(dst, &out, PyBUF_WRITABLE)
+        try:
+            if count and offset + (count - 1) * stride + run > <size_t>out.len:
+                raise ValueError(f"{what}: {count} runs of {run} bytes every {stride} from {offset} "
+                                 f"do not fit {out.len} bytes")
+            for p, (is_table, length) in enumerate(planes):
+                ps[p].bytes = <const uint8_t *>src.buf + at
+                ps[p].table = 1 if is_table else 0
+                lens[p] = length
+                at += <size_t>length
+                if not is_table and length != n:
+                    rc = KVS_EBADTABLE
+            if at != <size_t>src.len:
+                rc = KVS_EBADTABLE
+            with nogil:
+                for p in range(width):
+                    if rc == 0 and ps[p].table:
+                        rc = kvs_table_check(ps[p].bytes, lens[p], n)
+                if rc == 0:
+                    for r in range(count):
+                        kvs_table_join(<uint8_t *>out.buf + offset + r * stride, ps, width, n, first, run // width)
+                        first += run // width
+        finally:
+            PyBuffer_Release(&out)
+    finally:
+        PyBuffer_Release(&src)
+    _raise_status(rc, path, what)

@@ -38,18 +38,21 @@ PAYLOAD_ABI_TENSORS = 16
 PAYLOAD_ABI_CHAIN = 17
 
 # Packed blocks (docs/format.md §20): a chain block with tensors stored as
-# compressed byte planes (kvstore.payload.packing).  ABI = the plain ABI +
-# 64, so a reader that does not unpack sees a foreign ABI (listed, counted
-# in the budget, evictable, never loaded) and a chain stops before such a
-# block: a shorter hit, never another block's bytes read as tensors.
-PACKED_ABI_OFFSET = 64
-PAYLOAD_ABI_PACKED_CHAIN = PAYLOAD_ABI_CHAIN + PACKED_ABI_OFFSET     # 81
+# byte planes, table planes where they shrink (kvstore.payload.packing).
+# ABI = the plain ABI + 192, so a reader that does not unpack them sees a
+# foreign ABI (listed, counted in the budget, evictable, never loaded) and a
+# chain stops before such a block: a shorter hit, never another block's
+# bytes read as tensors.  ABI 81 (the plain ABI + 64) held zstd-compressed
+# planes in builds before table planes: retired, a foreign ABI here.
+TABLE_ABI_OFFSET = 192
+PAYLOAD_ABI_TABLE_CHAIN = PAYLOAD_ABI_CHAIN + TABLE_ABI_OFFSET       # 209
+PAYLOAD_ABI_ZSTD_CHAIN = PAYLOAD_ABI_CHAIN + 64                      # 81, retired
 # Quantised blocks (§20): tensors stored lossy (kvstore.payload.quantizing).
 # ABI = the plain ABI + 128: a build that knows packed blocks but not
 # quantised ones sees a foreign ABI too, never a row it cannot read.
 LOSSY_ABI_OFFSET = 128
 PAYLOAD_ABI_LOSSY_CHAIN = PAYLOAD_ABI_CHAIN + LOSSY_ABI_OFFSET       # 145
-PACKED_ABIS = frozenset({PAYLOAD_ABI_PACKED_CHAIN, PAYLOAD_ABI_LOSSY_CHAIN})
+PACKED_ABIS = frozenset({PAYLOAD_ABI_TABLE_CHAIN, PAYLOAD_ABI_LOSSY_CHAIN})
 LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS, PAYLOAD_ABI_CHAIN}) | PACKED_ABIS
 
 # Sealed checkpoints (docs/format.md §16): the same two layouts encrypted and
@@ -59,7 +62,7 @@ LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS, PAYLOAD_ABI_CHAIN}) | PACKED_ABI
 SEALED_ABI_OFFSET = 32
 PAYLOAD_ABI_SEALED = PAYLOAD_ABI_TENSORS + SEALED_ABI_OFFSET        # 48
 PAYLOAD_ABI_SEALED_CHAIN = PAYLOAD_ABI_CHAIN + SEALED_ABI_OFFSET    # 49
-# A sealed block whose inner payload is packed or quantised (§20): 113, 177.
+# A sealed block whose inner payload is packed or quantised (§20): 241, 177.
 SEALED_BLOCK_ABIS = frozenset({PAYLOAD_ABI_SEALED_CHAIN} | {a + SEALED_ABI_OFFSET for a in PACKED_ABIS})
 SEALED_ABIS = frozenset({PAYLOAD_ABI_SEALED}) | SEALED_BLOCK_ABIS
 # The ABIs of a chain's blocks: plain, sealed, packed and quantised.
@@ -236,6 +239,19 @@ class Entry:
     # The header's model tag (0: the file names no model; docs/format.md §17).
     model_tag: int = 0
 
+    @classmethod
+    def from_header(cls, h, sha, path, text_bytes, file_size, **more):
+        """The Entry of a file whose header is h (Header) and whose text is
+        text_bytes long: the one place a header's fields become an entry's
+        (a local file's, kvstore.format.entry_from_fd; a bucket object's,
+        kvstore.remote.janitor).  more: the other fields (a chain block's,
+        a sealed file's, the file's mtime and inode)."""
+        return cls(sha=sha, path=path, quant_bits=h.quant_bits, reason=h.reason, ext_flags=h.ext_flags,
+                   model_id=h.model_id, tokens=h.tokens, hits=h.hits, ctx_size=h.ctx_size,
+                   payload_abi=h.payload_abi, created_at=h.created_at, last_used=h.last_used,
+                   payload_bytes=h.payload_bytes, text_bytes=text_bytes, file_size=file_size,
+                   model_tag=h.model_tag, **more)
+
     def but(self, cls=None, **changes):
         """This entry with some fields changed (as a cls, a subclass, when
         given): a copy of its fields, several times cheaper than
@@ -411,6 +427,11 @@ def parse_seal_heads(head, h, text_len, file_size, path=None):
     return out
 
 
+def prefix_text_bytes(prefix):
+    """The text length a file's 52-byte prefix gives (the u32 after the header)."""
+    return struct.unpack_from("<I", prefix, HEADER_SIZE)[0]
+
+
 def entry_from_fd(fd, st, path):
     """Reads and validates the envelope of an open checkpoint into an Entry.
 
@@ -421,7 +442,7 @@ def entry_from_fd(fd, st, path):
     if len(head) < PREFIX_SIZE:
         raise CorruptCheckpoint("truncated", path, f"file is {st.st_size} bytes, shorter than the 52-byte prefix")
     h = Header.unpack(head, path)
-    (text_len,) = struct.unpack_from("<I", head, HEADER_SIZE)
+    text_len = prefix_text_bytes(head)
     if not _native.envelope_fits(st.st_size, text_len, h.payload_bytes):
         raise CorruptCheckpoint(
             "truncated", path,
@@ -441,12 +462,8 @@ def entry_from_fd(fd, st, path):
         text_len += chain["text_start"]      # the absolute length the name covers
     name = os.path.basename(os.fspath(path))
     sha = name[:-3].lower() if is_checkpoint_name(name) else ""
-    return Entry(sha=sha, path=os.fspath(path), quant_bits=h.quant_bits, reason=h.reason,
-                 ext_flags=h.ext_flags, model_id=h.model_id, tokens=h.tokens, hits=h.hits,
-                 ctx_size=h.ctx_size, payload_abi=h.payload_abi, created_at=h.created_at,
-                 last_used=h.last_used, payload_bytes=h.payload_bytes, text_bytes=text_len,
-                 file_size=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino, model_tag=h.model_tag,
-                 **chain)
+    return Entry.from_header(h, sha, os.fspath(path), text_len, st.st_size, mtime_ns=st.st_mtime_ns,
+                             inode=st.st_ino, **chain)
 
 
 def read_entry(path):

@@ -195,7 +195,7 @@ class PromptCache:
         # docs/format.md §7: the live session is about to be replaced; keep it.
         self._store_leaving(Reason.EVICT)
         t = time.perf_counter()
-        ckpt = self.store.load(entry, into=self._load_into())
+        ckpt = self.store.load(entry, into=self._load_into(), consume=True)
         if ckpt is None:
             return None
         self.engine.restore(ckpt.tensors, ckpt.meta)

@@ -15,8 +15,11 @@ a file's image before it is encrypted.  A Source offers:
     close()                    what the Source itself opened (FdSource: its descriptor)
     any_thread                 True when its positioned writes may come from any thread
                                (a plain file's: a save's bytes then move on the I/O threads)
+    sealed                     True when its reads decrypt and authenticate (whole
+                               chunks, the tags vouch: no CRCs, no kernel read-ahead)
 
-as_source() is the one place that tells a descriptor from a Source.
+as_source() is the one place that tells a descriptor from a Source, and
+sealed() the one that asks whether reads of it are a sealed file's.
 """
 
 import os
@@ -35,6 +38,7 @@ class FdSource:
     # A plain file's positioned writes may come from any thread: a save hands
     # its blocks' bytes to the payload I/O threads (kvstore.payload.plan).
     any_thread = True
+    sealed = False
 
     def __init__(self, fd):
         self.fd = fd
@@ -82,3 +86,8 @@ class FdSource:
 def as_source(x):
     """x as a Source: a file descriptor (an int) in an FdSource, any Source as it is."""
     return FdSource(x) if type(x) is int else x
+
+
+def sealed(x):
+    """Whether x (a descriptor or a Source) reads a sealed file's plain view."""
+    return as_source(x).sealed

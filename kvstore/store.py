@@ -111,8 +111,8 @@ class KVStore:
             file per checkpoint.  Both layouts are read whatever this says.
         block_tokens: the chain grid, in tokens (default 256).
         kv_codec: "raw" (the default); "lossless": a chain block's float
-            tensors stored as zstd-packed byte planes where that shrinks
-            them (payload ABI 81); "q8", "q4": quantised group-wise to 8 or
+            tensors stored as byte planes, table planes where that shrinks
+            them (payload ABI 209); "q8", "q4": quantised group-wise to 8 or
             4 bits a value, lossy (ABI 145; a restore through the MLX
             adapter passes the canary with the codec's tolerance).
             docs/format.md §20; a sealed store packs, then seals.
@@ -195,11 +195,6 @@ class KVStore:
         """The kvstore.seal.Sealer of the store's key, or None (a plain store)."""
         return getattr(self._dir.codec, "sealer", None)
 
-    @property
-    def _index(self):
-        """The directory's lookup index (kvstore.index.DirectoryIndex)."""
-        return self._dir.index
-
     def _open_remote(self, url, options):
         scheme = url.partition("://")[0] if isinstance(url, str) else None
         opener = _REMOTE_OPENERS.get(scheme)
@@ -249,7 +244,7 @@ class KVStore:
         self._check_open()
         return divergence(self._dir.index, as_bytes(prompt), self._reader.segment, self._dir.lock)
 
-    def load(self, entry, into="numpy", *, min_tokens=None, consume=True):
+    def load(self, entry, into="numpy", *, min_tokens=None, consume=False):
         """Loads a checkpoint found by find() (or listed by entries()).
 
         Args:
@@ -259,9 +254,12 @@ class KVStore:
             min_tokens: the shortest checkpoint this load accepts (default
                 options.min_tokens).  Agent sessions, addressed by name rather
                 than found by lookup, load at any length.
-            consume: delete a checkpoint of more than options.cold_max_tokens
-                after loading it (docs/format.md §5).  Agent sessions are kept: a
-                session is switched back to, not taken over.
+            consume: delete a whole checkpoint (ABI 16) of more than
+                options.cold_max_tokens after loading it, as a server that
+                takes a long state over and will store it again does
+                (docs/format.md §5; PromptCache and kvstore serve ask for
+                it).  Default False: a load deletes nothing.  Chain blocks
+                and agent sessions are never consumed.
 
         Returns:
             Checkpoint, or None when the file vanished, is corrupt (it is then

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = sorted(str(p) for p in (ROOT / "csrc").glob("*.c"))
 TEST_C = str(ROOT / "tests" / "c" / "test_native.c")
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$", re.M)
-HW_LINE = re.compile(r"^sha1 hardware paths: (\d+), crc32c hardware paths: (\d+)$", re.M)
+HW_LINE = re.compile(r"^sha1 hardware paths: (\d+), crc32c hardware paths: (\d+), table hardware paths: (\d+)$",
+                     re.M)
 
 
 def build_and_run(compiler, flags, exe, runner=()):
@@ -32,7 +33,7 @@ def check_output(run):
     assert int(summary.group(1)) > 1000          # the checks ran, not an empty main
     hw = HW_LINE.search(run.stdout)
     assert hw, run.stdout
-    return int(hw.group(1)), int(hw.group(2))
+    return int(hw.group(1)), int(hw.group(2)), int(hw.group(3))
 
 
 def test_native_c_paths(tmp_path):
@@ -40,11 +41,12 @@ def test_native_c_paths(tmp_path):
     if compiler is None:
         pytest.skip("no C compiler (cc or gcc) on PATH")
     run = build_and_run(compiler, ["-O2"], tmp_path / "test_native")
-    sha_hw, crc_hw = check_output(run)
+    sha_hw, crc_hw, table_hw = check_output(run)
     # Same CPU, same probes: the C test saw the hardware paths the module sees.
     av = _native.available()
     assert sha_hw == len(av["sha1"]) - 1
     assert crc_hw == len(av["crc32c"]) - 1
+    assert table_hw == len(av["table"]) - 1
 
 
 def test_aarch64_c_paths_under_qemu(tmp_path):
@@ -53,8 +55,7 @@ def test_aarch64_c_paths_under_qemu(tmp_path):
         pytest.skip(f"{' and '.join(missing)} not on PATH: the ARMv8 paths are not checked")
     run = build_and_run("aarch64-linux-gnu-gcc", ["-O2", "-march=armv8-a+crc+crypto", "-static"],
                         tmp_path / "test_native_aarch64", runner=["qemu-aarch64"])
-    assert check_output(run) == (1, 1), run.stdout
-    assert "sha1 hardware paths: 1, crc32c hardware paths: 1" in run.stdout
+    assert check_output(run) == (1, 1, 1), run.stdout          # NEON decodes table planes
 
 
 @pytest.mark.parametrize("target", [110000, 101500])
@@ -74,4 +75,4 @@ def test_macos_branches_of_the_c_build_and_run_for_arm64_under_qemu(tmp_path, ta
     flags = ["-O2", "-march=armv8-a+crc+crypto", "-static", "-U__linux__", "-D__APPLE__", "-D__MACH__",
              "-Werror=implicit-function-declaration", "-I", str(tmp_path / "apple")]
     run = build_and_run("aarch64-linux-gnu-gcc", flags, tmp_path / "test_native_macos", runner=["qemu-aarch64"])
-    assert check_output(run) == (1, 1), run.stdout
+    assert check_output(run) == (1, 1, 1), run.stdout

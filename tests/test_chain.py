@@ -1,4 +1,4 @@
-"""Chained checkpoints (payload ABI 17, SPEC section 14): storage v2.
+"""Chained checkpoints (payload ABI 17, docs/format.md §14): storage v2.
 
 A save is cut into blocks ending at multiples of block_tokens plus a last
 block ending where the save ends; each block is one .kv file named by the
@@ -31,12 +31,12 @@ import kvstore
 from kvstore import chain, policy, Reason
 from kvstore.chain import cut_points, plan_blocks
 from kvstore.files import verify_file
-from kvstore.format import (CHAIN_END, CHAIN_RESTORABLE, NO_PARENT, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_PACKED_CHAIN,
+from kvstore.format import (CHAIN_END, CHAIN_RESTORABLE, NO_PARENT, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TABLE_CHAIN,
                             PAYLOAD_ABI_TENSORS, pack_chain_head)
 from kvstore.index import MTIME_GRANULARITY_NS, DirectoryIndex
 from kvstore.payload import PAYLOAD_HEADER, read_manifest
 from kvstore.policy import Options
-from kvhelpers import CTX, checkpoint_files, flip, make_store
+from kvhelpers import index_of, CTX, checkpoint_files, flip, make_store
 
 # ---- sequences whose text and tensors follow from their token ids ------------------------
 
@@ -135,7 +135,7 @@ def block_of(store, tokens, text=None):
 
 def chain_text(store, e):
     """The whole text of e's chain, read from the blocks."""
-    with chain.OpenChain(store._index.chain(e)) as opened:
+    with chain.OpenChain(index_of(store).chain(e)) as opened:
         return opened.text()
 
 
@@ -240,7 +240,7 @@ def test_blocks_on_disk(store, snapshot):
     last = save(store, seq, snapshot, reason=Reason.SHUTDOWN)
     plan = plan_blocks(seq.text, seq.ids, 64, seq.offsets)
     assert checkpoint_files(store.path) == sorted(b.name for b in plan)
-    abi = PAYLOAD_ABI_CHAIN if store.kv_codec == "raw" else PAYLOAD_ABI_PACKED_CHAIN     # packed: CI's pass
+    abi = PAYLOAD_ABI_CHAIN if store.kv_codec == "raw" else PAYLOAD_ABI_TABLE_CHAIN     # packed: CI's pass
     for b in plan:
         e = kvstore.read_entry(os.path.join(store.path, b.name))
         assert (e.payload_abi, e.is_block, e.sha, e.parent) == (abi, True, b.sha, b.parent)
@@ -258,7 +258,7 @@ def test_blocks_on_disk(store, snapshot):
             assert f.read(e.segment_bytes) == seq.text[b.text_start:b.text_bytes]
     assert (last.sha, last.tokens, last.token_start, last.parent) == \
         (plan[-1].sha, 300, 256, plan[-2].sha)
-    assert store._index.chain(last) == [kvstore.read_entry(os.path.join(store.path, b.name)) for b in plan]
+    assert index_of(store).chain(last) == [kvstore.read_entry(os.path.join(store.path, b.name)) for b in plan]
 
 
 @pytest.mark.store_args(block_tokens=64)
@@ -415,7 +415,7 @@ def test_snapshot_makes_only_the_last_block_restorable(store):
     assert as_np(ck.tensors["s"]).tobytes() == snap_of(seq.ids[:128], 2).tobytes()
     ck = store.load(store.find(seq.prompt(300)))
     check_loaded(ck, tags=(1,))
-    assert store._index.orphans == []
+    assert index_of(store).orphans == []
 
 
 @pytest.mark.store_args(block_tokens=64)
@@ -517,7 +517,7 @@ def test_chain_header_pointing_elsewhere(store, caplog, case):
     check_loaded(store.load(e), snapshot=False)
     store.evict()
     assert sorted(e.tokens for e in store.entries()) == [c for c in (64, 128, 192, 256, 300) if c < at]
-    assert store._index.orphans == []
+    assert index_of(store).orphans == []
     assert any("reason=orphan" in m or "reason=broken_chain" in m for m in log_lines(caplog))
 
 
@@ -626,7 +626,7 @@ def test_corrupt_middle_block_found_at_open(tmp_path, caplog, kind):
         assert ck is not None and ck.entry.tokens == 64
         check_loaded(ck, snapshot=False)
         assert not any(x.tokens > 64 for x in s.entries())
-        assert s._index.orphans == []
+        assert index_of(s).orphans == []
         assert log_lines(caplog)
 
 
@@ -741,7 +741,7 @@ def test_corrupt_leaf_with_snapshots_is_a_miss(store, caplog):
     assert any("corrupt reason=crc" in m for m in log_lines(caplog))
     assert store.find(seq.prompt(300)) is None
     assert sorted(e.tokens for e in store.entries()) == [64, 128, 192, 256]   # links stay (leaves for eviction)
-    assert store._index.orphans == []
+    assert index_of(store).orphans == []
 
 
 @pytest.mark.parametrize("case", ["heads", "missing_tensor"])
@@ -822,13 +822,13 @@ def check_directory(path, snapshot=True, tags=(0,), block_tokens=16, load="all",
     with make_store(path, block_tokens=block_tokens) as s:
         assert checkpoint_files(path, temporaries=True) == checkpoint_files(path)
         entries = s.entries()
-        assert s._index.orphans == []
+        assert index_of(s).orphans == []
         assert len(entries) == len(checkpoint_files(path))     # every file a valid envelope
         parents = {e.parent for e in entries}
         loaded = 0
         for e in entries:
             assert e.is_block
-            assert s._index.chain(e) is not None, e
+            assert index_of(s).chain(e) is not None, e
             key = (e.name, e.inode, e.file_size)
             if verified is None or key not in verified:
                 assert verify_file(e.path) is None
@@ -917,7 +917,7 @@ def test_evictor_racing_a_growing_chain(tmp_path):
         assert DirectoryIndex(path).orphans == []
         entries = s.entries()
         assert entries and s.stats()["bytes"] <= s.budget_bytes
-        assert all(s._index.chain(e) is not None for e in entries)
+        assert all(index_of(s).chain(e) is not None for e in entries)
         for c in range(16, 16 * rounds + 6):
             e = s.find(GROW.prompt(c))
             if e is not None:                              # never a hole: what is found loads whole
@@ -1055,7 +1055,7 @@ def test_just_saved_block_is_protected(tmp_path):
         last = save(s, seq, snapshot=False)              # 5 blocks + 3 of other > 6
         assert os.path.exists(last.path)
         assert sorted(e.tokens for e in s.entries()) == [64, 64, 128, 192, 256, 300]
-        assert {e.tokens for e in s.entries() if e.sha == last.sha or s._index.chain(e)[0].sha ==
+        assert {e.tokens for e in s.entries() if e.sha == last.sha or index_of(s).chain(e)[0].sha ==
                 block_of(s, 64, seq.text).sha} == {64, 128, 192, 256, 300}
         check_loaded(s.load(s.find(seq.prompt(300))), snapshot=False)
 
@@ -1188,8 +1188,8 @@ def test_lookup_over_2000_blocks_tries_only_matching_subtrees(tmp_path):
             os.rename(part / n, d / n)
     with make_store(d, block_tokens=8) as s:
         entries = s.entries()
-        assert len(entries) == 2000 and s._index.orphans == []
-        f = s._index._forest
+        assert len(entries) == 2000 and index_of(s).orphans == []
+        f = index_of(s)._forest
         roots, r = [], f.first_root
         while r >= 0:
             roots.append(r)

@@ -25,7 +25,7 @@ from kvstore.errors import CheckpointMissing
 from kvstore.format import Reason, read_entry
 
 from kvhelpers import colliding_texts as _colliding_texts
-from kvhelpers import flip, make_store, make_tensors, write_checkpoint
+from kvhelpers import flip, index_of, make_store, make_tensors, write_checkpoint
 
 SECRET = "SECRET-PROMPT-7f3a"
 DS4_TEXT = f"<|begin|>{SECRET} ds4 system".encode()
@@ -554,7 +554,7 @@ def test_inspect_shows_a_blocks_parent_range_and_chain(chains, cwd):
                  f"text         24 bytes stored ({64 * 4}..{70 * 4} of the sequence)", "payload abi  17 (loadable)",
                  "restorable   yes", "ends a save  yes", "chain        5 blocks", "axis 1"):
         assert want in out, want
-    first = kvstore.KVStore(d, budget_mb=0)._index.chain(kvstore.read_entry(e.path))[0]
+    first = index_of(kvstore.KVStore(d, budget_mb=0)).chain(kvstore.read_entry(e.path))[0]
     p = run(cwd, "inspect", first.sha[:10], "--dir", d)
     assert "parent       none (the first block)" in p.stdout and "chain        1 block," in p.stdout
     # --text prints the whole sequence, its parents' segments first.

@@ -1,4 +1,4 @@
-"""Concurrency (SPEC section 11): real processes sharing one directory.
+"""Concurrency (docs/format.md §11): real processes sharing one directory.
 
 Four processes run 500 random operations each (save, save_async, find, load,
 touch, evict, wipe) on one directory whose budget forces eviction all along.

@@ -1,4 +1,4 @@
-"""Crash safety (SPEC sections 6 and 11): writer processes killed with SIGKILL.
+"""Crash safety (docs/format.md §6 and §11): writer processes killed with SIGKILL.
 
 A child process saves 50 MB checkpoints (durable=True) in a loop and reports
 each one through a pipe before (``begin``) and after (``done``) save()

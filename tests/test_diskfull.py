@@ -1,4 +1,4 @@
-"""Disk full (SPEC sections 6 and 11): a save that cannot be written fails
+"""Disk full (docs/format.md §6 and §11): a save that cannot be written fails
 cleanly.  None comes back, exactly one log line says why, no partial file is
 left (no .kv, no temporary), and the store goes on serving hits.
 

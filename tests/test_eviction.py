@@ -1,4 +1,4 @@
-"""Eviction and the disk budget through KVStore (SPEC section 8): the budget
+"""Eviction and the disk budget through KVStore (docs/format.md §8): the budget
 after every save, who goes first, the protected new file, tie-breaks, two
 evicting processes, and the maximum age."""
 

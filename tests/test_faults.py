@@ -1,4 +1,4 @@
-"""Faults (SPEC sections 3, 5, 11, 12): corrupt, truncated and vanished files,
+"""Faults (docs/format.md §3, §5, §11, §12): corrupt, truncated and vanished files,
 read-only directories, a full disk, hostile names and impossible inputs.  A
 fault is a miss or a refusal, never an exception in the serving loop, and it
 never leaves a partial or corrupt visible file behind."""

@@ -1,4 +1,4 @@
-"""The .kv envelope (SPEC section 2): Header pack/unpack, reading rules, read_entry."""
+"""The .kv envelope (docs/format.md §2): Header pack/unpack, reading rules, read_entry."""
 
 import dataclasses
 import errno
@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvstore
-from kvstore import _native, _reference
+from kvstore import _native
+
+import reference
 from kvstore.format import VALID_QUANT_BITS
 
 U32, U64 = 2**32 - 1, 2**64 - 1
@@ -60,7 +62,7 @@ def patched(buf, offset, value_bytes):
 def test_pack_matches_reference(fields):
     packed = kvstore.Header(**fields).pack()
     assert type(packed) is bytes and len(packed) == 48
-    assert packed == _reference.pack_header(1, *(fields[f] for f in FIELDS[1:]))
+    assert packed == reference.pack_header(1, *(fields[f] for f in FIELDS[1:]))
 
 
 @settings(max_examples=300)
@@ -97,7 +99,7 @@ def test_pack_layout_is_little_endian_at_spec_offsets():
 def test_unpack_agrees_with_reference_parser(rest, magic, version):
     buf = magic + bytes([version]) + rest
     try:
-        ref = _reference.parse_header(buf)
+        ref = reference.parse_header(buf)
     except ValueError as e:
         with pytest.raises(kvstore.CorruptCheckpoint) as ei:
             kvstore.Header.unpack(buf)

@@ -1,4 +1,4 @@
-"""Bad input (SPEC sections 2, 3, 10 and 12): hypothesis properties over the
+"""Bad input (docs/format.md §2, §3, §10 and §12): hypothesis properties over the
 envelope header, the payload header, the manifest JSON and the trailer
 sections of a real checkpoint file.
 
@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvstore
+from kvhelpers import index_of
 from kvstore import payload
 from kvstore import files
 from kvstore.errors import CorruptCheckpoint
@@ -94,7 +95,7 @@ def bounded_check(target, blob, expect_original=False, name=None):
         logger.disabled = False
         if os.path.lexists(path):
             os.unlink(path)
-        target.store._index.discard(name)
+        index_of(target.store).discard(name)
     assert peak < len(blob) + MEMORY_SLACK, (peak, len(blob))
     return fp.check_file(target, blob, expect_original, name=name)
 

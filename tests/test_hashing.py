@@ -1,5 +1,5 @@
 """SHA1, one-pass prefix SHA1 and CRC32C: C against hashlib, known vectors and
-kvstore._reference, on every compiled path (the `impl` fixture)."""
+tests/reference.py, on every compiled path (the `impl` fixture)."""
 
 import functools
 import hashlib
@@ -17,7 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvstore
-from kvstore import _native, _reference
+from kvstore import _native
+
+import reference
 
 # The impl fixture switches a global once per test, not per example.
 HSETTINGS = settings(suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -35,14 +37,14 @@ BUF = rand_bytes(300_000 + 16, seed=1)
 
 @functools.lru_cache(maxsize=None)
 def ref_crc(off, n):
-    """_reference.crc32c of BUF[off:off+n], computed once for all impls (it is slow)."""
-    return _reference.crc32c(BUF[off:off + n])
+    """reference.crc32c of BUF[off:off+n], computed once for all impls (it is slow)."""
+    return reference.crc32c(BUF[off:off + n])
 
 
 # ---- selection ------------------------------------------------------------
 
-EXPECTED_NAMES = {"portable": ("portable", "portable"), "x86": ("sha-ni", "sse4.2"),
-                  "avx512": (None, "avx512-vpclmulqdq"), "arm": ("armv8", "armv8")}
+EXPECTED_NAMES = {"portable": ("portable", "portable", "portable"), "x86": ("sha-ni", "sse4.2", "ssse3"),
+                  "avx512": (None, "avx512-vpclmulqdq", None), "arm": ("armv8", "armv8", "neon")}
 
 
 def test_implementation_reports_selection(impl):
@@ -61,12 +63,17 @@ def test_available_always_has_portable():
 
 
 def test_select_auto_picks_fastest_available(impl):
-    _native.select(sha1="auto", crc32c="auto")
+    before = _native.implementation()["table"]
+    _native.select(sha1="auto", crc32c="auto", table="auto")
     av = _native.available()
-    assert _native.implementation() == {
-        "sha1": EXPECTED_NAMES[av["sha1"][-1]][0],
-        "crc32c": EXPECTED_NAMES[av["crc32c"][-1]][1],
-    }
+    try:
+        assert _native.implementation() == {
+            "sha1": EXPECTED_NAMES[av["sha1"][-1]][0],
+            "crc32c": EXPECTED_NAMES[av["crc32c"][-1]][1],
+            "table": EXPECTED_NAMES[av["table"][-1]][2],
+        }
+    finally:
+        _native.select(table="portable" if before == "portable" else "auto")
 
 
 @pytest.mark.parametrize("kw", [{"sha1": "nope"}, {"crc32c": "nope"}, {"sha1": "X86"},
@@ -105,11 +112,12 @@ def test_kvstore_portable_env_forces_portable_at_import(env, forced, tmp_path):
                          cwd=tmp_path, env={**os.environ, "KVSTORE_PORTABLE": env}).stdout
     impls = json.loads(out)
     if forced:
-        assert impls == {"sha1": "portable", "crc32c": "portable"}
+        assert impls == {"sha1": "portable", "crc32c": "portable", "table": "portable"}
     else:
         av = _native.available()
         assert impls == {"sha1": EXPECTED_NAMES[av["sha1"][-1]][0],
-                         "crc32c": EXPECTED_NAMES[av["crc32c"][-1]][1]}
+                         "crc32c": EXPECTED_NAMES[av["crc32c"][-1]][1],
+                         "table": EXPECTED_NAMES[av["table"][-1]][2]}
 
 
 # ---- sha1 -----------------------------------------------------------------
@@ -136,7 +144,7 @@ def test_sha1_every_length_to_300(impl):
         got = kvstore.sha1(d)
         assert type(got) is bytes and len(got) == 20
         assert got == hashlib.sha1(d).digest(), n
-        assert got == _reference.sha1(d), n
+        assert got == reference.sha1(d), n
 
 
 @pytest.mark.parametrize("edge", BLOCK_EDGES)
@@ -185,7 +193,7 @@ def test_sha1_numpy_arrays(impl, dtype):
     assert kvstore.sha1(arr) == hashlib.sha1(arr.tobytes()).digest()
     assert kvstore.sha1_prefixes(arr, [arr.nbytes, 1]) == [hashlib.sha1(arr.tobytes()).digest(),
                                                          hashlib.sha1(arr.tobytes()[:1]).digest()]
-    assert kvstore.crc32c(arr) == _reference.crc32c(arr.tobytes())
+    assert kvstore.crc32c(arr) == reference.crc32c(arr.tobytes())
 
 
 def test_sha1_refuses_non_contiguous_buffer(impl):
@@ -283,7 +291,7 @@ def test_prefixes_property(impl, data):
     d = data.draw(st.binary(max_size=1500), label="data")
     lengths = data.draw(st.lists(st.integers(0, len(d)), max_size=40), label="lengths")
     assert kvstore.sha1_prefixes(d, lengths) == [hashlib.sha1(d[:n]).digest() for n in lengths]
-    assert kvstore.sha1_prefixes(d, lengths) == _reference.sha1_prefixes(d, lengths)
+    assert kvstore.sha1_prefixes(d, lengths) == reference.sha1_prefixes(d, lengths)
 
 
 @HSETTINGS
@@ -435,7 +443,7 @@ def hmac_prefixes(key, data, lengths):
     (a key of <= 64 bytes): the inner hash of data[:n] is the SHA1 of the
     first 64 + n bytes of (key ^ ipad) || data."""
     pad = key.ljust(64, b"\0")
-    inner = _reference.sha1_prefixes(bytes(b ^ 0x36 for b in pad) + data, [64 + n for n in lengths])
+    inner = reference.sha1_prefixes(bytes(b ^ 0x36 for b in pad) + data, [64 + n for n in lengths])
     opad = bytes(b ^ 0x5C for b in pad)
     return inner, [hashlib.sha1(opad + x).digest() for x in inner]
 
@@ -449,9 +457,9 @@ def without(n, i):
 def test_prefixes_many_lengths(impl, size, per_block):
     data = rand_bytes(size, seed=size)
     lengths = dense_lengths(size, per_block, seed=size + per_block)
-    assert kvstore.sha1_prefixes(data, lengths) == _reference.sha1_prefixes(data, lengths)
+    assert kvstore.sha1_prefixes(data, lengths) == reference.sha1_prefixes(data, lengths)
     asc = sorted(set(lengths))
-    names = bytearray(b"".join(_reference.sha1_prefixes(data, asc)))
+    names = bytearray(b"".join(reference.sha1_prefixes(data, asc)))
     assert _native.sha1_prefix_matches(data, np.array(asc, np.uint64), bytes(names)) == list(range(len(asc)))
     wrong = len(asc) // 2
     names[20 * wrong + 19] ^= 1
@@ -464,7 +472,7 @@ def test_prefixes_many_lengths_two_remainders(impl, rems):
     # jobs that need one padding block, or two, or a mix.
     data = rand_bytes(64 * 300 + 30, seed=sum(rems))
     lengths = [64 * b + r for b in range(301) for r in rems if 64 * b + r <= len(data)]
-    assert kvstore.sha1_prefixes(data, lengths) == _reference.sha1_prefixes(data, lengths)
+    assert kvstore.sha1_prefixes(data, lengths) == reference.sha1_prefixes(data, lengths)
 
 
 @pytest.mark.parametrize("per_block", [1, 3])
@@ -502,7 +510,7 @@ CRC_VECTORS = [  # RFC 3720 B.4 and the common check value
 @pytest.mark.parametrize("data,crc", CRC_VECTORS)
 def test_crc32c_known_vectors(impl, data, crc):
     assert kvstore.crc32c(data) == crc
-    assert _reference.crc32c(data) == crc
+    assert reference.crc32c(data) == crc
 
 
 def test_crc32c_every_length_and_odd_offsets(impl):
@@ -561,7 +569,7 @@ def test_crc32c_incremental_property(impl, a, b):
 @HSETTINGS
 @given(st.binary(max_size=1000))
 def test_crc32c_matches_reference_property(impl, data):
-    assert kvstore.crc32c(data) == _reference.crc32c(data)
+    assert kvstore.crc32c(data) == reference.crc32c(data)
 
 
 @HSETTINGS

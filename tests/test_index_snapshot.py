@@ -25,7 +25,7 @@ from kvstore.format import read_entry
 from kvstore.index import DirectoryIndex
 from kvstore.index_snapshot import SNAPSHOT_NAME
 from kvstore.journal import JOURNAL_NAME
-from kvhelpers import checkpoint_files, folds_case, make_store, make_tensors
+from kvhelpers import index_of, checkpoint_files, folds_case, make_store, make_tensors
 
 BLOCK = 8                 # tokens per chain block: many small blocks
 CHAIN_TOKENS = 10 * BLOCK
@@ -101,13 +101,13 @@ def state(idx):
 
 def cold(store):
     """The index a listing of the store's directory makes from scratch (no journal, no snapshot)."""
-    idx = DirectoryIndex(store.path, store._index.fits, store._index.min_tokens, store._index.keys, journal=False)
+    idx = DirectoryIndex(store.path, index_of(store).fits, index_of(store).min_tokens, index_of(store).keys, journal=False)
     idx.refresh()
     return idx
 
 
 def assert_as_listed(store):
-    got, want = state(store._index), state(cold(store))
+    got, want = state(index_of(store)), state(cold(store))
     assert got["entries"].keys() == want["entries"].keys()
     for name, e in want["entries"].items():
         assert got["entries"][name] == e, name
@@ -162,7 +162,7 @@ def test_sealed_entries_come_back_with_their_key_id_and_lookup_tag(tmp_path, rea
     reads["n"] = 0
     with open_store(d, key=key) as s:
         assert reads["n"] == 0
-        assert all(e.key_id and e.lookup_tag for e in s._index.entries.values())
+        assert all(e.key_id and e.lookup_tag for e in index_of(s).entries.values())
         assert_as_listed(s)
         text, _, offsets = chain_of(1)
         assert s.find(text[:offsets[3 * BLOCK]] + b"\x00!").tokens == 3 * BLOCK
@@ -240,7 +240,7 @@ def test_a_writer_killed_while_it_writes_the_snapshot_hides_no_file(tmp_path):
     assert debris, "no kill landed while a snapshot was being written"
     with open_store(d) as s:
         assert_as_listed(s)
-        names = set(s._index.entries)
+        names = set(index_of(s).entries)
         assert all(sha + ".kv" in names for sha in saved)
         assert not any(n.startswith(SNAPSHOT_NAME + ".tmp.") for n in os.listdir(d))       # debris removed
 
@@ -292,7 +292,7 @@ def test_a_snapshot_copied_from_another_directory_is_not_used(tmp_path, reads):
     with open_store(b) as s:
         assert reads["n"] == len(checkpoint_files(b))
         assert_as_listed(s)
-        assert not set(s._index.entries) & set(checkpoint_files(a))
+        assert not set(index_of(s).entries) & set(checkpoint_files(a))
     # A copy of a whole directory is another directory too.
     shutil.copytree(a, tmp_path / "c")
     reads["n"] = 0
@@ -328,7 +328,7 @@ def test_files_added_and_removed_through_the_journal_are_seen(tmp_path, reads):
         assert reads["n"] == CHAIN_TOKENS // BLOCK     # the new chain's blocks only
         assert_as_listed(s)
         assert s.find(chain_of(50)[0] + b"!").sha == added.sha
-        assert gone.name not in s._index.entries
+        assert gone.name not in index_of(s).entries
 
 
 @pytest.mark.parametrize("how", ["added", "removed", "replaced"])
@@ -356,9 +356,9 @@ def test_files_changed_without_the_journal_are_seen(tmp_path, reads, how):
         if how == "added":
             assert s.find(chain_of(60)[0] + b"!").sha == foreign.sha
         elif how == "removed":
-            assert name not in s._index.entries
+            assert name not in index_of(s).entries
         else:
-            assert s._index.entries[name].tokens == 8 and s._index.entries[name].payload_abi == 16
+            assert index_of(s).entries[name].tokens == 8 and index_of(s).entries[name].payload_abi == 16
 
 
 def test_a_journal_started_again_or_removed_makes_the_open_stat_every_file(tmp_path, reads):
@@ -468,7 +468,7 @@ def test_two_names_of_one_digest_are_both_kept(tmp_path, reads):
     whole = saved[-1]
     shutil.copy2(whole.path, d / (whole.name[:40].upper() + ".kv"))
     with open_store(d) as s:
-        assert len(s._index.entries) == len(checkpoint_files(d))
+        assert len(index_of(s).entries) == len(checkpoint_files(d))
     reads["n"] = 0
     with open_store(d) as s:
         assert reads["n"] == 0

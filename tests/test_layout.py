@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kvstore"
 LAYERS = [
     # The C core, the exceptions, thread pools that survive a fork, and the
     # calls that differ between platforms.
-    ["kvstore._native", "kvstore._reference", "kvstore.errors", "kvstore.executors", "kvstore.host"],
+    ["kvstore._native", "kvstore.errors", "kvstore.executors", "kvstore.host"],
     # The file's parts, then what is built on them, up to the store: the
     # envelope and names; a file's bytes; which temporaries are debris; the
     # counters; the background writer.

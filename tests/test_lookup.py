@@ -1,4 +1,4 @@
-"""KVStore.find (SPEC section 4): longest stored byte prefix, the filters, the
+"""KVStore.find (docs/format.md §4): longest stored byte prefix, the filters, the
 index kept current across processes, and digests confirmed by the bytes."""
 
 import dataclasses
@@ -15,7 +15,7 @@ import pytest
 import kvstore
 from kvstore import index as index_mod
 from kvstore import Options
-from kvhelpers import CTX, make_store, make_tensors
+from kvhelpers import index_of, CTX, make_store, make_tensors
 
 
 # tensors_for(text): k, 16 float16 values of the text's own (seeded by its SHA1).
@@ -324,12 +324,12 @@ def test_unchanged_directory_is_not_relisted(store, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(index_mod.os, "scandir", counting_scandir)
-    gen = store._index.generation
+    gen = index_of(store).generation
     for _ in range(50):
         assert store.find(b"one two three four").text_bytes == len(b"one two three")
         assert store.find(b"zzz") is None
     assert calls == []
-    assert store._index.generation == gen
+    assert index_of(store).generation == gen
     # ... and the counter does see a listing once the directory changes.
     shutil.copy(store.find(b"one").path, os.path.join(store.path, hashlib.sha1(b"copy").hexdigest() + ".kv"))
     store.find(b"one")

@@ -1,9 +1,9 @@
-"""Packed chain blocks (kv_codec="lossless", payload ABI 81, docs/format.md §20).
+"""Packed chain blocks (kv_codec="lossless", payload ABI 209, docs/format.md §20).
 
-A store that packs writes each chain block's float tensors as zstd-packed
-byte planes wherever that shrinks them; every store reads them, into NumPy
+A store that packs writes each chain block's float tensors as byte planes,
+table planes wherever that shrinks them; every store reads them, into NumPy
 and MLX, bit for bit.  A block whose tensors do not shrink stays ABI 17.
-A reader that does not know ABI 81 (an older build) sees foreign files: a
+A reader that does not know ABI 209 (an older build) sees foreign files: a
 miss, or the raw chain prefix before the first packed block.  Damage to a
 packed block is found by its CRC (of the stored bytes) like any other.
 """
@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 
 from kvstore import files
-from kvstore.format import PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_PACKED_CHAIN, HEADER_SIZE, Header
+from kvstore.format import PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TABLE_CHAIN, PAYLOAD_ABI_ZSTD_CHAIN, HEADER_SIZE, Header
 from kvstore.payload import read_manifest
 from kvhelpers import checkpoint_files, flip, make_store
 
-pytest.importorskip("zstandard")
 
 BLOCK = 64
 TOKENS = 300
@@ -90,8 +89,8 @@ def test_packed_chain_is_smaller_and_loads_bit_exact(tmp_path, into):
     with make_store(packed, block_tokens=BLOCK, kv_codec="lossless") as s:
         assert s.kv_codec == "lossless"
         text, tensors, e = save(s)
-        assert e.payload_abi == PAYLOAD_ABI_PACKED_CHAIN
-        assert {x.payload_abi for x in s.entries()} == {PAYLOAD_ABI_PACKED_CHAIN}
+        assert e.payload_abi == PAYLOAD_ABI_TABLE_CHAIN
+        assert {x.payload_abi for x in s.entries()} == {PAYLOAD_ABI_TABLE_CHAIN}
     assert dir_bytes(packed) < 0.85 * dir_bytes(raw)
     with make_store(packed) as s:                 # any store reads them; this one writes raw
         hit = s.find(text + b"more")
@@ -113,7 +112,7 @@ def test_the_manifest_records_each_packed_tensor(tmp_path):
         planes = form.planes
         n = dict((r[0], r[4]) for r in m.tensors)[name]
         assert stored == sum(length for _, length in planes) < n
-        assert planes[0] == ("raw", n // 2) and planes[1][0] == "zstd"     # mantissa raw, exponent packed
+        assert planes[0] == ("raw", n // 2) and planes[1][0] == "table"    # mantissa raw, exponent packed
 
 
 def test_incompressible_blocks_stay_abi_17(tmp_path):
@@ -133,7 +132,7 @@ def test_raw_and_packed_blocks_make_one_chain(tmp_path):
     with make_store(tmp_path / "a", block_tokens=BLOCK, kv_codec="lossless") as s:
         text, tensors, _ = save(s)
         abis = sorted(x.payload_abi for x in s.entries())
-        assert abis[0] == PAYLOAD_ABI_CHAIN and abis[-1] == PAYLOAD_ABI_PACKED_CHAIN
+        assert abis[0] == PAYLOAD_ABI_CHAIN and abis[-1] == PAYLOAD_ABI_TABLE_CHAIN
         ck = s.load(s.find(text))
         assert ck is not None and all(same(ck.tensors[k], v, "numpy") for k, v in tensors.items())
     with make_store(tmp_path / "b", block_tokens=BLOCK, kv_codec="lossless") as s:
@@ -145,8 +144,8 @@ def test_raw_and_packed_blocks_make_one_chain(tmp_path):
 
 
 def older_build(monkeypatch, packed=()):
-    """What a build from before ABI 81 knows: ABIs 16 and 17 load, 17 and 49
-    are blocks; packed=(81,): one from before ABI 145 (test_quantized)."""
+    """What a build from before ABI 209 knows: ABIs 16 and 17 load, 17 and 49
+    are blocks; packed=(209,): one from before ABI 145 (test_quantized)."""
     from kvstore import codec, format, index, index_snapshot
     loadable, blocks = frozenset({16, 17, *packed}), frozenset({17, 49, *packed})
     monkeypatch.setattr(format, "LOADABLE_ABIS", loadable)
@@ -157,7 +156,7 @@ def older_build(monkeypatch, packed=()):
     monkeypatch.setattr(codec.PlainCodec, "abis", loadable)
 
 
-def test_a_reader_without_abi_81_misses_cleanly(tmp_path, monkeypatch):
+def test_a_reader_without_abi_209_misses_cleanly(tmp_path, monkeypatch):
     """To an older build the packed blocks are foreign files: a lookup
     stops at the last raw block before them, and loads it."""
     with make_store(tmp_path, block_tokens=BLOCK, kv_codec="raw") as s:
@@ -171,6 +170,31 @@ def test_a_reader_without_abi_81_misses_cleanly(tmp_path, monkeypatch):
         ck = s.load(hit)
         assert same(ck.tensors["k"], tensors["k"][:, :, :130], "numpy")
         assert len(s.entries()) == len(checkpoint_files(tmp_path))        # listed, counted, kept
+
+
+def test_a_retired_zstd_block_is_a_foreign_file(tmp_path):
+    """ABI 81 (zstd planes, builds before table planes) is no longer read:
+    such a block is listed and counted, and a lookup stops before it."""
+    with make_store(tmp_path, block_tokens=BLOCK, kv_codec="raw") as s:
+        save(s, n=130, snapshot=False)
+    with make_store(tmp_path, block_tokens=BLOCK, kv_codec="lossless") as s:
+        text, tensors, e = save(s, snapshot=False)
+    packed_files = [p for p in (os.path.join(tmp_path, n) for n in checkpoint_files(tmp_path))
+                    if read_abi(p) == PAYLOAD_ABI_TABLE_CHAIN]
+    assert packed_files
+    for p in packed_files:
+        rewrite_abi(p, PAYLOAD_ABI_ZSTD_CHAIN)
+    with make_store(tmp_path) as s:
+        hit = s.find(text)
+        assert hit is not None and hit.tokens == 130 and hit.payload_abi == PAYLOAD_ABI_CHAIN
+        assert len(s.entries()) == len(checkpoint_files(tmp_path))
+        assert sum(x.payload_abi == PAYLOAD_ABI_ZSTD_CHAIN for x in s.entries()) == len(packed_files)
+
+
+def read_abi(path):
+    """The payload ABI in a checkpoint file's header."""
+    with open(path, "rb") as f:
+        return Header.unpack(f.read(HEADER_SIZE)).payload_abi
 
 
 def test_damage_to_a_packed_block_is_found_and_falls_back(tmp_path, caplog):

@@ -1,4 +1,4 @@
-"""Payload ABI 16 through KVStore (SPEC section 3): every dtype from NumPy and
+"""Payload ABI 16 through KVStore (docs/format.md §3): every dtype from NumPy and
 MLX, into NumPy and MLX, odd shapes, non-contiguous inputs, meta JSON, and the
 byte layout of the file as written."""
 
@@ -11,7 +11,7 @@ import struct
 import numpy as np
 import pytest
 
-from kvstore import _reference
+import reference
 from kvstore.payload import DTYPES
 from kvhelpers import checkpoint_files, make_store
 
@@ -259,7 +259,7 @@ def test_non_contiguous_mlx_inputs(store):
         check_mlx_result(ck.tensors[name], src.dtype, bits(src))
 
 
-# ---- file layout (SPEC section 3) ---------------------------------------------
+# ---- file layout (docs/format.md §3) ---------------------------------------------
 
 def parse(path):
     raw = open(path, "rb").read()
@@ -293,7 +293,7 @@ def test_file_layout(store, text_len):
     assert f["reserved"] == 0
     assert (P + f["data_off"]) % 4096 == 0
     assert f["data_off"] >= 24 + f["mlen"]
-    assert f["mcrc"] == _reference.crc32c(f["manifest_raw"])
+    assert f["mcrc"] == reference.crc32c(f["manifest_raw"])
     assert P + f["payload_bytes"] == len(raw) == entry.file_size     # no trailer
 
     m = f["manifest"]
@@ -315,7 +315,7 @@ def test_file_layout(store, text_len):
         assert off + n <= f["payload_bytes"]
         block = raw[P + off:P + off + n]
         assert block == want, name
-        assert crc == _reference.crc32c(block), name
+        assert crc == reference.crc32c(block), name
         end = off + n
 
 

@@ -1,6 +1,6 @@
 """Byte planes (csrc/planes.c through kvstore._native): the filter that puts
 byte p of every element of a block into plane p, and its inverse, against
-the pure-Python twins in kvstore._reference, over pieces cut anywhere on
+the pure-Python twins in tests/reference.py, over pieces cut anywhere on
 element boundaries (a chain block's tensor lies in memory as one run per
 head)."""
 
@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore import _native, _reference
+from kvstore import _native
+
+import reference
 
 
 def cut(data, width, points):
@@ -27,10 +29,10 @@ def test_split_and_join_match_the_reference(width, elements, points, seed):
     pieces = cut(data, width, points)
     planes = [bytearray(elements) for _ in range(width)]
     _native.planes_split(pieces, planes)
-    assert [bytes(p) for p in planes] == _reference.planes_split(pieces, width)
+    assert [bytes(p) for p in planes] == reference.planes_split(pieces, width)
     out = [bytearray(len(p)) for p in pieces]
     _native.planes_join([bytes(p) for p in planes], out)
-    assert [bytes(b) for b in out] == _reference.planes_join([bytes(p) for p in planes], [len(p) for p in pieces])
+    assert [bytes(b) for b in out] == reference.planes_join([bytes(p) for p in planes], [len(p) for p in pieces])
     assert b"".join(out) == data
 
 

@@ -1,4 +1,4 @@
-"""PromptCache policy (SPEC section 7) on a byte-level toy engine.
+"""PromptCache policy (docs/format.md §7) on a byte-level toy engine.
 
 The toy engine's tokens are bytes and its "KV state" is the list of tokens it
 has prefilled, so every restore can be checked exactly: the state loaded from

@@ -1,12 +1,14 @@
 """kvstore._native.quantize / dequantize (csrc/quant.c) against their NumPy
-twins in kvstore._reference, bit for bit: every dtype, both widths, the
+twins in tests/reference.py, bit for bit: every dtype, both widths, the
 group sizes a block may have, and the values that test the conversions
 (half subnormals, the largest halves, constant groups, signs)."""
 
 import numpy as np
 import pytest
 
-from kvstore import _native, _reference
+from kvstore import _native
+
+import reference
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
@@ -40,14 +42,14 @@ def test_quantize_and_dequantize_equal_the_numpy_twin(dtype, bits, group):
     for seed in range(3):
         src = values(dtype, 64 * 40, seed)
         got = native(src, dtype, bits, group)
-        want = _reference.quantize(src, dtype, bits, group)
+        want = reference.quantize(src, dtype, bits, group)
         assert got[0] and want[0]
         assert got[1] == want[1], "integers differ"
         assert got[2] == want[2], "scales differ"
         assert got[3] == want[3], "biases differ"
         out = np.empty_like(src)
         _native.dequantize(got[1], got[2], got[3], dtype, bits, group, memoryview(out).cast("B"))
-        assert out.tobytes() == _reference.dequantize(got[1], got[2], got[3], dtype, bits, group)
+        assert out.tobytes() == reference.dequantize(got[1], got[2], got[3], dtype, bits, group)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -58,17 +60,17 @@ def test_values_that_are_not_finite_are_refused(dtype):
         src = x.astype(np.float16) if dtype == "float16" else \
             (x.view(np.uint32) >> 16).astype(np.uint16) if dtype == "bfloat16" else x
         assert native(src, dtype, 8, 64)[0] is False
-        assert _reference.quantize(src, dtype, 8, 64)[0] is False
+        assert reference.quantize(src, dtype, 8, 64)[0] is False
 
 
 def test_a_range_past_the_dtype_is_refused():
     x = np.array([3e38, -3e38] * 32, np.float32)
     assert native(x, "float32", 8, 64)[0] is False      # max - min overflows float32
-    assert _reference.quantize(x, "float32", 8, 64)[0] is False
+    assert reference.quantize(x, "float32", 8, 64)[0] is False
     # The half's extremes: the rounded-up scale would give back 65566, past 65504.
     h = np.array([65504.0, -65504.0] * 32, np.float16)
     assert native(h, "float16", 8, 64)[0] is False
-    assert _reference.quantize(h, "float16", 8, 64)[0] is False
+    assert reference.quantize(h, "float16", 8, 64)[0] is False
 
 
 def test_bad_arguments_name_the_value():

@@ -5,7 +5,7 @@ A store that quantises writes each chain block's positional float tensors
 integer tensors stay exact.  Every store reads them back, within the
 codec's error; Checkpoint.lossy says so, and the canary then uses the
 codec's tolerance: the model's own state passes, another model's fails.
-A build that knows only packed blocks (ABI 81) sees ABI 145 as foreign.
+A build that knows only packed blocks (ABI 209) sees ABI 145 as foreign.
 """
 
 import os
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvstore import files
-from kvstore.format import PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_LOSSY_CHAIN, PAYLOAD_ABI_PACKED_CHAIN
+from kvstore.format import PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_LOSSY_CHAIN, PAYLOAD_ABI_TABLE_CHAIN
 from kvstore.payload import quantizing
 from kvhelpers import checkpoint_files, make_store
 from test_packed import BLOCK, TOKENS, dir_bytes, manifest_of, older_build, rewrite_abi, save, state
@@ -56,7 +56,8 @@ def test_a_block_round_trips_within_the_codecs_error(codec, dtype):
         assert len(stored) <= RATIO[codec] * raw.nbytes
     out = np.zeros_like(raw)
     o = memoryview(out).cast("B")
-    quantizing.Form(codec, dtype, desc["group"]).unpack(stored, [o[:3000], o[3000:]], "p", "w")
+    w = raw.itemsize * 96                                       # runs of 96 elements: they end mid-group
+    quantizing.Form(codec, dtype, desc["group"]).unpack(stored, o, (0, w, raw.size // 96, w), "p", "w")
     assert rel(out, raw, dtype) <= ERROR[codec]
     # Every value inside its group's range: the ends are kept within one step.
     g, w = f32_of(out, dtype).reshape(-1, 64), f32_of(raw, dtype).reshape(-1, 64)
@@ -69,7 +70,8 @@ def test_constant_groups_and_unquantisable_blocks():
     desc, parts = quantizing.pack([memoryview(flat).cast("B")], "float32", "q4")
     out = np.zeros_like(flat)
     quantizing.Form("q4", "float32", desc["group"]).unpack(
-        b"".join(bytes(memoryview(p).cast("B")) for p in parts), [memoryview(out).cast("B")], "p", "w")
+        b"".join(bytes(memoryview(p).cast("B")) for p in parts), memoryview(out).cast("B"),
+        (0, out.nbytes, 1, 0), "p", "w")
     assert (out == flat).all()                       # a zero range is exact
     bad = flat.copy()
     bad[7] = np.nan
@@ -117,13 +119,13 @@ def test_the_manifest_names_the_codec_and_group(tmp_path):
 
 
 def test_a_build_without_abi_145_misses_cleanly(tmp_path, monkeypatch):
-    """A build that loads packed blocks (81) but not quantised ones: the
+    """A build that loads packed blocks (209) but not quantised ones: the
     quantised blocks are foreign files, the raw chain before them a hit."""
     with make_store(tmp_path, block_tokens=BLOCK, kv_codec="raw") as s:
         save(s, n=130, snapshot=False)
     with make_store(tmp_path, block_tokens=BLOCK, kv_codec="q8") as s:
         text, tensors, _ = save(s, snapshot=False)
-    older_build(monkeypatch, packed=(PAYLOAD_ABI_PACKED_CHAIN,))
+    older_build(monkeypatch, packed=(PAYLOAD_ABI_TABLE_CHAIN,))
     with make_store(tmp_path) as s:
         hit = s.find(text)
         assert hit is not None and hit.tokens == 130 and hit.payload_abi == PAYLOAD_ABI_CHAIN
@@ -132,22 +134,22 @@ def test_a_build_without_abi_145_misses_cleanly(tmp_path, monkeypatch):
         assert len(s.entries()) == len(checkpoint_files(tmp_path))
 
 
-@pytest.mark.parametrize("abi", [PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_PACKED_CHAIN])
+@pytest.mark.parametrize("abi", [PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TABLE_CHAIN])
 def test_a_quantised_row_under_another_abi_is_corrupt(tmp_path, abi):
-    """Only ABI 145 may hold quantised rows: under 81 or 17 the file is bad_manifest."""
+    """Only ABI 145 may hold quantised rows: under 209 or 17 the file is bad_manifest."""
     with make_store(tmp_path, block_tokens=BLOCK, kv_codec="q8") as s:
         text, _, e = save(s)
     rewrite_abi(e.path, abi)
     assert ("packed in a file whose ABI packs nothing" if abi == PAYLOAD_ABI_CHAIN
-            else "packed is not a block of zstd-planes") in files.verify_file(e.path)
+            else "packed is not a block of table-planes") in files.verify_file(e.path)
     with make_store(tmp_path) as s:
         ck = s.load(s.find(text))
         assert ck is None or ck.tokens.size < TOKENS
 
 
 def test_serve_takes_disk_kv_bits(tmp_path):
-    from kvstore.serve import server
-    p = server.build_parser()
+    from kvstore.serve import options, server
+    p = options.build_parser()
     opts, _ = p.parse_known_args(["--model", str(tmp_path), "--disk-kv-bits", "4"])
     assert opts.disk_kv_bits == 4
     assert server.main(["--model", str(tmp_path), "--disk-kv-bits", "8", "--kv-codec", "lossless"]) == 2
@@ -199,7 +201,7 @@ def test_stats_say_what_the_saves_stored_of_the_tensors_bytes(tmp_path):
 @pytest.mark.parametrize("codec", ["lossless", "q8"])
 def test_a_sealed_store_packs_before_it_encrypts(tmp_path, codec):
     """kv_codec with a key: the blocks are packed (or quantised), then
-    sealed (ABI 113 or 177: 81 or 145 + 32); the same key reads them back,
+    sealed (ABI 241 or 177: 209 or 145 + 32); the same key reads them back,
     a store without it sees foreign files."""
     pytest.importorskip("cryptography")
     import kvstore
@@ -210,7 +212,7 @@ def test_a_sealed_store_packs_before_it_encrypts(tmp_path, codec):
     with kvstore.KVStore(tmp_path / "s", key=key, block_tokens=BLOCK, durable=False, kv_codec=codec,
                          options=kvstore.Options(min_tokens=1)) as s:
         text, tensors, e = save(s)
-        inner = PAYLOAD_ABI_PACKED_CHAIN if codec == "lossless" else PAYLOAD_ABI_LOSSY_CHAIN
+        inner = PAYLOAD_ABI_TABLE_CHAIN if codec == "lossless" else PAYLOAD_ABI_LOSSY_CHAIN
         assert e.payload_abi == inner + 32
         assert s.stats()["kv_ratio"] < 0.8
     assert dir_bytes(tmp_path / "s") < 0.8 * dir_bytes(tmp_path / "raw")

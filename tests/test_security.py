@@ -1,4 +1,4 @@
-"""Security and privacy (SPEC section 12).
+"""Security and privacy (docs/format.md §12).
 
 - Modes: the directory 0700 and every file 0600 under umask 0 and 077, after
   every kind of write (test_store.py checks the basic save and quarantine
@@ -224,7 +224,7 @@ def test_only_40_hex_names_are_checkpoints(tmp_path):
             shutil.copyfile(e.path, os.path.join(s.path, n))
         os.mkdir(os.path.join(s.path, "sub"))
         shutil.copyfile(e.path, os.path.join(s.path, "sub", e.name))
-        upper = sha.upper() + ".kv"                                # accepted on read (SPEC section 2)
+        upper = sha.upper() + ".kv"                                # accepted on read (docs/format.md §2)
         os.rename(e.path, os.path.join(s.path, upper))
         assert [x.name for x in s.entries()] == [upper]
         assert s.stats()["bytes"] == e.file_size
@@ -318,7 +318,7 @@ def test_no_prompt_text_anywhere(tmp_path, caplog, capfd):
         ck = s.load(s.find(PROMPTS[0] + " more"))                                   # hit
         s.find(PIECES[0])                                                           # miss
         s.save_async(PROMPTS[1], list(range(50)), make_tensors(seed=1)).result()    # consumed on load
-        s.load(s.find(PROMPTS[1] + "!"))
+        s.load(s.find(PROMPTS[1] + "!"), consume=True)
         sessions.save(s, PROMPTS[2], [1, 2, 3], make_tensors(seed=2), title="work")
         info = sessions.list(s)
         attempt(sessions.switch, s, "zz")

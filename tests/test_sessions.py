@@ -1,4 +1,4 @@
-"""Agent sessions (SPEC section 9): save with a title, list, switch by hash prefix."""
+"""Agent sessions (docs/format.md §9): save with a title, list, switch by hash prefix."""
 
 import functools
 import os

@@ -1,4 +1,4 @@
-"""KVStore save/load semantics (SPEC sections 5, 6, 10-13): refusals, keeping
+"""KVStore save/load semantics (docs/format.md §5, §6, §10-§12): refusals, keeping
 compatible files, hit updates, consumption, async saves, stats, permissions,
 stale temporaries, wipe, close, and no prompt text in the logs."""
 
@@ -40,7 +40,7 @@ def messages(caplog):
     return [r.getMessage() for r in caplog.records if r.name.startswith("kvstore")]
 
 
-# ---- refusals (SPEC 6.1) ----------------------------------------------------
+# ---- refusals (docs/format.md §6) ----------------------------------------------------
 
 def test_refuses_too_few_tokens(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvstore")
@@ -78,7 +78,7 @@ def test_refusal_leaves_existing_checkpoints(tmp_path):
         assert checkpoint_files(s.path, temporaries=True) == [keep.name]
 
 
-# ---- an existing file (SPEC 6.2, 10) -------------------------------------------
+# ---- an existing file (docs/format.md §6, §10) -------------------------------------------
 
 def test_compatible_existing_file_is_kept(store):
     e1 = store.save("same text", [1, 2, 3], small_tensors(seed=1))
@@ -179,7 +179,7 @@ def test_smaller_context_file_is_kept_by_larger_store(tmp_path):
         assert kvstore.read_entry(e1.path).ctx_size == 2048
 
 
-# ---- load (SPEC section 5) -----------------------------------------------------
+# ---- load (docs/format.md §5) -----------------------------------------------------
 
 def test_load_touches_header(store):
     e = store.save("touch me", [1, 2], small_tensors())
@@ -211,16 +211,17 @@ def test_long_checkpoint_is_consumed_after_load(tmp_path):
     with make_store(tmp_path / "kv", options=Options(min_tokens=1, cold_max_tokens=10), layout="whole") as s:
         long_e = s.save("long one", list(range(11)), small_tensors())
         edge_e = s.save("edge one", list(range(10)), small_tensors())
-        ck = s.load(s.find("long one!"))
+        assert s.load(s.find("long one!")) is not None and os.path.exists(long_e.path)    # asked nothing
+        ck = s.load(s.find("long one!"), consume=True)
         assert ck is not None and ck.tokens.size == 11
         assert not os.path.exists(long_e.path)
         assert s.find("long one!") is None
-        assert s.load(s.find("edge one!")) is not None
+        assert s.load(s.find("edge one!"), consume=True) is not None
         assert os.path.exists(edge_e.path)                   # == cold_max_tokens stays
         assert s.stats()["consumed"] == 1
 
 
-# ---- save_async (SPEC 6.5) -------------------------------------------------------
+# ---- save_async (docs/format.md §6) -------------------------------------------------------
 
 def test_save_async_captures_arrays_at_call_time(store):
     k = np.arange(4096, dtype=np.float32)
@@ -360,7 +361,7 @@ def test_stats_counters(tmp_path):
         assert ck is not None
 
 
-# ---- permissions, temporaries (SPEC 11, 12) --------------------------------------------
+# ---- permissions, temporaries (docs/format.md §11, §12) --------------------------------------------
 
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o077, 0o277])
 def test_modes_whatever_the_umask(tmp_path, umask):
@@ -489,7 +490,7 @@ def test_everything_after_close_raises_store_closed(tmp_path):
     assert os.path.exists(e.path)                          # close deletes nothing
 
 
-# ---- privacy (SPEC 12) -------------------------------------------------------------
+# ---- privacy (docs/format.md §12) -------------------------------------------------------------
 
 def test_no_prompt_text_in_logs(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvstore")
@@ -505,7 +506,7 @@ def test_no_prompt_text_in_logs(tmp_path, caplog):
         s.load(s.find(secrets[0] + secrets[1]))                          # hit
         s.find(secrets[1])                                               # miss
         s.save_async(secrets[1], list(range(9)), small_tensors()).result()   # consumed on load
-        s.load(s.find(secrets[1] + " more"))
+        s.load(s.find(secrets[1] + " more"), consume=True)
         for i in range(8):                                               # evictions
             s.save(f"{secrets[2]} {i}", [1, 2], small_tensors(seed=i, n=2048))
         bad = s.save(secrets[1] + " corrupt", [1, 2], small_tensors())

@@ -1,4 +1,4 @@
-"""Trailer sections (SPEC section 10): framing, hooks, preservation, damage."""
+"""Trailer sections (docs/format.md §10): framing, hooks, preservation, damage."""
 
 import logging
 import mmap
@@ -9,7 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore import ExtFlag, _reference, trailers
+from kvstore import ExtFlag, trailers
+
+import reference
 from kvstore.trailers import (SECTION_HEADER, Section, TitleHook, ToolMapHook, encode_trailer,
                               hooks, parse_trailer, register, trailer_size)
 
@@ -23,7 +25,7 @@ _FRAME = struct.Struct("<B3sQI")
 
 
 def frame(bit, body, crc=None, reserved=b"\0\0\0", length=None):
-    crc = _reference.crc32c(body) if crc is None else crc
+    crc = reference.crc32c(body) if crc is None else crc
     return _FRAME.pack(bit, reserved, len(body) if length is None else length, crc) + body
 
 
@@ -416,7 +418,7 @@ def _check_result(buf, result):
     assert sum(16 + len(s.body) for s in sections) <= len(buf)
     # Every returned section is framed somewhere in buf with its CRC.
     for s in sections:
-        assert _FRAME.pack(s.bit, b"", len(s.body), _reference.crc32c(s.body))[4:] + s.body in bytes(buf)
+        assert _FRAME.pack(s.bit, b"", len(s.body), reference.crc32c(s.body))[4:] + s.body in bytes(buf)
 
 
 _QUIET = logging.getLogger("kvstore.test.fuzz")

@@ -98,17 +98,30 @@ def _error(message):
     print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
+def _serve(argv):
+    """`kvstore serve`: mlx-lm's server with kvstore's tier (kvstore.serve),
+    which sets up logging (its --log-level) itself.  Where mlx-lm cannot be
+    imported, --help still prints kvstore's own options and says what to
+    install; anything else is an error that says so."""
+    try:
+        from kvstore.serve import server
+    except ImportError as e:         # mlx-lm missing, or a release outside SUPPORTED_MLX_LM
+        why = f"{e}; `pip install 'kvstore[serve]'` installs what it needs"
+        if "-h" in argv or "--help" in argv:
+            from kvstore.serve import options
+            options.build_parser().print_help()
+            print(f"\nmlx_lm.server options: not available here ({why})")
+            return 0
+        _error(f"kvstore serve: {why}")
+        return 2
+    return server.main(argv)
+
+
 def main(argv=None):
     """Runs the `kvstore` command line; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        # mlx-lm's server sets up logging (its --log-level) itself.
-        try:
-            from kvstore import serve
-        except ImportError as e:         # mlx-lm missing, or a release outside SUPPORTED_MLX_LM
-            _error(f"kvstore serve: {e}")
-            return 2
-        return serve.main(argv[1:])
+        return _serve(argv[1:])
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     old_level, old_propagate = log.level, log.propagate

@@ -1,4 +1,4 @@
-"""Tensor payloads: ABI 16 (a whole prefix) and the blocks of ABI 17 and 81 chains (docs/format.md §3, §14, §20).
+"""Tensor payloads: ABI 16 (a whole prefix) and the blocks of ABI 17, 209 and 145 chains (docs/format.md §3, §14, §20).
 
 A payload is a 24-byte header, a JSON manifest and the blocks it names (the
 token ids, then each tensor), written in one pass and read straight into
@@ -13,7 +13,8 @@ Rooms:
     chains    chain reads: a chain of blocks into one set of tensors
     mlx_io    every MLX call: MLX arrays as write sources, loads into MLX
     plan      the write plan of one payload and the pass that writes it
-    packing   packed blocks: a tensor block as zstd-packed byte planes (ABI 81)
+    packing   packed blocks: a tensor block as byte planes, table planes where
+              they shrink (ABI 209)
 """
 
 from kvstore.payload.buffers import bytes_view, pread, pread_into, pwrite_from

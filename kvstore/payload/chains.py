@@ -21,8 +21,13 @@ from kvstore.errors import CorruptCheckpoint
 from kvstore.payload.buffers import bytes_view, pread_into, thread_scratch
 from kvstore.payload.manifest import BLOCK_ALIGN, DTYPES, align, numpy_dtype, read_manifest
 from kvstore.payload.pool import IO_THREADS, JOB_BYTES, MIN_SLICE, QUEUE_BYTES, check_crc, io_pool
+
+# Packed pieces go to the I/O threads in jobs of about this many stored
+# bytes: a block's tensor is a piece, and a job each would cost more in the
+# pool than unpacking a small one.
+PACKED_JOB = 4 << 20
 from kvstore.payload.whole import VirtualBlob, safetensors_head
-from kvstore.sources import as_source
+from kvstore.sources import as_source, sealed
 
 
 class Piece:
@@ -199,14 +204,10 @@ class Batch:
         """Queues [(buffer index, Piece)].  last: no more will come; a first
         and last add that fits one job runs at once, on the calling thread.
         pos: where the pieces begin in the stream of self.pace (each job
-        calls pace with its own place before it reads).  A packed piece is
-        a job of its own (_unpack)."""
+        calls pace with its own place before it reads).  Packed pieces go
+        in jobs of their own (_add_packed)."""
         if any(p.packed is not None for _, p in pieces):
-            pool = io_pool()
-            for b, p in pieces:
-                if p.packed is not None:
-                    self.pieces.append(p)
-                    self.jobs.append((pool.submit(self._unpack, pos, b, p), [(len(self.pieces) - 1, p.packed[0])]))
+            pos = self._add_packed([(b, p) for b, p in pieces if p.packed is not None], pos)
             pieces = [(b, p) for b, p in pieces if p.packed is None]
             if not pieces:
                 return
@@ -215,7 +216,7 @@ class Batch:
         total = sum(p.run * p.count for _, p in pieces)
         jobs = max(1, min(IO_THREADS, total // MIN_SLICE))
         src = pieces[0][1].fd if pieces else 0
-        if type(src) is not int and jobs > 1:
+        if sealed(src) and jobs > 1:
             # A sealed chain's blocks are kvstore.seal.SealedSource objects,
             # which decrypt and authenticate the chunks they read: the work
             # is planned once, chunk by chunk, and each job takes an equal
@@ -248,19 +249,36 @@ class Batch:
             self.jobs.append((pool.submit(self._read, pos, read, [part[2] for part in g]), [part[:2] for part in g]))
             pos += sum(part[1] for part in g)
 
-    def _unpack(self, pos, b, p):
-        """A packed piece's job: its stored bytes read and checked, then
-        unpacked into its runs; [(0, CRC32C of the stored bytes)]."""
+    def _add_packed(self, pieces, pos):
+        """Queues packed pieces in jobs of about PACKED_JOB stored bytes, in
+        order (a job per piece would cost more than unpacking a small one);
+        returns the stream position after them."""
+        pool, group, size = io_pool(), [], 0
+        for k, (b, p) in enumerate(pieces):
+            self.pieces.append(p)
+            group.append((len(self.pieces) - 1, b, p))
+            size += p.packed[0]
+            if size >= PACKED_JOB or k == len(pieces) - 1:
+                self.jobs.append((pool.submit(self._unpack, pos, [(b, p) for _, b, p in group]),
+                                  [(i, p.packed[0]) for i, _, p in group]))
+                pos += size
+                group, size = [], 0
+        return pos
+
+    def _unpack(self, pos, pieces):
+        """A job of packed pieces: each one's stored bytes read and checked,
+        then unpacked into its runs; [(0, CRC32C of its stored bytes)]."""
         if self.pace is not None:
             self.pace(pos)
-        stored, form = p.packed
-        buf = thread_scratch("packed", stored)
-        crc = pread_into(p.fd, buf, p.file_offset, p.path, crc=0)
-        if not self.verify or crc == p.crc:
-            dst = self.buffers[b]
-            form.unpack(buf, [dst[p.dst + r * p.stride:p.dst + r * p.stride + p.run]
-                              for r in range(p.count)], p.path, p.what)
-        return [(0, crc)]
+        out = []
+        for b, p in pieces:
+            stored, form = p.packed
+            buf = thread_scratch("packed", stored)
+            crc = pread_into(p.fd, buf, p.file_offset, p.path, crc=0)
+            if not self.verify or crc == p.crc:
+                form.unpack(buf, self.buffers[b], (p.dst, p.run, p.count, p.stride), p.path, p.what)
+            out.append((0, crc))
+        return out
 
     def _read(self, pos, read, parts):
         """A job: moves the read-ahead window to pos, then reads parts."""
@@ -385,7 +403,7 @@ class Prefetcher:
         snapshots = any(t.name not in layout.axes for t in layout.tensors)
         last = len(layout.blocks) - 1
         self.todo = [(i, fd, e.file_size) for i, (fd, e) in enumerate(layout.blocks)
-                     if type(fd) is int and (i == last or not snapshots or not e.restorable)]
+                     if not sealed(fd) and (i == last or not snapshots or not e.restorable)]
         # (A chain's blocks share a directory, hence a device.)
         self.ask = ask if ask is not None else host.prefetch_ask(self.todo[0][1], PREFETCH_ASK) if self.todo else 0
         self.limit = max(PREFETCH_BYTES, 4 * self.ask) if limit is None else limit
@@ -437,7 +455,7 @@ def queue_pieces(layout, batch, slots):
     let it go (up to the interpreter's switch interval, 5 ms) while it plans.
     """
     pending, size, late, at = [], 0, None, 0
-    step = QUEUE_BYTES if not layout.blocks or type(layout.blocks[0][0]) is int else float("inf")
+    step = QUEUE_BYTES if not layout.blocks or not sealed(layout.blocks[0][0]) else float("inf")
     ahead = Prefetcher(layout)
     ahead.advance(0)
     batch.pace = ahead.advance

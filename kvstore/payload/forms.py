@@ -1,36 +1,45 @@
 """A tensor block's stored form (docs/format.md §20): raw, packed lossless
-(kvstore.payload.packing: byte planes and zstd) or quantised lossy
-(kvstore.payload.quantizing: q8, q4).
+(kvstore.payload.packing: byte planes, table planes where they shrink) or
+quantised lossy (kvstore.payload.quantizing: q8, q4).
 
 pack() is what a save makes of a block for the store's kv_codec; parse()
 reads a manifest row's "packed" object back, checked, into the block's
 stored size and a Form that restores it.  The file's payload ABI says which
-codecs its rows may name (codecs_of_abi): a quantised block makes a file
-of ABI 145, which no build before quantised blocks loads.
+codecs its rows may name (codecs_of_abi): a packed block makes a file of ABI
+209, a quantised one of ABI 145, which no build before them loads.
+
+A Form restores its block with unpack(stored, dst, runs, path, what): the
+stored bytes into dst, a writable byte buffer, at runs = (offset, run,
+count, stride), count runs of run bytes stride apart (a chain block's rows
+in the tensor it lands in).
 """
 
-from kvstore.format import PAYLOAD_ABI_LOSSY_CHAIN, PAYLOAD_ABI_PACKED_CHAIN
+from kvstore.format import PAYLOAD_ABI_LOSSY_CHAIN, PAYLOAD_ABI_TABLE_CHAIN
 from kvstore.payload import packing, quantizing
 
 KV_CODECS = ("raw", "lossless", "q8", "q4")
 LOSSY = tuple(quantizing.BITS)
+# A lossless block that does not come below this share of its bytes is
+# stored raw: the bytes saved would not pay for the lookups.
+BLOCK_KEEP = 0.9
 _LOSSLESS = frozenset({packing.CODEC})
 
 
 def codecs_of_abi(abi):
     """The codecs a manifest row of a file of payload ABI abi may name."""
-    if abi == PAYLOAD_ABI_PACKED_CHAIN:
+    if abi == PAYLOAD_ABI_TABLE_CHAIN:
         return _LOSSLESS
     if abi == PAYLOAD_ABI_LOSSY_CHAIN:
-        return _LOSSLESS | frozenset(LOSSY)
+        return frozenset(LOSSY)
     return frozenset()
 
 
 def abi_of(codecs, plain_abi):
-    """The payload ABI of a chain block whose rows name codecs."""
+    """The payload ABI of a chain block whose rows name codecs (one store
+    writes one kv_codec: lossless and lossy rows never meet in a block)."""
     if any(c in LOSSY for c in codecs):
         return PAYLOAD_ABI_LOSSY_CHAIN
-    return PAYLOAD_ABI_PACKED_CHAIN if codecs else plain_abi
+    return PAYLOAD_ABI_TABLE_CHAIN if codecs else plain_abi
 
 
 def lossiest(codecs):
@@ -58,7 +67,8 @@ def pack(kv_codec, dtype, width, nbytes, pieces):
     if kv_codec == "lossless":
         planes, parts = packing.pack(pieces, width)
         size = packing.stored_size(planes)
-        return ({"codec": packing.CODEC, "stored": size, "planes": planes}, parts) if size < nbytes else None
+        return ({"codec": packing.CODEC, "stored": size, "planes": planes}, parts) \
+            if size <= BLOCK_KEEP * nbytes else None
     got = quantizing.pack(pieces, dtype, kv_codec)
     if got is None:
         return None
@@ -74,8 +84,8 @@ class _Planes:
     def __init__(self, planes):
         self.codec, self.planes = packing.CODEC, planes
 
-    def unpack(self, stored, pieces, path, what):
-        packing.unpack(stored, self.planes, pieces, path, what)
+    def unpack(self, stored, dst, runs, path, what):
+        packing.unpack(stored, self.planes, dst, runs, path, what)
 
 
 def parse(p, dtype, width, nbytes, codecs):

@@ -1,71 +1,50 @@
-"""Packed blocks: a tensor block stored as compressed byte planes.
+"""Packed blocks: a tensor block stored as byte planes, the compressible
+ones as table planes.
 
 A block of elements W bytes wide is split into W byte planes (plane p holds
-byte p of every element: kvstore._native.planes_split), and each plane is
-stored as a zstd frame or, where zstd does not shrink it below PLANE_KEEP
-of its size, as it is.  For the 16-bit floats of a KV cache the high plane
-(the sign and seven of the eight exponent bits) takes few values and
-shrinks; the low plane (the mantissa) is close to random and stays raw.
+byte p of every element: kvstore._native.planes_split).  Each plane is
+stored as a table plane (csrc/table.h: 4-bit codes into the plane's 16 most
+common values, the other bytes listed as exceptions) or, where that would
+not bring it below PLANE_KEEP of its size, as it is.  For the 16-bit floats
+of a KV cache the high plane (the sign and seven of the eight exponent bits
+of bfloat16) takes few values and halves; the low plane (the mantissa) is
+close to random and stays raw: a block stores about 0.75 of its bytes.
 
 The stored form of a block is its planes' stored bytes end to end; what
-each one is (["zstd", length] or ["raw", length]) is the caller's to
-record (the manifest's "planes").  unpack() checks that description
-against the block it rebuilds into before it writes a byte, and a frame
-that does not decompress to exactly one plane is CorruptCheckpoint, never
-bytes in the destination.
+each one is (["table", length] or ["raw", length]) is the caller's to
+record (the manifest's "planes").  unpack() checks that description and
+every table plane's form before it writes a byte; a plane that does not
+hold is CorruptCheckpoint, never bytes in the destination.
 
-zstd, not LZ4 or Blosc2: the exponent plane's values are few but not in
-runs, so it shrinks through an entropy coder (zstd's Huffman stage), which
-LZ4 has not (bench/lossless.py: a plane split and LZ4 stores 0.83 of the
-zoo's random bfloat16 blocks, zstd level 1 0.69); Blosc2 does the shuffle
-and its threads itself, but its Python package brings an HTTP client,
-pydantic and rich with it.  python-zstandard has no dependencies and
-releases the GIL while it decompresses.
+Why a table and not a general compressor (bench/lossless.py measures them
+on the zoo's blocks and on a trained model's KV): zstd over the same plane
+stores it in 0.37 of its size against the table's 0.50, so a block in 0.69
+against 0.75, but decodes at about 1 GB/s a core here, so a load from a
+warm page cache took 2.7 times a raw one's on 2 cores; LZ4 keeps its speed
+but not the bytes (0.83 of the block); Blosc2 does the shuffle and threads
+itself but brings an HTTP client, pydantic and rich with it.  The table
+decodes with one byte shuffle per sixteen values (SSSE3, NEON), so
+rebuilding a block costs what copying it does and the reads it saves are
+all gain.
 """
-
-import threading
 
 from kvstore import _native
 from kvstore.errors import CorruptCheckpoint
 
-CODEC = "zstd-planes"
-# zstd's fastest standard level: level 3 stored the same blocks 1-3% smaller
-# at 70-80% of the encode rate (bench/lossless.py).
-LEVEL = 1
-# A plane zstd cannot bring below this share of its size is stored raw:
-# decoding it would cost more than the bytes it saves.
-PLANE_KEEP = 0.95
-# A plane is first tried on a sample this long from its start: a plane the
-# sample shows incompressible (the mantissa's) is stored raw without
-# compressing all of it.
+CODEC = "table-planes"
+# A plane the table cannot bring below this share of its size is stored
+# raw: its bytes would hardly shrink and its rebuild would cost a lookup.
+PLANE_KEEP = 0.9
+KINDS = ("raw", "table")
+# A plane longer than twice this is first tried on its first SAMPLE bytes:
+# one the sample shows does not pay (the mantissa's) is stored raw without
+# counting all of it.
 SAMPLE = 64 << 10
-KINDS = ("raw", "zstd")
 # What is packed: the float dtypes of a KV cache, in blocks of at least
-# MIN_BYTES (a zstd frame's header is a dozen bytes; a block of a real
-# model's KV is 64 KiB or more a tensor).
+# MIN_BYTES (a table plane's head is 20 bytes; a block of a real model's KV
+# is 64 KiB or more a tensor).
 PACKABLE = frozenset({"bfloat16", "float16", "float32"})
 MIN_BYTES = 1 << 10
-
-_local = threading.local()
-
-
-def _zstd():
-    import zstandard
-    return zstandard
-
-
-def _compressor():
-    c = getattr(_local, "c", None)
-    if c is None:
-        c = _local.c = _zstd().ZstdCompressor(level=LEVEL)
-    return c
-
-
-def _decompressor():
-    d = getattr(_local, "d", None)
-    if d is None:
-        d = _local.d = _zstd().ZstdDecompressor()
-    return d
 
 
 def packable(dtype, nbytes):
@@ -85,23 +64,12 @@ def pack(pieces, width):
     _native.planes_split(pieces, split)
     planes, parts = [], []
     for plane in split:
-        packed = _shrunk(plane)
-        kind, part = ("zstd", packed) if packed is not None else ("raw", plane)
+        table = None if n > 2 * SAMPLE and _native.table_pack(memoryview(plane)[:SAMPLE], int(
+            PLANE_KEEP * SAMPLE)) is None else _native.table_pack(plane, int(PLANE_KEEP * n))
+        kind, part = ("table", table) if table is not None else ("raw", plane)
         planes.append([kind, len(part)])
         parts.append(part)
     return planes, parts
-
-
-def _shrunk(plane):
-    """plane as a zstd frame, or None where that would not shrink it below PLANE_KEEP."""
-    n = len(plane)
-    if not n:
-        return None
-    c = _compressor()
-    if n > 2 * SAMPLE and len(c.compress(memoryview(plane)[:SAMPLE])) > PLANE_KEEP * SAMPLE:
-        return None
-    frame = c.compress(plane)
-    return frame if len(frame) <= PLANE_KEEP * n else None
 
 
 def stored_size(planes):
@@ -111,18 +79,20 @@ def stored_size(planes):
 
 def check_planes(planes, width, nbytes):
     """None when planes can describe a block of nbytes bytes of width-byte
-    elements, else what is wrong (for the caller's CorruptCheckpoint)."""
+    elements, else what is wrong (for the caller's CorruptCheckpoint).  A
+    table plane's own form is checked as it is read (unpack)."""
     if not isinstance(planes, list) or len(planes) != width:
         return f"planes is not a list of {width}"
     for p in planes:
         if (not isinstance(p, list) or len(p) != 2 or p[0] not in KINDS or type(p[1]) is not int
                 or p[1] < 0 or (p[0] == "raw" and p[1] != nbytes // width)):
-            return f"plane {p!r} is not [\"raw\", {nbytes // width}] or [\"zstd\", length]"
+            return f"plane {p!r} is not [\"raw\", {nbytes // width}] or [\"table\", length]"
     return None
 
 
-def unpack(stored, planes, pieces, path, what):
-    """Rebuilds a packed block into pieces (writable buffers in order).
+def unpack(stored, planes, dst, runs, path, what):
+    """Rebuilds a packed block into dst (a writable byte buffer) at runs,
+    (offset, run, count, stride): count runs of run bytes, stride apart.
 
     Args:
         stored: the block's stored bytes (a buffer of stored_size(planes)).
@@ -130,34 +100,12 @@ def unpack(stored, planes, pieces, path, what):
         path, what: name the block in errors.
 
     Raises:
-        CorruptCheckpoint: "bad_payload" when a plane's frame does not
-            decompress to exactly one plane's bytes.
+        CorruptCheckpoint: "bad_payload" when the stored bytes are not the
+            planes' size or a table plane's form does not hold.
     """
-    mv = memoryview(stored).cast("B")
-    n = sum(memoryview(b).nbytes for b in pieces) // len(planes)
-    if mv.nbytes != stored_size(planes):
-        raise CorruptCheckpoint("bad_payload", path, f"{what}: {mv.nbytes} stored bytes, its planes "
-                                f"{stored_size(planes)}")
-    out, at = [], 0
-    for kind, length in planes:
-        part = mv[at:at + length]
-        at += length
-        out.append(part if kind == "raw" else _inflate(part, n, path, what))
-    _native.planes_join(out, pieces)
-
-
-def _inflate(frame, n, path, what):
-    """One plane of n bytes from its zstd frame.  The frame must say its
-    size (every frame pack writes does), and say n: zstd sizes its output
-    by the frame's word, so a frame that claimed more would allocate it."""
-    z = _zstd()
-    try:
-        size = z.frame_content_size(frame)
-        if size != n:
-            raise CorruptCheckpoint("bad_payload", path, f"{what}: a plane's frame holds {size} bytes, not {n}")
-        plane = _decompressor().decompress(frame, max_output_size=n, allow_extra_data=False)
-    except z.ZstdError as e:
-        raise CorruptCheckpoint("bad_payload", path, f"{what}: a plane does not decompress: {e}") from None
-    if len(plane) != n:
-        raise CorruptCheckpoint("bad_payload", path, f"{what}: a plane decompresses to {len(plane)} bytes, not {n}")
-    return plane
+    if memoryview(stored).nbytes != stored_size(planes):
+        raise CorruptCheckpoint("bad_payload", path, f"{what}: {memoryview(stored).nbytes} stored bytes, "
+                                f"its planes {stored_size(planes)}")
+    offset, run, count, stride = runs
+    _native.table_join(stored, [(kind == "table", length) for kind, length in planes], dst,
+                       offset, run, count, stride, path, what)

@@ -178,7 +178,7 @@ class Plan:
         used (empty when none shrank).  Until then payload_bytes is the raw
         size, a bound on the packed one.
 
-        Each tensor is packed on the I/O pool (the planes split, zstd and
+        Each tensor is packed on the I/O pool (the planes split, the table planes and
         the quantising run mostly with the GIL released); the packed bytes
         are held until write().
         """

@@ -25,7 +25,7 @@ Restoring multiplies out into the tensor's dtype (bfloat16 rounded to the
 nearest even, as MLX casts); the canary (kvstore.mlx.canary) then checks
 the state with the tolerance of the codec (LOSSY_TOLERANCE there).  Both
 directions run in C with the GIL released (csrc/quant.c; its NumPy twin is
-kvstore._reference.quantize / dequantize).
+tests/reference.py: quantize, dequantize).
 """
 
 from kvstore import _native
@@ -118,8 +118,11 @@ class Form:
     def __init__(self, codec, dtype, group):
         self.codec, self.dtype, self.group = codec, dtype, group
 
-    def unpack(self, stored, pieces, path, what):
-        """Restores the block into pieces (writable buffers in order) from its stored bytes."""
+    def unpack(self, stored, dst, runs, path, what):
+        """Restores the block from its stored bytes into dst at runs
+        (offset, run, count, stride: kvstore.payload.forms)."""
+        offset, run, count, stride = runs
+        pieces = [dst[offset + r * stride:offset + r * stride + run] for r in range(count)]
         mv = memoryview(stored).cast("B")
         count = sum(memoryview(p).nbytes for p in pieces) // _WIDTH[self.dtype]
         bits, w = BITS[self.codec], _WIDTH[self.dtype]

@@ -20,6 +20,7 @@ from kvstore import _native
 from kvstore.payload.buffers import bytes_view, pread_into
 from kvstore.payload.manifest import numpy_dtype
 from kvstore.payload.pool import check_crc, join_slices, read_block, submit_slices
+from kvstore.sources import sealed
 
 
 def read_tokens(fd, entry, manifest, verify=True):
@@ -128,7 +129,7 @@ class VirtualBlob(io.RawIOBase):
 
     def _queue_all(self, mv):
         crc0 = 0 if self.verify else None
-        if type(self.fd) is not int:
+        if sealed(self.fd):
             # A sealed file's view decrypts whole chunks: one read of the
             # blob's range (its tags vouch for every byte; no CRCs).
             self.pending.append(("blob", None, submit_slices(pread_into, self.fd, mv,

@@ -13,7 +13,7 @@ import time
 from kvstore import policy
 from kvstore.errors import KVStoreError, RemoteError
 from kvstore.files import short_name
-from kvstore.format import PREFIX_SIZE, Entry, ExtFlag, Header, Reason
+from kvstore.format import PREFIX_SIZE, Entry, ExtFlag, Header, Reason, prefix_text_bytes
 from kvstore.remote.options import layout_prefix, parse_key
 from kvstore.remote.s3 import ERROR, UNAVAILABLE, Failure, classify
 
@@ -56,18 +56,13 @@ def read_header(bucket, obj):
         r = bucket.get_range(obj.key, 0, PREFIX_SIZE)
         raw = r["Body"].read()
         r["Body"].close()
-        h = Header.unpack(raw)
+        h, text_len = Header.unpack(raw), prefix_text_bytes(raw)
     except Exception as e:                  # noqa: BLE001 - a gone or foreign object is skipped
         f = classify(e) if not isinstance(e, KVStoreError) else Failure(ERROR, "bad_header")
         if f.kind == UNAVAILABLE:
             raise RemoteError(f"reading {obj.key}: {f.code}") from e
         return None
-    text_len = int.from_bytes(raw[48:52], "little")
-    return Entry(sha=obj.sha, path=obj.key, quant_bits=h.quant_bits, reason=h.reason,
-                 ext_flags=h.ext_flags, model_id=h.model_id, tokens=h.tokens, hits=h.hits,
-                 ctx_size=h.ctx_size, payload_abi=h.payload_abi, created_at=h.created_at,
-                 last_used=h.last_used, payload_bytes=h.payload_bytes, text_bytes=text_len,
-                 file_size=obj.size, parent=obj.parent or "")
+    return Entry.from_header(h, obj.sha, obj.key, text_len, obj.size, parent=obj.parent or "")
 
 
 def _unreadable(obj):

@@ -95,6 +95,8 @@ class SealedSource:
         grid: the body's chunks (the seal head's Grid).
     """
 
+    sealed = True               # (the Source protocol: kvstore.sources)
+
     def __init__(self, fd, path, key, aad, tags, grid):
         self.fd, self.path, self.key, self.aad, self.tags = fd, path, key, aad, tags
         self.grid, self.body, self.chunks = grid, grid.body, grid.count

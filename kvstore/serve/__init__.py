@@ -56,9 +56,21 @@ own options, hands every other option to mlx-lm's own argument parser and
 runs the server in this process.
 """
 
-from kvstore.serve.generator import TieredResponseGenerator, split_at_waypoints
-from kvstore.serve.server import SUPPORTED_MLX_LM, build_parser, main
-from kvstore.serve.tier import TieredPromptCache
+import importlib
+
+# Where each public name lives.  They are imported when first asked for, so
+# that kvstore.serve.options (the option parser, which `kvstore serve --help`
+# prints) imports without MLX or mlx-lm installed.
+_NAMES = {"TieredResponseGenerator": "generator", "split_at_waypoints": "generator",
+          "SUPPORTED_MLX_LM": "server", "main": "server", "build_parser": "options",
+          "TieredPromptCache": "tier"}
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'kvstore.serve' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvstore.serve.{_NAMES[name]}"), name)
 
 __all__ = ["TieredPromptCache", "TieredResponseGenerator", "split_at_waypoints", "build_parser", "main",
            "SUPPORTED_MLX_LM"]

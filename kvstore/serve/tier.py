@@ -251,7 +251,7 @@ class TieredPromptCache(ReportingPromptCache):
         if self.metrics is not None:
             self.metrics.loading(+1)
         try:
-            ckpt = self.store.load(found.entry, into="mlx")
+            ckpt = self.store.load(found.entry, into="mlx", consume=True)
             if ckpt is None:
                 return None
             n = len(ckpt.tokens)

@@ -49,8 +49,6 @@ import logging
 import threading
 import time
 
-from mlx_lm import server as mlx_server
-
 from kvstore import policy
 from kvstore.serve.metrics import WARM_OUTCOMES
 
@@ -90,6 +88,7 @@ class WarmPrompt:
     def request(self):
         """A new mlx-lm CompletionRequest of this prompt (mlx-lm's tokenization
         may rewrite a chat's content parts, so each use gets its own copy)."""
+        from mlx_lm import server as mlx_server         # (this module's options parse without mlx-lm)
         if self.messages is not None:
             return mlx_server.CompletionRequest("chat", "", copy.deepcopy(self.messages), None, None)
         return mlx_server.CompletionRequest("text", self.prompt, [], None, None)
@@ -268,6 +267,7 @@ def _key_lines(text):
 def generation_arguments(cli):
     """mlx-lm's GenerationArguments of a warm prompt: the served model, one
     greedy token, no penalties (the prompt's state is what is wanted)."""
+    from mlx_lm import server as mlx_server
     return mlx_server.GenerationArguments(
         model=mlx_server.ModelDescription(model=DEFAULT_MODEL, draft=DEFAULT_MODEL, adapter=None),
         sampling=mlx_server.SamplingArguments(temperature=0.0, top_p=cli.top_p, top_k=cli.top_k, min_p=cli.min_p,

@@ -12,6 +12,7 @@
 #include "planes.h"
 #include "quant.h"
 #include "sha1.h"
+#include "table.h"
 
 #define NLEN 64               /* lengths per kvs_sha1_prefixes call */
 
@@ -334,6 +335,49 @@ static void check_quant(void)
     check(kvs_quantize(bad, 64, KVS_Q_F32, 8, 64, q, scales, biases) == -1, "quantize refuses inf", 64);
 }
 
+/* Table planes: a plane of more than 16 values encoded, checked and joined
+ * back with every decoder (portable, SSSE3, NEON) over runs that start on
+ * odd and even elements, equal to the source; a damaged form is refused.
+ * Returns the number of hardware decoders seen. */
+static int check_table(void)
+{
+    enum { N = 4099, W = 2 };
+    static uint8_t plane[N], elems[N * W], stored[KVS_TABLE_SIZE(N, N)], back[N * W + 1];
+    for (size_t i = 0; i < N; i++) {
+        unsigned r = (unsigned)(next_u64() % 1000);
+        plane[i] = (uint8_t)(r < 990 ? 0x3C + r % 12 : r);      /* 12 common values, some others */
+        elems[i * W] = next_byte();
+        elems[i * W + 1] = plane[i];
+    }
+    uint8_t table[16];
+    size_t e = kvs_table_plan(plane, N, table);
+    kvs_table_encode(plane, N, table, e, stored);
+    check(e > 0 && kvs_table_check(stored, KVS_TABLE_SIZE(N, e), N) == 0, "table plane checks", e);
+    uint8_t low[N];
+    for (size_t i = 0; i < N; i++) low[i] = elems[i * W];
+    kvs_plane planes[W] = {{low, 0}, {stored, 1}};
+    static const size_t cuts[] = {0, 1, 2, 33, 34, 100, 1001, 4000, N};
+    static const int impls[] = {KVS_IMPL_PORTABLE, KVS_IMPL_X86, KVS_IMPL_ARM};
+    int hw = 0;
+    for (int k = 0; k < 3; k++) {
+        if (kvs_table_select(impls[k]) != 0) continue;
+        hw += impls[k] != KVS_IMPL_PORTABLE;
+        memset(back, 0xEE, sizeof back);
+        for (size_t c = 0; c + 1 < sizeof cuts / sizeof cuts[0]; c++)
+            kvs_table_join(back + cuts[c] * W, planes, W, N, cuts[c], cuts[c + 1] - cuts[c]);
+        check(memcmp(back, elems, N * W) == 0, kvs_table_impl_name(), N);
+        check(back[N * W] == 0xEE, "table join stays in its runs", N);
+    }
+    kvs_table_select(KVS_IMPL_AUTO);
+    check(kvs_table_check(stored, KVS_TABLE_SIZE(N, e) - 1, N) != 0, "table plane of a wrong length", N);
+    uint8_t *places = stored + KVS_TABLE_HEAD + (N + 1) / 2;
+    uint8_t keep = places[0];
+    places[0] = places[4], places[1] = places[5], places[2] = places[6], places[3] = places[7];
+    check(kvs_table_check(stored, KVS_TABLE_SIZE(N, e), N) != 0, "table places out of order", N);
+    places[0] = keep;
+    return hw;
+}
+
 int main(void)
 {
     static const int impls[] = {KVS_IMPL_X86, KVS_IMPL_X86_AVX512, KVS_IMPL_ARM};
@@ -399,7 +443,9 @@ int main(void)
     check_fits();
     check_planes(buf);
     check_quant();
-    printf("sha1 hardware paths: %d, crc32c hardware paths: %d\n", hw_sha, hw_crc);
+    int hw_table = check_table();
+    printf("sha1 hardware paths: %d, crc32c hardware paths: %d, table hardware paths: %d\n", hw_sha, hw_crc,
+           hw_table);
     printf("%d passed, %d failed\n", passed, failed);
     free(buf);
     return failed != 0;

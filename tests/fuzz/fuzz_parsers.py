@@ -43,7 +43,10 @@ with _instrumented:
     import numpy as np
 
     import kvstore
-    from kvstore import _reference, payload, trailers
+    from kvstore import payload, trailers
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))     # tests/: its helpers
+    import reference as _reference
+    from kvhelpers import index_of
     from kvstore import files
     from kvstore.errors import CorruptCheckpoint, KVStoreError
     from kvstore.format import PREFIX_SIZE, Entry, Header, read_entry
@@ -91,7 +94,7 @@ class Target:
         with open(e.path, "rb") as f:
             self.good = f.read()
         os.unlink(e.path)
-        self.store._index.discard(e.name)
+        index_of(self.store).discard(e.name)
         self.entry = read_entry_from_bytes(self.good)
         self.name = e.name
 
@@ -204,7 +207,7 @@ def check_file(target, blob, expect_original=False, name=None):
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        target.store._index.discard(name)
+        index_of(target.store).discard(name)
 
 
 def _check_path(target, path, blob, text, expect_original):

@@ -1,4 +1,5 @@
-"""Pure-Python twins of the C hot paths, for tests and as executable documentation.
+"""Pure-Python twins of the C hot paths, for the tests (a testing helper:
+the package does not ship it) and as executable documentation.
 
 Same names and results as kvstore._native: sha1 and sha1_prefixes on hashlib,
 crc32c on a bit-reflected table, the header on struct, byte planes on slices,

@@ -1,0 +1,223 @@
+/* table.c: table planes (see table.h). */
+#include <string.h>
+
+#include "cpu.h"
+#include "dispatch.h"
+#include "planes.h"
+#include "table.h"
+
+#if defined(KVS_HAVE_X86)
+#include <tmmintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+/* A join decodes a table plane STEP elements at a time into a buffer that
+ * stays in the first-level cache, then interleaves the planes from there. */
+#define STEP 2048
+
+static uint32_t load32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static void store32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); p[2] = (uint8_t)(v >> 16); p[3] = (uint8_t)(v >> 24);
+}
+
+size_t kvs_table_plan(const uint8_t *plane, size_t n, uint8_t table[16])
+{
+    size_t count[256] = {0};
+    for (size_t i = 0; i < n; i++) count[plane[i]]++;
+    int taken[256] = {0};
+    size_t covered = 0;
+    memset(table, 0, 16);
+    for (int k = 0; k < 16; k++) {
+        int best = -1;
+        for (int v = 0; v < 256; v++)
+            if (!taken[v] && count[v] && (best < 0 || count[v] > count[best])) best = v;
+        if (best < 0) break;
+        taken[best] = 1;
+        table[k] = (uint8_t)best;
+        covered += count[best];
+    }
+    return n - covered;
+}
+
+void kvs_table_encode(const uint8_t *plane, size_t n, const uint8_t table[16], size_t exceptions, uint8_t *out)
+{
+    uint8_t code[256];
+    memset(code, 15, sizeof code);
+    for (int k = 15; k >= 0; k--) code[table[k]] = (uint8_t)k;   /* a value twice in the table: its first */
+    memcpy(out, table, 16);
+    store32(out + 16, (uint32_t)exceptions);
+    uint8_t *codes = out + KVS_TABLE_HEAD;
+    uint8_t *places = codes + (n + 1) / 2, *values = places + 4 * exceptions;
+    size_t e = 0;
+    for (size_t i = 0; i < n; i += 2) {
+        uint8_t a = code[plane[i]], b = i + 1 < n ? code[plane[i + 1]] : 0;
+        codes[i / 2] = (uint8_t)(a | b << 4);
+        if ((a == 15 && table[15] != plane[i]) | (b == 15 && table[15] != plane[i + 1])) {
+            for (size_t j = i; j < i + 2 && j < n; j++)
+                if (table[code[plane[j]]] != plane[j]) {
+                    store32(places + 4 * e, (uint32_t)j);
+                    values[e++] = plane[j];
+                }
+        }
+    }
+}
+
+static unsigned code_at(const uint8_t *codes, size_t i)
+{
+    return i & 1 ? codes[i / 2] >> 4 : codes[i / 2] & 15;
+}
+
+int kvs_table_check(const uint8_t *stored, size_t len, size_t n)
+{
+    if (n > UINT32_MAX || len < KVS_TABLE_HEAD) return KVS_EBADTABLE;
+    size_t e = load32(stored + 16);
+    if (e > n || len != KVS_TABLE_SIZE(n, e)) return KVS_EBADTABLE;
+    const uint8_t *codes = stored + KVS_TABLE_HEAD, *places = codes + (n + 1) / 2;
+    for (size_t k = 0; k < e; k++) {
+        size_t at = load32(places + 4 * k);
+        if (at >= n || (k && at <= load32(places + 4 * (k - 1))) || code_at(codes, at) != 15)
+            return KVS_EBADTABLE;
+    }
+    return 0;
+}
+
+/* The decoders: out[i] = table[code first + i], for i < count. */
+typedef void (*decode_fn)(uint8_t *out, const uint8_t *codes, size_t first, size_t count, const uint8_t table[16]);
+
+static void decode_portable(uint8_t *out, const uint8_t *codes, size_t first, size_t count, const uint8_t table[16])
+{
+    size_t i = 0;
+    if (first & 1 && count) out[i++] = table[codes[first / 2] >> 4];
+    const uint8_t *c = codes + (first + i) / 2;
+    for (; i + 2 <= count; i += 2, c++) {
+        out[i] = table[*c & 15];
+        out[i + 1] = table[*c >> 4];
+    }
+    if (i < count) out[i] = table[*c & 15];
+}
+
+#if defined(KVS_HAVE_X86)
+__attribute__((target("ssse3")))
+static void decode_ssse3(uint8_t *out, const uint8_t *codes, size_t first, size_t count, const uint8_t table[16])
+{
+    size_t i = 0;
+    if (first & 1 && count) out[i++] = table[codes[first / 2] >> 4];
+    const uint8_t *c = codes + (first + i) / 2;
+    const __m128i t = _mm_loadu_si128((const __m128i *)table), low = _mm_set1_epi8(15);
+    for (; i + 32 <= count; i += 32, c += 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)c);
+        __m128i a = _mm_shuffle_epi8(t, _mm_and_si128(v, low));
+        __m128i b = _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), low));
+        _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi8(a, b));
+        _mm_storeu_si128((__m128i *)(out + i + 16), _mm_unpackhi_epi8(a, b));
+    }
+    decode_portable(out + i, codes, first + i, count - i, table);
+}
+#endif
+
+#if defined(__aarch64__)
+static void decode_neon(uint8_t *out, const uint8_t *codes, size_t first, size_t count, const uint8_t table[16])
+{
+    size_t i = 0;
+    if (first & 1 && count) out[i++] = table[codes[first / 2] >> 4];
+    const uint8_t *c = codes + (first + i) / 2;
+    const uint8x16_t t = vld1q_u8(table), low = vdupq_n_u8(15);
+    for (; i + 32 <= count; i += 32, c += 16) {
+        uint8x16_t v = vld1q_u8(c);
+        uint8x16_t a = vqtbl1q_u8(t, vandq_u8(v, low)), b = vqtbl1q_u8(t, vshrq_n_u8(v, 4));
+        vst1q_u8(out + i, vzip1q_u8(a, b));
+        vst1q_u8(out + i + 16, vzip2q_u8(a, b));
+    }
+    decode_portable(out + i, codes, first + i, count - i, table);
+}
+#endif
+
+static decode_fn decode = decode_portable;
+static const char *decode_name = "portable";
+
+int kvs_table_has(int impl)
+{
+    switch (impl) {
+    case KVS_IMPL_AUTO:
+    case KVS_IMPL_PORTABLE:
+        return 1;
+#if defined(KVS_HAVE_X86)
+    case KVS_IMPL_X86:
+        return kvs_cpu_has_ssse3();
+#endif
+#if defined(__aarch64__)
+    case KVS_IMPL_ARM:
+        return 1;                   /* NEON is part of every arm64 core */
+#endif
+    default:
+        return 0;
+    }
+}
+
+int kvs_table_select(int impl)
+{
+    if (impl == KVS_IMPL_AUTO) {
+#if defined(__aarch64__)
+        impl = KVS_IMPL_ARM;
+#else
+        impl = kvs_table_has(KVS_IMPL_X86) ? KVS_IMPL_X86 : KVS_IMPL_PORTABLE;
+#endif
+    }
+    if (!kvs_table_has(impl)) return -1;
+    decode = decode_portable, decode_name = "portable";
+#if defined(KVS_HAVE_X86)
+    if (impl == KVS_IMPL_X86) decode = decode_ssse3, decode_name = "ssse3";
+#endif
+#if defined(__aarch64__)
+    if (impl == KVS_IMPL_ARM) decode = decode_neon, decode_name = "neon";
+#endif
+    return 0;
+}
+
+const char *kvs_table_impl_name(void) { return decode_name; }
+
+/* Sets each exception of the table plane p whose place lies in [first,
+ * first + count) in dst, the block's elements from first on. */
+static void patch(uint8_t *dst, const uint8_t *stored, size_t n, size_t p, size_t width, size_t first, size_t count)
+{
+    size_t e = load32(stored + 16);
+    const uint8_t *places = stored + KVS_TABLE_HEAD + (n + 1) / 2, *values = places + 4 * e;
+    size_t lo = 0, hi = e;
+    while (lo < hi) {               /* the first exception at or after first */
+        size_t mid = lo + (hi - lo) / 2;
+        if (load32(places + 4 * mid) < first) lo = mid + 1; else hi = mid;
+    }
+    for (size_t k = lo; k < e; k++) {
+        size_t at = load32(places + 4 * k);
+        if (at >= first + count) break;
+        dst[(at - first) * width + p] = values[k];
+    }
+}
+
+void kvs_table_join(uint8_t *dst, const kvs_plane planes[], size_t width, size_t n, size_t first, size_t count)
+{
+    uint8_t step[KVS_PLANES_MAX][STEP];
+    const uint8_t *from[KVS_PLANES_MAX];
+    for (size_t done = 0; done < count;) {
+        size_t k = count - done < STEP ? count - done : STEP;
+        for (size_t p = 0; p < width; p++) {
+            if (planes[p].table) {
+                decode(step[p], planes[p].bytes + KVS_TABLE_HEAD, first + done, k, planes[p].bytes);
+                from[p] = step[p];
+            } else {
+                from[p] = planes[p].bytes + first + done;
+            }
+        }
+        kvs_planes_join(dst + done * width, from, 0, k, width);
+        done += k;
+    }
+    for (size_t p = 0; p < width; p++)
+        if (planes[p].table) patch(dst, planes[p].bytes, n, p, width, first, count);
+}
