@@ -27,13 +27,19 @@ static void store32(uint8_t *p, uint32_t v)
     p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); p[2] = (uint8_t)(v >> 16); p[3] = (uint8_t)(v >> 24);
 }
 
-size_t kvs_table_plan(const uint8_t *plane, size_t n, uint8_t table[16])
+/* The table: the 16 most common values of a sample of at most SAMPLE bytes
+ * spread evenly over the plane, most common first (ties by value); unused
+ * entries 0.  A table drawn from a sample is as valid as any: the bytes it
+ * misses are exceptions. */
+#define SAMPLE 16384
+
+static void choose_table(const uint8_t *plane, size_t n, uint8_t table[16])
 {
-    size_t count[256] = {0};
-    for (size_t i = 0; i < n; i++) count[plane[i]]++;
-    int taken[256] = {0};
-    size_t covered = 0;
+    uint32_t count[256] = {0};
+    size_t step = n > SAMPLE ? n / SAMPLE : 1;
+    for (size_t i = 0; i < n; i += step) count[plane[i]]++;
     memset(table, 0, 16);
+    int taken[256] = {0};
     for (int k = 0; k < 16; k++) {
         int best = -1;
         for (int v = 0; v < 256; v++)
@@ -41,32 +47,55 @@ size_t kvs_table_plan(const uint8_t *plane, size_t n, uint8_t table[16])
         if (best < 0) break;
         taken[best] = 1;
         table[k] = (uint8_t)best;
-        covered += count[best];
     }
-    return n - covered;
 }
 
-void kvs_table_encode(const uint8_t *plane, size_t n, const uint8_t table[16], size_t exceptions, uint8_t *out)
+/* Exceptions are looked for in runs of RUN bytes: a run none of whose bytes
+ * is one (the common case) costs one flag test. */
+#define RUN 64
+
+size_t kvs_table_pack(const uint8_t *plane, size_t n, size_t max_exceptions, uint8_t *out)
 {
-    uint8_t code[256];
-    memset(code, 15, sizeof code);
+    if (n == 0 || n > UINT32_MAX) return 0;
+    uint8_t table[16], code[256];
+    choose_table(plane, n, table);
+    /* code[v]: v's code in the low nibble, 16 when v is an exception (not
+     * in the table, and not table[15], which code 15 stands for). */
+    memset(code, 15 | 16, sizeof code);
     for (int k = 15; k >= 0; k--) code[table[k]] = (uint8_t)k;   /* a value twice in the table: its first */
     memcpy(out, table, 16);
-    store32(out + 16, (uint32_t)exceptions);
     uint8_t *codes = out + KVS_TABLE_HEAD;
-    uint8_t *places = codes + (n + 1) / 2, *values = places + 4 * exceptions;
-    size_t e = 0;
-    for (size_t i = 0; i < n; i += 2) {
-        uint8_t a = code[plane[i]], b = i + 1 < n ? code[plane[i + 1]] : 0;
-        codes[i / 2] = (uint8_t)(a | b << 4);
-        if ((a == 15 && table[15] != plane[i]) | (b == 15 && table[15] != plane[i + 1])) {
-            for (size_t j = i; j < i + 2 && j < n; j++)
-                if (table[code[plane[j]]] != plane[j]) {
-                    store32(places + 4 * e, (uint32_t)j);
-                    values[e++] = plane[j];
-                }
+    uint8_t *places = codes + (n + 1) / 2;
+    uint8_t *values = places + 4 * max_exceptions;   /* moved down once the count is known */
+    size_t e = 0, even = n & ~(size_t)1;
+    for (size_t run = 0; run < even; run += RUN) {
+        size_t end = run + RUN < even ? run + RUN : even;
+        unsigned flags = 0;
+        for (size_t i = run; i < end; i += 2) {
+            unsigned a = code[plane[i]], b = code[plane[i + 1]];
+            codes[i / 2] = (uint8_t)((a & 15) | (b & 15) << 4);
+            flags |= a | b;
+        }
+        if (!(flags & 16)) continue;
+        for (size_t j = run; j < end; j++) {
+            if (!(code[plane[j]] & 16)) continue;
+            if (e == max_exceptions) return 0;
+            store32(places + 4 * e, (uint32_t)j);
+            values[e++] = plane[j];
         }
     }
+    if (n & 1) {                                      /* the last byte; the unused nibble is 0 */
+        unsigned a = code[plane[n - 1]];
+        codes[n / 2] = (uint8_t)(a & 15);
+        if (a & 16) {
+            if (e == max_exceptions) return 0;
+            store32(places + 4 * e, (uint32_t)(n - 1));
+            values[e++] = plane[n - 1];
+        }
+    }
+    store32(out + 16, (uint32_t)e);
+    memmove(places + 4 * e, values, e);
+    return KVS_TABLE_SIZE(n, e);
 }
 
 static unsigned code_at(const uint8_t *codes, size_t i)

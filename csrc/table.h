@@ -22,9 +22,9 @@
  *   E bytes    their values
  *
  * Byte i of the plane is table[code i], then each exception (place, value)
- * sets byte place to value; an exception's code is 15.  The writer puts the
- * plane's values in the table most common first (ties by value), so a plane
- * with at most 16 values has no exception.
+ * sets byte place to value; an exception's code is 15.  Any table makes a
+ * valid plane; the writer draws its table from a sample of the plane, most
+ * common values first.
  */
 #ifndef KVS_TABLE_H
 #define KVS_TABLE_H
@@ -36,12 +36,12 @@
 #define KVS_TABLE_SIZE(n, e) (KVS_TABLE_HEAD + ((n) + 1) / 2 + 5 * (e))
 #define KVS_EBADTABLE 1020          /* a table plane's form does not hold */
 
-/* The table of plane (n bytes) into table[16]; returns its exception count. */
-size_t kvs_table_plan(const uint8_t *plane, size_t n, uint8_t table[16]);
-
-/* plane's stored form into out (KVS_TABLE_SIZE(n, exceptions) bytes), with
- * the table and exception count kvs_table_plan gave. */
-void kvs_table_encode(const uint8_t *plane, size_t n, const uint8_t table[16], size_t exceptions, uint8_t *out);
+/* plane (n bytes) in its stored form into out, which has room for
+ * KVS_TABLE_SIZE(n, max_exceptions) bytes; returns the stored size, or 0
+ * when the plane has more than max_exceptions exceptions (out then holds
+ * nothing of use) or is empty.  The table is drawn from a sample of the
+ * plane, most common values first. */
+size_t kvs_table_pack(const uint8_t *plane, size_t n, size_t max_exceptions, uint8_t *out);
 
 /* 0 when stored (len bytes) is a table plane of n bytes: its length says its
  * exception count, whose places are strictly increasing, inside the plane and

@@ -105,8 +105,7 @@ cdef extern from "table.h" nogil:
     ctypedef struct kvs_plane:
         const uint8_t *bytes
         int table
-    size_t kvs_table_plan(const uint8_t *plane, size_t n, uint8_t *table)
-    void kvs_table_encode(const uint8_t *plane, size_t n, const uint8_t *table, size_t exceptions, uint8_t *out)
+    size_t kvs_table_pack(const uint8_t *plane, size_t n, size_t max_exceptions, uint8_t *out)
     int kvs_table_check(const uint8_t *stored, size_t len, size_t n)
     void kvs_table_join(uint8_t *dst, const kvs_plane *planes, size_t width, size_t n, size_t first, size_t count)
     int kvs_table_select(int impl)

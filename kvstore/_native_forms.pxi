@@ -140,22 +140,22 @@ cdef _q_sizes(str what, const uint8_t[::1] q, const uint8_t[::1] scales, const u
 
 
 def table_pack(const uint8_t[::1] plane, size_t limit):
-    """plane's table form (csrc/table.h) as bytes, or None when that would
-    take more than limit bytes; GIL released."""
-    cdef uint8_t table[16]
-    cdef size_t n = plane.shape[0], e, size
-    cdef const uint8_t *src = &plane[0] if n else NULL
+    """plane's table form (csrc/table.h) as a bytearray, or None when that
+    would take more than limit bytes; GIL released."""
+    cdef size_t n = plane.shape[0], size = 0, head
     if n == 0:
         return None
-    with nogil:
-        e = kvs_table_plan(src, n, table)
-    size = KVS_TABLE_HEAD + (n + 1) // 2 + 5 * e
-    if size > limit:
+    head = KVS_TABLE_HEAD + (n + 1) // 2
+    if limit < head:
         return None
-    out = PyBytes_FromStringAndSize(NULL, size)
-    cdef uint8_t *o = <uint8_t *>PyBytes_AS_STRING(out)
+    cdef size_t most = (limit - head) // 5
+    out = bytearray(head + 5 * most)
+    cdef uint8_t *o = out
     with nogil:
-        kvs_table_encode(src, n, table, e, o)
+        size = kvs_table_pack(&plane[0], n, most, o)
+    if size == 0:
+        return None
+    del out[size:]
     return out
 
 
