@@ -88,6 +88,8 @@ int kvs_io_set_prefault(int on) { (void)on; return 0; }
 static void populate(uint8_t *buf, size_t len) { (void)buf; (void)len; }
 #endif
 
+void kvs_populate(uint8_t *buf, size_t len) { populate(buf, len); }
+
 int kvs_pread_full(int fd, uint8_t *buf, size_t len, uint64_t off, uint32_t *crc)
 {
     while (len) {

@@ -26,6 +26,12 @@ int kvs_io_prefaults(void);
  * while no read runs. */
 int kvs_io_set_prefault(int on);
 
+/* Maps the pages of buf[0, len) for writing in one call where reads
+ * prefault (kvs_io_prefaults()), as a read does before it fills them: for
+ * code that fills fresh memory itself (a packed block's join).  Nothing
+ * elsewhere. */
+void kvs_populate(uint8_t *buf, size_t len);
+
 /* Reads len bytes at offset off into buf; *crc (if not NULL) is updated with
  * the CRC32C of the bytes read.  Returns 0, KVS_ESHORT or -errno. */
 int kvs_pread_full(int fd, uint8_t *buf, size_t len, uint64_t off, uint32_t *crc);

@@ -91,6 +91,7 @@ cdef extern from "io.h" nogil:
         int status
     size_t kvs_pread_pieces(kvs_piece *pieces, size_t n, int with_crc)
     void kvs_copy_runs(uint8_t *dst, const uint8_t *src, size_t run, size_t count, size_t stride)
+    void kvs_populate(uint8_t *buf, size_t len)
     int kvs_pwrite_full(int fd, const uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)
 
 

@@ -128,6 +128,7 @@ def dequantize(const uint8_t[::1] q, const uint8_t[::1] scales, const uint8_t[::
     if count == 0:
         return
     with nogil:
+        kvs_populate(&dst[0], <size_t>dst.shape[0])
         kvs_dequantize(&q[0], &scales[0], &biases[0], count, code, bits, group, &dst[0])
 
 
@@ -202,6 +203,9 @@ def table_join(stored, planes, dst, size_t offset, size_t run, size_t count, siz
                         rc = kvs_table_check(ps[p].bytes, lens[p], n)
                 if rc == 0:
                     for r in range(count):
+                        # Fresh destination memory: its pages mapped in one
+                        # call, as a read maps them (csrc/io.h).
+                        kvs_populate(<uint8_t *>out.buf + offset + r * stride, run)
                         kvs_table_join(<uint8_t *>out.buf + offset + r * stride, ps, width, n, first, run // width)
                         first += run // width
         finally:
