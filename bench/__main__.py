@@ -34,9 +34,9 @@ come from earlier runs (``--only`` keeps the others' results) with their
 machines; under each table's heading the run it comes from, its machine and
 its date.  It keeps the JSON results in bench/results/, draws bench/*.png
 from them (bench/plots.py; matplotlib, the `bench` extra) and rewrites the
-generated blocks of README.md and docs/format.md from them (bench/figures.py:
+generated blocks of README.md and docs/ from them (bench/figures.py:
 the headline rows, the remote tier, the sealed costs), so that no measured
-figure in either is typed by hand (tests/test_figures.py checks it).
+figure in them is typed by hand (tests/test_figures.py checks it).
 Nothing here imports kvstore.
 """
 
@@ -129,7 +129,7 @@ TARGETS_NOTE = """\
   `load_prompt_cache` reads the tensors and checks nothing. kvstore's hit
   finds the file by the prompt's bytes, opens every block of the chain,
   checks the CRC32C of every byte it loads, and has the live model
-  recompute the last restored token (the canary, docs/format.md §17) so that
+  recompute the last restored token (the canary, docs/semantics.md §17) so that
   a file of another model is never used. The row's note measures that work
   in the same run (the load row's difference, and the canary as the same
   hit with and without it, paired: its recomputed token costs more than

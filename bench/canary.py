@@ -7,7 +7,7 @@ one imported:
     python bench/canary.py --quick    # llama and qwen3_next, float32 and bfloat16; under a minute
     python bench/canary.py --json results.json --strict
 
-The canary (kvstore.mlx.canary, docs/format.md §17) has the live model
+The canary (kvstore.mlx.canary, docs/semantics.md §17) has the live model
 recompute part of a restored state and compares the K/V rows by relative L2
 distance; a restore passes when the distance is within its KV dtype's
 tolerance (canary.TOLERANCE).  A tolerance is right when every state the live

@@ -34,7 +34,7 @@ by row).  Each measurement runs both layouts, layout="chain" (block_tokens
    block of the chain tried, the last one a miss), against one hashlib.sha1
    of the prompt, interleaved sample by sample after a warm-up.  Opening a
    store on the directory: the first open lists it and reads every
-   envelope (then writes the index snapshot, docs/format.md §4); the next
+   envelope (then writes the index snapshot, docs/semantics.md §4); the next
    ones start from the snapshot (target <= 0.5 s), timed in the same run
    as the hashlib.sha1 pass.  Then the
    first find after another store on the directory saved a 100-block chain
@@ -458,7 +458,7 @@ class ChainText:
 
     def save(self, store):
         return store.save(self.text, self.ids, {"k": (self.ids % 251).astype(np.uint8)[:, None]},
-                          positional={"k": 0}, text_offsets=self.offsets, reason=kvstore.Reason.SHUTDOWN)
+                          positional={"k": 0}, text_offsets=self.offsets, reason=kvstore.format.Reason.SHUTDOWN)
 
 
 def save_elsewhere_and_move(ct, part, d):
@@ -639,7 +639,7 @@ def bench_lookup(report, tmp, quick):
 
 def bench_open(report, d, n_blocks, sha1, repeats):
     """Opens (and closes) a store on the directory of blocks, repeats times:
-    it starts from the index snapshot the first open wrote (docs/format.md
+    it starts from the index snapshot the first open wrote (docs/semantics.md
     §4), lists the names and reads no envelope.  Reported beside one
     hashlib.sha1 of the 400 KB prompt, timed in the same run."""
     samples = []

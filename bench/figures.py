@@ -1,14 +1,16 @@
-"""The measured figures that README.md and docs/format.md quote, generated from bench/results/.
+"""The measured figures that the docs quote, generated from bench/results/.
 
 Each generated block sits between two markers, ``<!-- TAG:start -->`` and
 ``<!-- TAG:end -->``:
 
-- README.md ``bench``: the headline rows of every harness, and the run and
-  machine each harness's rows come from;
-- README.md ``bench:remote``: the remote tier against the local one
+- README.md ``bench``: three headline rows (README_HEADLINE), and the run
+  and machine they come from;
+- docs/benchmarks.md ``bench:headline``: the headline rows of every harness
+  (HEADLINE), and the run and machine each harness's rows come from;
+- docs/remote.md ``bench:remote``: the remote tier against the local one
   (bench/remote.py);
 - docs/format.md ``bench:seal``: sealed against plain checkpoints (the
-  sealed rows of bench/store.py).
+  sealed rows of bench/store.py, §16's costs).
 
 ``python -m bench`` rewrites the blocks after a run (``write_blocks``);
 tests/test_figures.py checks that each block is what ``generate`` makes of
@@ -30,9 +32,10 @@ RESULTS = os.path.join(HERE, "results")
 MACHINE_FIELDS = ("cpu", "cpu_flags", "cores", "usable_cores", "platform")
 VERSION_FIELDS = ("python", "mlx", "mlx_lm", "kvstore", "implementation", "openssl")
 
-# The rows quoted in the README: (harness, substring of the comparison), or
-# (harness, substring, substrings its section must hold) where a harness
-# repeats a comparison per section (bench/shapes.py: per geometry and size).
+# The rows quoted in docs/benchmarks.md: (harness, substring of the
+# comparison), or (harness, substring, substrings its section must hold)
+# where a harness repeats a comparison per section (bench/shapes.py: per
+# geometry and size).
 HEADLINE = [
     ("foundation", "sha1 400 KB vs hashlib.sha1"),
     ("foundation", "sha1_prefixes 400 KB × 1000 lengths, random order vs one hashlib"),
@@ -78,6 +81,16 @@ HEADLINE = [
     ("serve_trace", "open loop at 50% of the closed loop's throughput: TTFT mean"),
     ("serve_trace", "after a restart, closed loop: TTFT mean"),
     ("canary", "canary llama bfloat16, tail: largest rounding vs smallest wrong-model distance"),
+]
+
+# The three rows README.md quotes, each one of HEADLINE: (harness, substring,
+# substrings its section must hold, the peer where the comparison does not
+# name it).  A load and a save at a real model's size against mlx-lm's own
+# prompt-cache files, and what a disk hit saves against a cold prefill.
+README_HEADLINE = [
+    ("shapes", "load into MLX, warm", ("Qwen3-8B:", "32,768 tokens"), "mlx-lm's load_prompt_cache"),
+    ("ttft", "TTFT 8,192 + 128 tokens: kvstore disk hit vs cold prefill", (), ""),
+    ("shapes", "durable save, 32,768 tokens", ("Qwen3-8B:",), "mlx-lm's save_prompt_cache + fsync"),
 ]
 
 # The KV behind each harness's rows, as its configuration sets it (the
@@ -191,20 +204,38 @@ def provenance(results, names):
 
 # ---------------------------------------------------------------- blocks
 
+def headline_row(results, name, needle, section=(), peer=""):
+    """One table row of a harness's row (HEADLINE's columns), or None when the results lack it."""
+    r = find_row(load_results(results, name), needle, section)
+    if r is None:
+        return None
+    ratio = r.get("ratio_text") or (f"{r['ratio']:.3g}" if isinstance(r["ratio"], (int, float)) else r["ratio"])
+    comparison = r["comparison"] + (f" vs {peer}" if peer else "")
+    return (f"| {comparison} | {headline_geometry(name, needle, r)} | {r.get('kvstore_cell', '')} "
+            f"| {r.get('peer_cell', '')} | {ratio} | {r.get('target', '')} | {r.get('result') or '—'} |")
+
+
+HEADER = ["| comparison | KV measured at | kvstore | peer | ratio (median) | target | result |",
+          "|---|---|---|---|---|---|---|"]
+
+
 def headline_block(results):
-    """README.md's table: the HEADLINE rows, then the runs they come from."""
-    lines = ["| comparison | KV measured at | kvstore | peer | ratio (median) | target | result |",
-             "|---|---|---|---|---|---|---|"]
-    for name, needle, *section in HEADLINE:
-        r = find_row(load_results(results, name), needle, *section)
-        if r is None:
-            continue
-        ratio = r.get("ratio_text") or (f"{r['ratio']:.3g}" if isinstance(r["ratio"], (int, float)) else r["ratio"])
-        lines.append(f"| {r['comparison']} | {headline_geometry(name, needle, r)} | {r.get('kvstore_cell', '')} "
-                     f"| {r.get('peer_cell', '')} | {ratio} | {r.get('target', '')} | {r.get('result') or '—'} |")
+    """docs/benchmarks.md's table: the HEADLINE rows, then the runs they come from."""
+    lines = list(HEADER)
+    lines += [row for row in (headline_row(results, *h) for h in HEADLINE) if row]
     lines += ["", f"Rows from {provenance(results, [h[0] for h in HEADLINE])} (bench/README.md stamps each "
                   "table with its run, machine and date). Rows marked toy come from models far smaller than "
                   "any served one; the real-size rows are bench/shapes.py's and bench/serve_sizes.py's."]
+    return "\n".join(lines)
+
+
+def readme_block(results):
+    """README.md's table: the three README_HEADLINE rows, then the runs they come from."""
+    lines = list(HEADER)
+    lines += [row for row in (headline_row(results, *h) for h in README_HEADLINE) if row]
+    lines += ["", f"Rows from {provenance(results, [h[0] for h in README_HEADLINE])}. The row marked toy "
+                  "comes from a model far smaller than any served one. docs/benchmarks.md has the headline "
+                  "row of every harness; bench/README.md every table, its machine and the method."]
     return "\n".join(lines)
 
 
@@ -217,7 +248,7 @@ def skipped(data):
 
 
 def remote_block(results):
-    """README.md's remote tier figures (bench/remote.py), or why there are none."""
+    """docs/remote.md's remote tier figures (bench/remote.py), or why there are none."""
     data = load_results(results, "remote")
     if data is None or skipped(data):
         why = skipped(data) if data else "no results yet"
@@ -259,8 +290,9 @@ def seal_block(results):
 
 # (file relative to the repository, marker tag, generator)
 BLOCKS = [
-    ("README.md", "bench", headline_block),
-    ("README.md", "bench:remote", remote_block),
+    ("README.md", "bench", readme_block),
+    ("docs/benchmarks.md", "bench:headline", headline_block),
+    ("docs/remote.md", "bench:remote", remote_block),
     ("docs/format.md", "bench:seal", seal_block),
 ]
 

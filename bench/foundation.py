@@ -357,19 +357,19 @@ def touch_ds4_fopen(path):
 
 def make_checkpoint(path):
     with open(path, "wb") as f:
-        f.write(kvstore.Header(quant_bits=16, tokens=100, ctx_size=4096, payload_bytes=0).pack()
+        f.write(kvstore.format.Header(quant_bits=16, tokens=100, ctx_size=4096, payload_bytes=0).pack()
                 + struct.pack("<I", 0))
 
 
 def read_hits(path):
-    return kvstore.read_entry(path).hits
+    return kvstore.format.read_entry(path).hits
 
 
 # ---------------------------------------------------------------- benchmarks
 
 def bench_sha1(report, data, repeats, label=""):
-    assert kvstore.sha1(data) == hashlib.sha1(data).digest()
-    s = compare({"kv": lambda: kvstore.sha1(data), "peer": lambda: hashlib.sha1(data).digest()}, repeats)
+    assert kvstore.format.sha1(data) == hashlib.sha1(data).digest()
+    s = compare({"kv": lambda: kvstore.format.sha1(data), "peer": lambda: hashlib.sha1(data).digest()}, repeats)
     report.add(f"sha1 400 KB{label} vs hashlib.sha1", stats(s["kv"], len(data)), stats(s["peer"], len(data)),
                "throughput", None if label else SHA1_MIN_THROUGHPUT_RATIO)
 
@@ -378,14 +378,14 @@ def bench_prefixes(report, data, repeats, rng):
     lengths = rng.sample(range(1, len(data) + 1), PREFIX_LENGTHS)
     lengths_sorted = sorted(lengths)
     expect = naive_prefixes_copy(data, lengths)
-    assert kvstore.sha1_prefixes(data, lengths) == expect
-    assert kvstore.sha1_prefixes(data, lengths_sorted) == naive_prefixes_copy(data, lengths_sorted)
+    assert kvstore.format.sha1_prefixes(data, lengths) == expect
+    assert kvstore.format.sha1_prefixes(data, lengths_sorted) == naive_prefixes_copy(data, lengths_sorted)
     short = lengths[:DS4_REHASH_LENGTHS]
-    assert ds4_prefixes_rehash(data, short) == kvstore.sha1_prefixes(data, short)
+    assert ds4_prefixes_rehash(data, short) == kvstore.format.sha1_prefixes(data, short)
 
     s = compare({
-        "random": lambda: kvstore.sha1_prefixes(data, lengths),
-        "sorted": lambda: kvstore.sha1_prefixes(data, lengths_sorted),
+        "random": lambda: kvstore.format.sha1_prefixes(data, lengths),
+        "sorted": lambda: kvstore.format.sha1_prefixes(data, lengths_sorted),
         "hashlib": lambda: hashlib.sha1(data).digest(),
         "copy": lambda: naive_prefixes_copy(data, lengths),
     }, repeats)
@@ -398,7 +398,7 @@ def bench_prefixes(report, data, repeats, rng):
                stats(s["random"]), stats(s["copy"]), "time", None)
 
     s = compare({
-        "kv": lambda: kvstore.sha1_prefixes(data, short),
+        "kv": lambda: kvstore.format.sha1_prefixes(data, short),
         "ds4": lambda: ds4_prefixes_rehash(data, short),
     }, max(3, repeats // 2))
     report.add(f"sha1_prefixes 400 KB × {DS4_REHASH_LENGTHS} lengths vs ds4 full rehash per length",
@@ -408,7 +408,7 @@ def bench_prefixes(report, data, repeats, rng):
 def bench_crc(report, data, repeats, label=""):
     c = _native.crc32c(b"123456789")
     assert c == 0xE3069283, hex(c)        # the CRC32C check value (RFC 3720)
-    s = compare({"kv": lambda: kvstore.crc32c(data), "peer": lambda: zlib.crc32(data)}, repeats,
+    s = compare({"kv": lambda: kvstore.format.crc32c(data), "peer": lambda: zlib.crc32(data)}, repeats,
                 warmup=1, sample_ns=0)
     report.add(f"crc32c 64 MiB{label} vs zlib.crc32", stats(s["kv"], len(data)), stats(s["peer"], len(data)),
                "throughput", None if label else CRC32C_MIN_THROUGHPUT_RATIO)
@@ -429,7 +429,7 @@ def bench_touch_single(report, tmp, repeats):
             calls[name] += 1
         return run
 
-    s = compare({"kv": counted("kv", kvstore.touch), "os": counted("os", touch_ds4_os),
+    s = compare({"kv": counted("kv", kvstore.format.touch), "os": counted("os", touch_ds4_os),
                  "fopen": counted("fopen", touch_ds4_fopen)}, repeats)
     lost = {name: calls[name] - read_hits(paths[name]) for name in paths}
     kv = stats(s["kv"])
@@ -469,7 +469,7 @@ def contend(fn, path, n, procs=2):
 
 
 def bench_touch_contended(report, tmp, runs, n):
-    fns = {"kv": kvstore.touch, "os": touch_ds4_os, "fopen": touch_ds4_fopen}
+    fns = {"kv": kvstore.format.touch, "os": touch_ds4_os, "fopen": touch_ds4_fopen}
     per_call = {name: [] for name in fns}
     lost = {name: 0 for name in fns}
     for r in range(runs):
@@ -506,7 +506,7 @@ def main(argv=None):
     payload = rng.randbytes(CRC_BYTES)
     report = Report()
 
-    report.section("Hashing: kvstore.sha1, sha1_prefixes and crc32c vs hashlib, zlib and ds4's rehash")
+    report.section("Hashing: kvstore.format.sha1, sha1_prefixes and crc32c vs hashlib, zlib and ds4's rehash")
     bench_sha1(report, prompt, repeats)
     bench_prefixes(report, prompt, repeats, rng)
     bench_crc(report, payload, crc_repeats)
@@ -521,7 +521,7 @@ def main(argv=None):
         if _native.implementation() != running:       # e.g. KVSTORE_PORTABLE=1 was set
             _native.select(sha1="portable", crc32c="portable")
 
-    report.section("Header touch: kvstore.touch vs the ds4 way (open, read, rewrite, close)")
+    report.section("Header touch: kvstore.format.touch vs the ds4 way (open, read, rewrite, close)")
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
         bench_touch_single(report, tmp, repeats)
         bench_touch_contended(report, tmp, touch_runs, touch_n)

@@ -206,7 +206,7 @@ def bench_lookup(local, reader, repeats):
     prompt = bytes(rng.integers(32, 127, size=PROMPT_BYTES, dtype=np.uint8))
     for _ in range(N_REMOTE):
         n = int(rng.integers(1000, PROMPT_BYTES - 1000))
-        reader.remote.index.add(kvstore.sha1(prompt[:n] + b"!").hex(), n, MiB)   # listed, never a match
+        reader.remote.index.add(kvstore.format.sha1(prompt[:n] + b"!").hex(), n, MiB)   # listed, never a match
     reader.find(prompt)
     samples = {"remote": [], "local": [], "sha1": []}
     for _ in range(repeats * FIND_SAMPLES_PER_REPEAT):

@@ -56,7 +56,7 @@ B. Decoding while another session's checkpoint loads (kvstore serve only;
    it (a cold prefill of P takes minutes on 2 cores): random KV arrays of
    the model's cache shapes but for the last token's, which the model
    computes over them (so the state passes the canary), the key the exact
-   bytes of P's token ids (kvstore.mlx.token_bytes_function of mlx-lm's own
+   bytes of P's token ids (kvstore.mlx.engine.token_bytes_function of mlx-lm's own
    tokenizer), chained blocks of 256 tokens, named by the model's identity
    (kvstore.mlx.model_fingerprint, as kvstore serve names it).
    Each round runs two fresh servers (with --admit-after 2, so that the
@@ -618,7 +618,9 @@ def write_checkpoint(model, cache_dir, hf, ids, seed, layout="chain"):
     import kvstore
     from kvstore.format import Reason
     from kvstore.identity import ModelIdentity
-    from kvstore.mlx import checked_state, model_fingerprint, text_offsets_function, token_bytes_function
+    from kvstore.mlx.codecs import checked_state
+    from kvstore.mlx import model_fingerprint
+    from kvstore.mlx.engine import text_offsets_function, token_bytes_function
 
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
@@ -639,7 +641,7 @@ def write_checkpoint(model, cache_dir, hf, ids, seed, layout="chain"):
     # The store as kvstore serve opens it (kvstore/serve/server.py: _Server),
     # with its defaults: chain layout, 256-token blocks.
     store = kvstore.KVStore(cache_dir, quant_bits=16,
-                            ctx_size=int(cfg.get("max_position_embeddings") or kvstore.mlx.DEFAULT_CTX_SIZE),
+                            ctx_size=kvstore.mlx.spec.ctx_size(cfg),
                             layout=layout, model_identity=identity)
     try:
         token_bytes = token_bytes_function(hf)

@@ -12,12 +12,12 @@ sample by sample (A, B, B, A, ...), after a warm-up wherever a call costs less
 than seconds; cells are median / min and targets are judged on the ratio of
 the medians:
 
-1. Lookup (docs/format.md §4): ``store.find(prompt)`` on a directory of N = 10 ..
+1. Lookup (docs/semantics.md §4): ``store.find(prompt)`` on a directory of N = 10 ..
    10,000 checkpoints against a Python port of ds4's
    ``ds4_kvstore_find_text_prefix`` (hashlib SHA1 of the prompt prefix for
    every candidate, ds4's skip rules, directory listing order), and against one
    hashlib.sha1 of the whole prompt.
-2. Load (docs/format.md §5) of a 0.5 GiB KV state, first load in a fresh process
+2. Load (docs/semantics.md §5) of a 0.5 GiB KV state, first load in a fresh process
    with a warm page cache and a second one in the same process, against
    mlx-lm's ``load_prompt_cache``, ``mx.load`` of the same safetensors,
    ``np.load`` of the tensors as .npy and a raw sequential read of the .kv
@@ -27,7 +27,7 @@ the medians:
    payload ABI 17) of CHAIN_BLOCKS blocks at the default block size (and of
    twice as many at half that size) and loaded by the same children, against
    the ABI 16 file and against mlx-lm.
-3. Save (docs/format.md §6) of the same state, durable and not, against mlx-lm's
+3. Save (docs/semantics.md §6) of the same state, durable and not, against mlx-lm's
    ``save_prompt_cache``, ``mx.save_safetensors`` and ``np.save``; the file
    sizes against mlx-lm's.  The default path too: a save with KVStore's
    defaults (layout "chain", block_tokens 256, durable=True: every block
@@ -126,7 +126,7 @@ SAVE_DURABLE_MAX_TIME_RATIO = 1.0
 # 0.7x as fast as the plain ones, a sealed lookup within 10 % of a plain one.
 SEALED_MIN_SPEED = 0.7
 SEALED_LOOKUP_MAX_TIME_RATIO = 1.1
-RSS_SLACK_MIB = 64               # docs/format.md §5: peak RSS above the arrays themselves
+RSS_SLACK_MIB = 64               # docs/semantics.md §5: peak RSS above the arrays themselves
 
 MiB = 1024 * 1024
 
@@ -285,8 +285,8 @@ def ds4_find_text_prefix(entries, prompt, min_tokens, ctx_size, quant_bits=4, re
 
 def sparse_entry_header():
     """The 48 header bytes every generated entry shares."""
-    return kvstore.Header(quant_bits=ENTRY_QUANT_BITS, tokens=ENTRY_TOKENS, ctx_size=ENTRY_CTX_SIZE,
-                          payload_bytes=ENTRY_PAYLOAD_BYTES, reason=kvstore.Reason.COLD, payload_abi=16,
+    return kvstore.format.Header(quant_bits=ENTRY_QUANT_BITS, tokens=ENTRY_TOKENS, ctx_size=ENTRY_CTX_SIZE,
+                          payload_bytes=ENTRY_PAYLOAD_BYTES, reason=kvstore.format.Reason.COLD, payload_abi=16,
                           created_at=int(time.time())).pack()
 
 
@@ -368,11 +368,11 @@ class LookupDir:
         # 9,999 distinct lengths spread uniformly over 1..MAX_TEXT_BYTES-1, plus the
         # one real entry at MAX_TEXT_BYTES; N entries = the real one + the first N-1.
         self.lengths = rng.sample(range(1, MAX_TEXT_BYTES), max(LOOKUP_SIZES) - 1)
-        self.names = [d.hex() + ".kv" for d in kvstore.sha1_prefixes(bytes(MAX_TEXT_BYTES), self.lengths)]
+        self.names = [d.hex() + ".kv" for d in kvstore.format.sha1_prefixes(bytes(MAX_TEXT_BYTES), self.lengths)]
         self.options = kvstore.Options()
         # layout="whole": the real entry is an ABI 16 file like the sparse ones,
-        # so find() takes the flat pass of docs/format.md §4 (a chain block
-        # would make the directory a lookup forest, §14).
+        # so find() takes the flat pass of docs/semantics.md §4 (a chain block
+        # would make the directory a lookup forest, docs/format.md §14).
         self.store = kvstore.KVStore(directory, budget_mb=UNLIMITED_BUDGET_MB, quant_bits=ENTRY_QUANT_BITS,
                                      ctx_size=ENTRY_CTX_SIZE, options=self.options, durable=False,
                                      layout="whole")
@@ -492,7 +492,7 @@ def write_sparse_sealed_entry(directory, name, text_len, header, key_id, lookup_
     from kvstore.format import SEAL_HEAD, SEAL_MAGIC, SEAL_VERSION
     body = text_len + ENTRY_PAYLOAD_BYTES
     size = seal.BODY_OFFSET + body
-    h = kvstore.Header.unpack(header)
+    h = kvstore.format.Header.unpack(header)
     h.payload_abi, h.payload_bytes = 48, size - 52 - text_len
     fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -518,7 +518,7 @@ def bench_sealed_lookup(report, tmp, rng, quick):
     hit[0], miss[0] = 0x41, 0x42
     hit, miss = bytes(hit), bytes(miss)
     lengths = rng.sample(range(1, MAX_TEXT_BYTES), n - 1)
-    digests = kvstore.sha1_prefixes(bytes(MAX_TEXT_BYTES), lengths)
+    digests = kvstore.format.sha1_prefixes(bytes(MAX_TEXT_BYTES), lengths)
     names, tags = names_of(bytes(MAX_TEXT_BYTES), lengths, sealer.names)
     header = sparse_entry_header()
     stores, reals = {}, {}
@@ -965,7 +965,7 @@ def bench_load(report, tmp, rng, tensors, quick):
                     f"{statistics.median(rss('kv_numpy')):.0f} MiB; mx.load: "
                     f"{statistics.median(rss('mx_load')):.0f} MiB",
                passed=statistics.median(kv_rss) <= KV_BYTES / MiB + RSS_SLACK_MIB,
-               passed_target=f"kvstore ≤ arrays + {RSS_SLACK_MIB} MiB (docs/format.md §5)")
+               passed_target=f"kvstore ≤ arrays + {RSS_SLACK_MIB} MiB (docs/semantics.md §5)")
     report.add("file size: .kv (prompt text + token ids + tensors + CRCs) vs mlx_lm save_prompt_cache",
                {"bytes": kv_size}, {"bytes": st_size}, None,
                note=f".npy stream of the tensors: {os.path.getsize(npy_path):,} B")

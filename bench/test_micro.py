@@ -23,7 +23,7 @@ from store import ENTRY_CTX_SIZE, ds4_find_text_prefix, ds4_refresh
 
 @pytest.mark.benchmark(group="sha1 400 KB")
 def test_sha1_400k(benchmark, prompt):
-    assert benchmark(kvstore.sha1, prompt) == hashlib.sha1(prompt).digest()
+    assert benchmark(kvstore.format.sha1, prompt) == hashlib.sha1(prompt).digest()
 
 
 @pytest.mark.benchmark(group="sha1 400 KB")
@@ -35,13 +35,13 @@ def test_hashlib_sha1_400k(benchmark, prompt):
 
 @pytest.mark.benchmark(group="sha1_prefixes 400 KB x 1000")
 def test_sha1_prefixes_random(benchmark, prompt, prefix_lengths):
-    digests = benchmark(kvstore.sha1_prefixes, prompt, prefix_lengths)
+    digests = benchmark(kvstore.format.sha1_prefixes, prompt, prefix_lengths)
     assert digests == naive_prefixes_copy(prompt, prefix_lengths)
 
 
 @pytest.mark.benchmark(group="sha1_prefixes 400 KB x 1000")
 def test_sha1_prefixes_sorted(benchmark, prompt, prefix_lengths):
-    benchmark(kvstore.sha1_prefixes, prompt, sorted(prefix_lengths))
+    benchmark(kvstore.format.sha1_prefixes, prompt, sorted(prefix_lengths))
 
 
 @pytest.mark.benchmark(group="sha1_prefixes 400 KB x 1000")
@@ -57,7 +57,7 @@ def test_hashlib_copy_per_length(benchmark, prompt, prefix_lengths):
 
 @pytest.mark.benchmark(group="sha1_prefixes 400 KB x 100 (ds4 rehash)")
 def test_sha1_prefixes_100(benchmark, prompt, prefix_lengths):
-    benchmark(kvstore.sha1_prefixes, prompt, prefix_lengths[:100])
+    benchmark(kvstore.format.sha1_prefixes, prompt, prefix_lengths[:100])
 
 
 @pytest.mark.benchmark(group="sha1_prefixes 400 KB x 100 (ds4 rehash)")
@@ -69,7 +69,7 @@ def test_ds4_rehash_100(benchmark, prompt, prefix_lengths):
 
 @pytest.mark.benchmark(group="crc32c")
 def test_crc32c(benchmark, payload):
-    benchmark(kvstore.crc32c, payload)
+    benchmark(kvstore.format.crc32c, payload)
 
 
 @pytest.mark.benchmark(group="crc32c")
@@ -79,8 +79,8 @@ def test_zlib_crc32(benchmark, payload):
 
 # ---------------------------------------------------------------- header and envelope
 
-HEADER = kvstore.Header(quant_bits=4, tokens=8192, ctx_size=32768, payload_bytes=123_456_789,
-                        reason=kvstore.Reason.CONTINUED, hits=7, created_at=1_700_000_000,
+HEADER = kvstore.format.Header(quant_bits=4, tokens=8192, ctx_size=32768, payload_bytes=123_456_789,
+                        reason=kvstore.format.Reason.CONTINUED, hits=7, created_at=1_700_000_000,
                         last_used=1_700_000_100)
 
 
@@ -92,7 +92,7 @@ def test_header_pack(benchmark):
 @pytest.mark.benchmark(group="header")
 def test_header_unpack(benchmark):
     buf = HEADER.pack()
-    assert benchmark(kvstore.Header.unpack, buf) == HEADER
+    assert benchmark(kvstore.format.Header.unpack, buf) == HEADER
 
 
 # Peer: the same 48-byte layout with struct alone, no validation (docs/format.md §2).
@@ -113,15 +113,15 @@ def test_struct_unpack_peer(benchmark):
 
 @pytest.mark.benchmark(group="read_entry")
 def test_read_entry(benchmark, checkpoint):
-    assert benchmark(kvstore.read_entry, checkpoint).tokens == 100
+    assert benchmark(kvstore.format.read_entry, checkpoint).tokens == 100
 
 
 # ---------------------------------------------------------------- touch
 
 @pytest.mark.benchmark(group="touch")
 def test_touch(benchmark, checkpoint):
-    benchmark(kvstore.touch, checkpoint)
-    assert kvstore.read_entry(checkpoint).hits > 0
+    benchmark(kvstore.format.touch, checkpoint)
+    assert kvstore.format.read_entry(checkpoint).hits > 0
 
 
 @pytest.mark.benchmark(group="touch")

@@ -76,7 +76,7 @@ LOAD_SAMPLES = 21
 
 # Targets.
 MIN_SPEEDUP = 10.0               # cold TTFT / kvstore-hit TTFT
-MAX_CANARY_TIME_RATIO = 1.02     # kvstore hit with the canary / without (docs/format.md §17)
+MAX_CANARY_TIME_RATIO = 1.02     # kvstore hit with the canary / without (docs/semantics.md §17)
 # kvstore hit / mlx-lm hit, the median of the ratios of samples taken back
 # to back.  Moved from 1.0 on the medians (bench/README.md, "Targets
 # moved"): the kvstore hit does work the peer's does not (the lookup, a

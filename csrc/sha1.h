@@ -118,7 +118,7 @@ void kvs_hmac_sha1_outer(const kvs_hmac_key *k, const uint8_t inner[KVS_SHA1_DIG
  *
  * With outer 0 the nodes' digests are the inner hashes themselves,
  * SHA1(key ^ ipad || prefix): a SHA1 of the prefix in a namespace (a model's
- * plain files are named so, docs/format.md §17), which costs what a plain
+ * plain files are named so, docs/semantics.md §17), which costs what a plain
  * lookup does; tags are then ignored. */
 size_t kvs_sha1_forest_keyed(const uint8_t *data, size_t len,
                              const uint64_t *lengths, const uint8_t *digests, size_t n_nodes,

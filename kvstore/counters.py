@@ -1,4 +1,4 @@
-"""The directory's cumulative counters and its SSD write budget (docs/format.md §15).
+"""The directory's cumulative counters and its SSD write budget (docs/semantics.md §15).
 
 KVStore.stats() counts what one process did since it opened the store.  The
 numbers an operator wants (how much did this cache write today, how often
@@ -55,7 +55,7 @@ _FIRST_COUNTERS = ("saves", "bytes_written", "loads", "bytes_read", "hits", "mis
                    "bytes_evicted", "corrupt", "stores_skipped_write_budget")
 # Counters added since (their slots follow the write budget's): restores the
 # canary checked, and those it found made by another model or damaged
-# (kvstore.mlx.canary, docs/format.md §17).
+# (kvstore.mlx.canary, docs/semantics.md §17).
 _LATER_COUNTERS = ("canary_checks", "canary_failures")
 COUNTER_NAMES = _FIRST_COUNTERS + _LATER_COUNTERS
 

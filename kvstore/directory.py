@@ -1,4 +1,4 @@
-"""One open store directory: what every part of a store works on (docs/format.md §4-§11).
+"""One open store directory: what every part of a store works on (docs/semantics.md §4-§9, §11; docs/format.md §10).
 
 A Directory holds a store's settings, its lookup index, the in-process
 lock, the directory's shared counters and the store's codec, and the few
@@ -124,7 +124,7 @@ class Directory:
         if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
             raise CheckpointOSError(errno.EACCES, "store directory is not readable and writable", self.path)
         if self.identity is not None:
-            # Names the model in kvstore ls and stats (docs/format.md §17).
+            # Names the model in kvstore ls and stats (docs/semantics.md §17).
             with self.dir_lock(fcntl.LOCK_EX):
                 registry.record(self.path, self.identity, self.durable)
 
@@ -176,7 +176,7 @@ class Directory:
 
     def dir_lock(self, mode):
         """The directory's advisory lock: shared while blocks are published,
-        exclusive while evicting (docs/format.md §11)."""
+        exclusive while evicting (docs/semantics.md §11)."""
         return DirLock(os.path.join(self.path, LOCK_NAME), mode)
 
     # -- removing files -------------------------------------------------------
@@ -287,13 +287,13 @@ class Directory:
             out["budget_bytes"] = self.budget_bytes
             out["budget_derived"] = self.budget_derived
             entries = list(self.index.entries.values())
-        # Every model's share of the directory and its one budget (docs/format.md §17).
+        # Every model's share of the directory and its one budget (docs/semantics.md §17).
         out["models"] = registry.summarize(entries, registry.read_registry(self.path))
         live, out["pinned_bytes"] = pins_mod.present(self.path, entries, int(time.time()))
         out["pins"] = len(live)
         out["write_budget"] = (None if self.write_budget_bytes is None
                                else self.counters.report(self.write_budget_bytes)["write_budget"])
-        # How a durable save reaches the disk here (docs/format.md §11).
+        # How a durable save reaches the disk here (docs/semantics.md §11).
         out["sync"] = files.SYNC_PRIMITIVE if self.durable else "none"
         out["sync_fallbacks"] = files.sync_fallbacks()
         return out

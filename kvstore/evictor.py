@@ -1,4 +1,4 @@
-"""What an eviction pass removes, decided in one place (docs/format.md §8).
+"""What an eviction pass removes, decided in one place (docs/semantics.md §8).
 
 ``plan`` is the one function behind ``KVStore.evict`` (which deletes its
 victims, in order) and ``kvstore evict --dry-run`` (which prints them):

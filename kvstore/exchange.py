@@ -53,7 +53,7 @@ def export_checkpoint(store, entry, path, plain=False):
         raise CorruptCheckpoint("not_loadable", entry.path, "vanished, corrupt or not for this store (see the log)")
     e = ckpt.entry
     n = int(ckpt.tokens.size)
-    # The file names its model as the store's own files do (docs/format.md §17).
+    # The file names its model as the store's own files do (docs/semantics.md §17).
     model = store.model_identity if e.model_tag else None
     plan = payload.Plan(len(ckpt.text_bytes), ckpt.tokens, ckpt.tensors, ckpt.meta, axes=ckpt.positional,
                         cuts={t: c for t, c in ckpt.cuts.items() if t < n}, dtypes=ckpt.dtypes, model=model)
@@ -75,7 +75,7 @@ def import_checkpoint(store, path):
 
     Args:
         store: the KVStore to import into (its model id and its model
-            identity must be the file's, docs/format.md §17).
+            identity must be the file's, docs/semantics.md §17).
         path: the file.
 
     Returns:

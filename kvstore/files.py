@@ -14,7 +14,7 @@ nothing of lookups, budgets or models:
 
 A new file is written and put in place by kvstore.publish.
 
-See docs/format.md §6 (save), §11 (durability) and §12 (privacy).
+See docs/semantics.md §6 (save), §11 (durability) and §12 (privacy).
 """
 
 import errno
@@ -45,7 +45,7 @@ WIPE_BLOCK = 1 << 20
 
 # verify_file and crc_range stream every block through one buffer of this
 # size, so checking a file of any size costs a few MiB of memory, far inside
-# the 64 MiB a load may use on top of its arrays (docs/format.md §5).
+# the 64 MiB a load may use on top of its arrays (docs/semantics.md §5).
 VERIFY_CHUNK = 4 << 20
 
 
@@ -86,7 +86,7 @@ def describe_error(err):
 # durable.  A power cut before that flush keeps a prefix of the steps in
 # their order (a chain prefix, as on Linux); a save that returned is durable.
 # Elsewhere each step's fsync is durable already and the end adds nothing
-# (docs/format.md §11).
+# (docs/semantics.md §11).
 
 # <sys/fcntl.h> on macOS; Python's fcntl module does not name it everywhere.
 F_BARRIERFSYNC = 85
@@ -418,7 +418,7 @@ def _name_hasher(entry, model):
     the one-line reason the file's model is not what its header says).
 
     A file that names its model (header tag) is named in that model's
-    namespace, and its manifest carries the identity (docs/format.md §17).
+    namespace, and its manifest carries the identity (docs/semantics.md §17).
     """
     if not entry.model_tag:
         return hashlib.sha1(), None

@@ -19,6 +19,9 @@ import struct
 import time
 
 from kvstore import _native
+# The digests and the CRC of the format, as the rest of it uses them
+# (kvstore.format.sha1, .sha1_prefixes, .crc32c: csrc/, GIL released).
+from kvstore._native import crc32c, sha1, sha1_prefixes  # noqa: F401
 from kvstore.errors import CorruptCheckpoint, KVStoreError, UnsafePath, os_error
 
 HEADER_SIZE = 48
@@ -236,7 +239,7 @@ class Entry:
     # b"" otherwise.
     key_id: bytes = b""
     lookup_tag: bytes = b""
-    # The header's model tag (0: the file names no model; docs/format.md §17).
+    # The header's model tag (0: the file names no model; docs/semantics.md §17).
     model_tag: int = 0
 
     @classmethod

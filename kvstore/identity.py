@@ -1,4 +1,4 @@
-"""Model identities (docs/format.md §17): which model a checkpoint belongs to.
+"""Model identities (docs/semantics.md §17): which model a checkpoint belongs to.
 
 A KV state is right only for the model that computed it: another model's
 state of the same shapes (a fine-tune, a re-quantised copy, another seed of
@@ -101,3 +101,26 @@ def tag_hex(tag):
 
 
 __all__ = ["ModelIdentity", "as_identity", "tag_hex", "TAG_MAX", "MAX_IDENTITY_CHARS"]
+
+
+def check_holds(path, held, wanted, open_with):
+    """The one check that a store holds the state of the model at hand:
+    another model's state would restore without an error and answer wrongly
+    (docs/semantics.md §17).
+
+    Args:
+        path: the store's directory (for the message).
+        held: the store's model identity string, or None (it names none).
+        wanted: the identity string of the model at hand, or None (no model given).
+        open_with: how to open the store for that model (for the message).
+
+    Raises:
+        ValueError: held is not wanted, saying which each is.
+    """
+    if held == wanted:
+        return
+    if wanted is None:
+        raise ValueError(f"the store at {path} holds model {held}: pass the model (or its MLXEngine) to save "
+                         "or load its state")
+    raise ValueError(f"the store at {path} holds the state of model {held or '(none named)'}, not of this one "
+                     f"({wanted[:16]}…): open it with {open_with}")

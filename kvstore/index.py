@@ -1,4 +1,4 @@
-"""The lookup index (docs/format.md §4, §14): text length -> {digest -> entry}.
+"""The lookup index (docs/semantics.md §4, docs/format.md §14): text length -> {digest -> entry}.
 
 A lookup asks for the digest of the prompt's first n bytes at every stored
 length n; the index keeps those lengths so that one SHA1 pass over the
@@ -133,7 +133,7 @@ class DirectoryIndex:
         """Brings the index up to date: the journal's changed names looked at
         again, or the directory listed when the journal cannot say what
         changed (kvstore.journal); returns True when entries changed.  The
-        first one starts from the directory's snapshot (docs/format.md §4)."""
+        first one starts from the directory's snapshot (docs/semantics.md §4)."""
         if self._mtime is None and self.journal is not None:
             return self._open()
         if force or self._mtime is None or self.journal is None:
@@ -207,7 +207,7 @@ class DirectoryIndex:
             self._changed()
         return changed
 
-    # -- the snapshot (docs/format.md §4) ---------------------------------------
+    # -- the snapshot (docs/semantics.md §4) ---------------------------------------
 
     def _open(self):
         """The first refresh: the directory's snapshot brought up to date from

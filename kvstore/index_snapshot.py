@@ -1,6 +1,6 @@
 """The index snapshot: a directory's index kept in the directory, so that a store opens without reading every file.
 
-``<dir>/.index`` (0600, docs/format.md §4) holds the envelope fields of
+``<dir>/.index`` (0600, docs/semantics.md §4) holds the envelope fields of
 every checkpoint the index held when it was written (what
 kvstore.format.read_entry gives, less the path), with the file's inode,
 mtime and size; the directory it was made in (device and inode), the

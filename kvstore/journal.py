@@ -13,7 +13,7 @@ a journaled change's, so that nothing else changed it since.  A record
 was replaced or removed: no checkpoint changed, only the directory's mtime.
 
 The files stay the truth: the journal is a hint that lets kvstore.index
-skip a listing of the whole directory (docs/format.md §4).  A journal that
+skip a listing of the whole directory (docs/semantics.md §4).  A journal that
 is missing, rotated (another inode at the name) or damaged (a line that is
 not a checkpoint name) makes the reader list the directory once.  A change
 made without a record (another tool, an older kvstore, a record lost to a

@@ -1,4 +1,4 @@
-"""How a checkpoint file is named (docs/format.md §2, §16, §17).
+"""How a checkpoint file is named (docs/format.md §2, §16; docs/semantics.md §17).
 
 A file is named by a 20-byte digest of its whole text, made one of three ways:
 

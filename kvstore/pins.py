@@ -1,4 +1,4 @@
-"""Pins (docs/format.md §19): prefixes kept through eviction for a lifetime, in ``<dir>/.pins``.
+"""Pins (docs/semantics.md §19): prefixes kept through eviction for a lifetime, in ``<dir>/.pins``.
 
 A pin names one checkpoint file (its name, the SHA1 the file is named by),
 the unix second its lifetime ends, and the tenant tag of whoever pinned it

@@ -1,4 +1,4 @@
-"""PromptCache: the serving policy of docs/format.md §7, for a server's request loop.
+"""PromptCache: the serving policy of docs/semantics.md §7, for a server's request loop.
 
 A server keeps one live session (the model state in memory) and a KVStore on
 disk.  For each request PromptCache decides where the prompt's prefix comes
@@ -20,13 +20,20 @@ The engine is anything that implements the small Engine protocol below; the
 MLX implementation is kvstore.mlx.MLXEngine.  Nothing here imports MLX.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import logging
 import time
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore import policy
 from kvstore.format import Reason
+from kvstore.identity import check_holds
+
+if TYPE_CHECKING:
+    from kvstore.store import Checkpoint, KVStore
 
 log = logging.getLogger("kvstore")
 
@@ -71,7 +78,7 @@ class Engine(Protocol):
     # Optional: identity, the model's kvstore.identity.ModelIdentity; the
     # store must hold that model's state (KVStore(model_identity=...)).
 
-    # Optional, the canary (kvstore.mlx.canary, docs/format.md §17):
+    # Optional, the canary (kvstore.mlx.canary, docs/semantics.md §17):
     # canary_prepare(tokens, lossy) -> (probe, None) after trimming the
     # restored state by one token, or (None, verdict), lossy the codec the
     # state was stored with (Checkpoint.lossy: "" exact, "q8", "q4"; it sets
@@ -112,33 +119,31 @@ class PromptCache:
         async_saves: store checkpoints on the store's background writer.
     """
 
-    def __init__(self, store, engine, prefill_step=DEFAULT_PREFILL_STEP, async_saves=False):
+    def __init__(self, store: KVStore, engine: Engine, prefill_step: int = DEFAULT_PREFILL_STEP,
+                 async_saves: bool = False) -> None:
         if prefill_step < 1:
             raise ValueError(f"prefill_step={prefill_step} must be >= 1")
         identity = getattr(engine, "identity", None)
-        if identity is not None and store.model_identity != identity.fingerprint:
-            # One store, one model: another model's state would restore
-            # without an error and answer wrongly (docs/format.md §17).
-            raise ValueError(
-                f"the store at {store.path} holds the state of model "
-                f"{store.model_identity or '(none named)'}, not of this engine's {identity}: open it with "
-                f"KVStore(path, model_identity=engine.identity)")
+        if identity is not None:            # one store, one model
+            check_holds(store.path, store.model_identity, identity.fingerprint,
+                        "KVStore(path, model_identity=engine.identity)")
         self.store = store
         self.engine = engine
         self.options = store.options
         self.prefill_step = int(prefill_step)
         self.async_saves = async_saves
-        self.live_tokens = []            # the tokens whose state is in the engine
-        self._live_text = None           # cached token_bytes(live_tokens)
+        self.live_tokens: list[int] = []        # the tokens whose state is in the engine
+        self._live_text: bytes | None = None   # cached token_bytes(live_tokens)
         self._last_store = 0             # token count of the last waypoint stored
 
     # -- the live session ----------------------------------------------------
 
     @property
-    def live_text(self):
-        if self._live_text is None:
-            self._live_text = self.engine.token_bytes(self.live_tokens)
-        return self._live_text
+    def live_text(self) -> bytes:
+        text = self._live_text
+        if text is None:
+            text = self._live_text = self.engine.token_bytes(self.live_tokens)
+        return text
 
     def _set_live(self, tokens, text=None):
         self.live_tokens = list(tokens)
@@ -146,7 +151,7 @@ class PromptCache:
 
     # -- request start -------------------------------------------------------
 
-    def begin(self, prompt):
+    def begin(self, prompt: str | bytes) -> Request:
         """Decides memory / disk / cold for a prompt and sets the live state.
 
         Args:
@@ -192,7 +197,7 @@ class PromptCache:
         return False
 
     def _disk_hit(self, entry, text):
-        # docs/format.md §7: the live session is about to be replaced; keep it.
+        # docs/semantics.md §7: the live session is about to be replaced; keep it.
         self._store_leaving(Reason.EVICT)
         t = time.perf_counter()
         ckpt = self.store.load(entry, into=self._load_into(), consume=True)
@@ -208,7 +213,7 @@ class PromptCache:
         req.load_ms = (time.perf_counter() - t) * 1e3
         return req
 
-    # -- the canary (docs/format.md §17) -------------------------------------
+    # -- the canary (docs/semantics.md §17) -------------------------------------
 
     def _start_canary(self, req, ckpt, tokens):
         """Starts the canary of a state restored from ckpt; False when it already failed.
@@ -265,11 +270,11 @@ class PromptCache:
 
     # -- prefill -------------------------------------------------------------
 
-    def prefill(self, req, progress=None):
+    def prefill(self, req: Request, progress: Callable[[int, int], Any] | None = None) -> Any:
         """Prefills req.tokens beyond what is reused, storing checkpoints on the way.
 
         Chunks end at absolute multiples of prefill_step, at the cold anchor
-        and at the end of the prompt.  Waypoints (docs/format.md §7) are stored when the
+        and at the end of the prompt.  Waypoints (docs/semantics.md §7) are stored when the
         live count is an exact multiple of the continued step; a cold anchor
         on that frontier suppresses the waypoint, and a failed cold store
         restores it.
@@ -368,7 +373,7 @@ class PromptCache:
         chained = {}
         exact = getattr(self.engine, "exact_names", None)
         if exact is not None:
-            chained["exact"] = exact(meta)          # a state quantised already (kvstore.mlx.quantized_names)
+            chained["exact"] = exact(meta)          # a state quantised already (kvstore.mlx.codecs.quantized_names)
         if len(snap) > 2:
             chained["positional"] = snap[2]
             offsets = getattr(self.engine, "text_offsets", None)
@@ -395,11 +400,11 @@ class PromptCache:
 
     # -- after generation ----------------------------------------------------
 
-    def extend(self, tokens):
+    def extend(self, tokens: Sequence[int]) -> None:
         """Records tokens the engine added to the live state (generated tokens)."""
         self._set_live(self.live_tokens + list(tokens))
 
-    def rewind(self, n):
+    def rewind(self, n: int) -> bool:
         """Drops the last n live tokens (e.g. generated tokens the next prompt
         renders differently); returns False when the engine cannot trim."""
         n = min(int(n), len(self.live_tokens))
@@ -411,11 +416,11 @@ class PromptCache:
         self._set_live(self.live_tokens[:-n])
         return True
 
-    def adopt(self, checkpoint):
+    def adopt(self, checkpoint: Checkpoint) -> bool:
         """Makes a loaded checkpoint (an agent session, say) the live session.
 
         The live session it replaces is stored as `evict` first when it holds
-        at least min_tokens (docs/format.md §7).  The canary checks the
+        at least min_tokens (docs/semantics.md §7).  The canary checks the
         restored state (one token recomputed).
 
         Returns:
@@ -437,7 +442,7 @@ class PromptCache:
                 return False
         return True
 
-    def close(self):
+    def close(self) -> None:
         """Stores the live session as `shutdown` and waits for pending saves."""
         self._store_leaving(Reason.SHUTDOWN)
         self.store.flush()

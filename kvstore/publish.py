@@ -1,4 +1,4 @@
-"""Publishing a new file: written under a temporary name, then put in place (docs/format.md §6, §11).
+"""Publishing a new file: written under a temporary name, then put in place (docs/semantics.md §6, §11).
 
 - TempFile: a new file under a temporary name, published by rename or
   link (sync the file, put it in place, sync the directory);

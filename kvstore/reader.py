@@ -1,4 +1,4 @@
-"""The reader: find a prompt's longest stored prefix and load it (docs/format.md §4, §5, §14).
+"""The reader: find a prompt's longest stored prefix and load it (docs/semantics.md §4, §5; docs/format.md §14).
 
 find() hashes the prompt once and asks the index (and the remote tier's
 index, in the same pass) for the longest stored text that is a byte prefix

@@ -1,4 +1,4 @@
-"""The directory's registry of models (docs/format.md §17): ``<dir>/.models``.
+"""The directory's registry of models (docs/semantics.md §17): ``<dir>/.models``.
 
 A file's header names its model by a 24-bit tag only; the registry maps each
 tag to the model's identity and a label for people, and says when a store

@@ -1,4 +1,4 @@
-"""The saver: store a checkpoint, writing only what the directory lacks (docs/format.md §6, §10, §14, §15).
+"""The saver: store a checkpoint, writing only what the directory lacks (docs/semantics.md §6, §15; docs/format.md §10, §14).
 
 A whole save writes one ABI 16 file; a chained save cuts the state into
 blocks and writes only the blocks not stored yet, parent first, each
@@ -308,7 +308,7 @@ class Saver:
     # -- keeping what is there ----------------------------------------------
 
     def keep_existing(self, path, text, ctx, values, reason, block=None):
-        """docs/format.md §6: a compatible file with the same name is kept; only its trailer changes.
+        """docs/semantics.md §6: a compatible file with the same name is kept; only its trailer changes.
 
         One header byte may change too: a file saved again as an agent
         session becomes one (reason byte 5), so that a named session whose

@@ -1,4 +1,4 @@
-"""Agent sessions (docs/format.md §9): named working states addressed by their hash.
+"""Agent sessions (docs/semantics.md §9): named working states addressed by their hash.
 
 An agent saves its live state as a checkpoint with reason agent-session and
 an optional title (ext bit 3, kept in the trailer), and the checkpoint of its
@@ -15,7 +15,7 @@ What differs from cache checkpoints, and why:
 
 - a session is saved and loaded at any length: min_tokens is a rule about
   which prompts are worth a lookup, and a session is asked for by name;
-- switching to a session does not consume it, however long it is (docs/format.md §5
+- switching to a session does not consume it, however long it is (docs/semantics.md §5
   deletes long cache hits because the live session takes the state over; a
   named session is something to come back to);
 - a session still counts towards the disk budget and can be evicted like
@@ -174,7 +174,7 @@ def save(store, text, tokens, tensors, meta=None, title=None, system_text=None,
                       trailers=trailers, min_tokens=1, positional=positional, text_offsets=text_offsets)
 
 
-def list(store):   # noqa: A001 - the verb of docs/format.md §9; the builtin is not used here
+def list(store):   # noqa: A001 - the verb of docs/semantics.md §9; the builtin is not used here
     """Every agent session in the store's directory, newest first.
 
     Args:

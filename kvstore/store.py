@@ -1,4 +1,4 @@
-"""KVStore: the directory cache (docs/format.md §4-§8 and §11).
+"""KVStore: the directory cache (docs/semantics.md §4-§8 and §11).
 
 One directory of .kv files shared by any number of processes.  KVStore keeps
 the public methods and wires the store's parts, each with one job:
@@ -18,9 +18,14 @@ the engine's JSON.  Corrupt files never reach the caller: they are removed (or
 moved aside) and the lookup is a miss.
 """
 
+from __future__ import annotations
+
 import logging
 import os
 import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, Literal
 
 import numpy as np
 
@@ -33,7 +38,10 @@ from kvstore.divergence import divergence
 from kvstore.errors import PinRefused, StoreClosed
 from kvstore.files import short_name
 from kvstore.evictor import ORPHAN_SWEEP_INTERVAL_S, Evictor
-from kvstore.format import Reason
+from kvstore.format import Entry, Reason
+from kvstore.identity import ModelIdentity
+from kvstore.policy import Options
+from kvstore.divergence import Divergence
 from kvstore.reader import LOAD_TRIES, Checkpoint, Match, Reader
 from kvstore.saver import Saver, as_bytes, token_array
 from kvstore.writer import BackgroundWriter
@@ -46,7 +54,7 @@ DEFAULT_BUDGET_MB = None
 
 # Openers of remote tiers by URL scheme ("s3"), registered by the tier's own
 # package (kvstore.remote) so that this module never imports a room above it.
-_REMOTE_OPENERS = {}
+_REMOTE_OPENERS: dict[str, Callable[..., Any]] = {}
 
 
 def register_remote(scheme, opener):
@@ -99,7 +107,7 @@ class KVStore:
             manifest), and lookups and loads offer only its own files:
             another model's are foreign (listed, counted in the budget,
             evictable, never loaded), so that many models can share one
-            directory and one budget (docs/format.md §17).  It also makes
+            directory and one budget (docs/semantics.md §17).  It also makes
             the remote key prefix.  None (the default): files that name no
             model, as before identities (the raw tensor store).
         accept_unidentified: with model_identity, also find and load files
@@ -118,7 +126,7 @@ class KVStore:
             docs/format.md §20; a sealed store packs, then seals.
         max_write_mb_per_hour: an SSD write budget: a token bucket of this
             many MiB, refilled at this many MiB an hour, shared by every
-            process using the directory (docs/format.md §15).  When it runs
+            process using the directory (docs/semantics.md §15).  When it runs
             low, saves are skipped in order of value (kvstore.policy
             .write_allowed): waypoints and evict states first, anchors last.
             None (the default): no budget.
@@ -134,12 +142,14 @@ class KVStore:
             directory could have planted them).
     """
 
-    def __init__(self, path, budget_mb=DEFAULT_BUDGET_MB, model_id=0, quant_bits=16,
-                 ctx_size=None, reject_different_quant=False, options=None, durable=True,
-                 verify=True, quarantine=False, max_age_s=None, remote=None, remote_options=None,
-                 model_identity=None, layout="chain", block_tokens=chain.DEFAULT_BLOCK_TOKENS,
-                 max_write_mb_per_hour=None, key=None, accept_unsealed=False, accept_unidentified=False,
-                 kv_codec="raw"):
+    def __init__(self, path: str | os.PathLike, budget_mb: float | None = DEFAULT_BUDGET_MB, model_id: int = 0,
+                 quant_bits: int = 16, ctx_size: int | None = None, reject_different_quant: bool = False,
+                 options: Options | None = None, durable: bool = True, verify: bool = True,
+                 quarantine: bool = False, max_age_s: float | None = None, remote: str | None = None,
+                 remote_options: Mapping[str, Any] | None = None, model_identity: str | ModelIdentity | None = None,
+                 layout: str = "chain", block_tokens: int = chain.DEFAULT_BLOCK_TOKENS,
+                 max_write_mb_per_hour: float | None = None, key: bytes | str | os.PathLike | None = None,
+                 accept_unsealed: bool = False, accept_unidentified: bool = False, kv_codec: str = "raw") -> None:
         identity = identity_mod.as_identity(model_identity)      # ValueError if bad
         codec = make_codec(key, identity, accept_unsealed, accept_unidentified)   # BadKey if bad
         self._dir = Directory(path, codec, identity, budget_mb=budget_mb, model_id=model_id,
@@ -182,12 +192,12 @@ class KVStore:
     budget_derived = _setting("budget_derived", "The budget is the default derived from the filesystem's size.")
 
     @property
-    def budget_bytes(self):
+    def budget_bytes(self) -> int:
         """The disk budget in bytes (0: unlimited)."""
         return self._dir.budget_bytes
 
     @budget_bytes.setter
-    def budget_bytes(self, value):
+    def budget_bytes(self, value: int) -> None:
         self._dir.budget_bytes, self._dir.budget_derived = int(value), False
 
     @property
@@ -209,7 +219,7 @@ class KVStore:
 
     # -- lookup and load (sections 4, 5) -----------------------------------
 
-    def misfit(self, entry, ctx_size=None):
+    def misfit(self, entry: Entry, ctx_size: int | None = None) -> str | None:
         """Why this store cannot load a checkpoint, or None when it fits (kvstore.policy.misfit).
 
         Args:
@@ -218,11 +228,11 @@ class KVStore:
         """
         return self._dir.misfit(entry, ctx_size)
 
-    def find(self, prompt, accept=None):
+    def find(self, prompt: str | bytes, accept: Callable[[Entry], bool] | None = None) -> Match | None:
         """The entry with the longest stored text that is a byte prefix of prompt.
 
         Every loadable block of a complete chain counts, as does every ABI 16
-        file (docs/format.md §4, §14).
+        file (docs/semantics.md §4, docs/format.md §14).
 
         Args:
             prompt: str (UTF-8) or bytes.
@@ -239,12 +249,13 @@ class KVStore:
             self._evictor.sweep_orphans()
         return match
 
-    def explain(self, prompt):
+    def explain(self, prompt: str | bytes) -> Divergence | None:
         """Where prompt (str or bytes) parts from what is stored: kvstore.divergence.Divergence, or None."""
         self._check_open()
         return divergence(self._dir.index, as_bytes(prompt), self._reader.segment, self._dir.lock)
 
-    def load(self, entry, into="numpy", *, min_tokens=None, consume=False):
+    def load(self, entry: Entry, into: Literal["numpy", "mlx"] = "numpy", *, min_tokens: int | None = None,
+             consume: bool = False) -> Checkpoint | None:
         """Loads a checkpoint found by find() (or listed by entries()).
 
         Args:
@@ -257,7 +268,7 @@ class KVStore:
             consume: delete a whole checkpoint (ABI 16) of more than
                 options.cold_max_tokens after loading it, as a server that
                 takes a long state over and will store it again does
-                (docs/format.md §5; PromptCache and kvstore serve ask for
+                (docs/semantics.md §5; PromptCache and kvstore serve ask for
                 it).  Default False: a load deletes nothing.  Chain blocks
                 and agent sessions are never consumed.
 
@@ -270,7 +281,7 @@ class KVStore:
             raise ValueError(f"into={into!r}; expected 'numpy' or 'mlx'")
         return self._reader.load(entry, into, min_tokens, consume)
 
-    def discard(self, entry, reason, quarantine=None):
+    def discard(self, entry: Entry, reason: str, quarantine: bool | None = None) -> bool:
         """Removes (or quarantines) a checkpoint found unusable by a caller.
 
         For engines that load a payload and then find it cannot be used (a
@@ -289,7 +300,7 @@ class KVStore:
         """
         return self._dir.discard(entry, reason, quarantine)
 
-    def record_canary(self, entry, ok, detail=""):
+    def record_canary(self, entry: Entry, ok: bool, detail: str = "") -> None:
         """Counts a canary check of a restored checkpoint (kvstore.mlx.canary).
 
         A failed one (the live model would not have produced the stored
@@ -310,8 +321,11 @@ class KVStore:
 
     # -- save (section 6) --------------------------------------------------
 
-    def save(self, text, tokens, tensors, meta=None, reason=Reason.COLD, ctx_size=None,
-             trailers=None, *, min_tokens=None, positional=None, text_offsets=None, dtypes=None, exact=()):
+    def save(self, text: str | bytes, tokens: Sequence[int] | np.ndarray, tensors: Mapping[str, Any],
+             meta: Mapping[str, Any] | None = None, reason: Reason = Reason.COLD, ctx_size: int | None = None,
+             trailers: Mapping[int, Any] | None = None, *, min_tokens: int | None = None,
+             positional: Mapping[str, int] | None = None, text_offsets: Sequence[int] | np.ndarray | None = None,
+             dtypes: Mapping[str, str] | None = None, exact: Sequence[str] = ()) -> Entry | None:
         """Stores a checkpoint for the prompt text.
 
         With layout "chain" (the default) the state is cut into blocks of
@@ -326,7 +340,7 @@ class KVStore:
             tokens: the exact token ids prefilled for it (sequence or array).
             tensors: dict name -> numpy or MLX array.
             meta: engine JSON (dict) stored in the manifest.
-            reason: kvstore.Reason.
+            reason: kvstore.format.Reason.
             ctx_size: context size the state was made with (default: the store's).
             trailers: dict ext-bit -> value for the trailer hooks (docs/format.md §10).
             min_tokens: refuse fewer tokens than this (default
@@ -341,7 +355,7 @@ class KVStore:
             dtypes: name -> the dtype to record for a tensor whose array
                 cannot hold it (bfloat16 bits in a NumPy uint16 array).
             exact: names of tensors a lossy kv_codec leaves exact: a state
-                quantised already (kvstore.mlx.quantized_names).
+                quantised already (kvstore.mlx.codecs.quantized_names).
 
         Returns:
             the new (or kept) Entry, or None when refused (too few tokens, over
@@ -351,7 +365,7 @@ class KVStore:
         return self._saver.save(as_bytes(text), token_array(tokens), tensors, meta, reason, ctx_size, trailers,
                                 min_tokens, positional, text_offsets, dtypes, exact)
 
-    def verify_file(self, path, name=None):
+    def verify_file(self, path: str | os.PathLike, name: str | None = None) -> str | None:
         """Checks one file as a load would, without keeping arrays (kvstore verify).
 
         A sealed file of this store's key is authenticated chunk by chunk
@@ -369,7 +383,8 @@ class KVStore:
         """
         return self._dir.codec.verify_file(path, name=name)
 
-    def save_async(self, text, tokens, tensors, **kwargs):
+    def save_async(self, text: str | bytes, tokens: Sequence[int] | np.ndarray, tensors: Mapping[str, Any],
+                   **kwargs: Any) -> Future:
         """save() on the background writer; returns a concurrent.futures.Future.
 
         The arrays are captured now: NumPy arrays are copied (the caller may
@@ -387,7 +402,8 @@ class KVStore:
             kwargs["dtypes"] = dtypes
         return self.submit(self.save, as_bytes(text), tokens, captured, **kwargs)
 
-    def capture(self, tensors, dtypes=None):
+    def capture(self, tensors: Mapping[str, Any], dtypes: Mapping[str, str] | None = None
+                ) -> tuple[dict[str, np.ndarray], Mapping[str, str]]:
         """(tensors as the background writer may use them later, the dtypes to
         record): save_async's capture, on the calling thread (see save_async).
 
@@ -400,7 +416,7 @@ class KVStore:
         host, dtypes = payload.host_tensors(tensors, dtypes)
         return {k: a if host[k] is not tensors[k] else np.array(a, copy=True) for k, a in host.items()}, dtypes
 
-    def submit(self, fn, *args, **kwargs):
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """Runs fn(*args, **kwargs) on the store's background writer, after the
         saves queued before it; returns a concurrent.futures.Future.
 
@@ -410,7 +426,7 @@ class KVStore:
         """
         return self._background().submit(fn, *args, **kwargs)
 
-    def try_submit(self, fn, *args, **kwargs):
+    def try_submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future | None:
         """submit() that never blocks: None when the writer's queue is full.
 
         For a serving loop, which must not wait for the disk: what it does
@@ -428,14 +444,14 @@ class KVStore:
                 self._writer_pid = os.getpid()
         return self._writer
 
-    def flush(self):
+    def flush(self) -> None:
         """Waits for every queued save_async to finish."""
         if self._writer is not None and self._writer_pid == os.getpid():
             self._writer.flush()
 
     # -- eviction (section 8) ----------------------------------------------
 
-    def evict(self, protect=None, incoming_text=None):
+    def evict(self, protect: Entry | None = None, incoming_text: bytes | None = None) -> list[Entry]:
         """Deletes lowest-score checkpoints until the directory fits the budget.
 
         Runs under the directory's exclusive lock (<dir>/.kvstore.lock) so
@@ -458,7 +474,7 @@ class KVStore:
 
     # -- listing, stats, wipe, close ---------------------------------------
 
-    def pin(self, text, ttl_s, tenant=""):
+    def pin(self, text: str | bytes, ttl_s: float, tenant: str = "") -> Entry:
         """Keeps the checkpoint stored for exactly text through eviction for ttl_s seconds.
 
         While the pin lives, eviction (budget, stale, maximum age) never
@@ -489,24 +505,24 @@ class KVStore:
                                            "prefix: save it first")
         return self._evictor.pin(match, ttl_s, tenant)
 
-    def unpin(self, entry):
+    def unpin(self, entry: Entry) -> bool:
         """Lifts the pin of a checkpoint (an Entry from find or entries()); True when it had one."""
         self._check_open()
         return self._evictor.unpin([entry.sha]) > 0
 
-    def pins(self):
+    def pins(self) -> list[Any]:
         """The live pins of this directory's files, the latest lifetime first ([kvstore.pins.Pin])."""
         self._check_open()
         return self._evictor.pins()
 
-    def entries(self):
+    def entries(self) -> list[Entry]:
         """Every valid envelope in the directory (foreign payload ABIs included)."""
         self._check_open()
         with self._dir.lock:
             self._dir.index.refresh()
             return sorted(self._dir.index.entries.values(), key=lambda e: e.name)
 
-    def stats(self):
+    def stats(self) -> dict[str, Any]:
         """Counters of this process plus the directory's current size.
 
         "models" lists the models whose files the directory holds
@@ -523,10 +539,10 @@ class KVStore:
             out.update(self.remote.stats())
         return out
 
-    def counters(self):
+    def counters(self) -> dict[str, Any]:
         """The directory's cumulative counters: every process that used it, across restarts.
 
-        Read from ``<dir>/.counters`` (docs/format.md §15); `kvstore stats
+        Read from ``<dir>/.counters`` (docs/semantics.md §15); `kvstore stats
         --json` prints the same numbers.  Counting is best-effort: when the
         file cannot be used, this process's own counts.
 
@@ -543,13 +559,13 @@ class KVStore:
         self._check_open()
         return self._dir.counters.report(self.write_budget_bytes)
 
-    def starts_with(self, entry, prefix):
+    def starts_with(self, entry: Entry, prefix: bytes) -> bool:
         """True when the stored text of entry (a chain block's whole sequence) starts with prefix bytes; the
         text is compared here and never returned (kvstore serve's tenant delete compares a tenant's key prefix)."""
         self._check_open()
         return self._reader.text_head(entry, len(prefix)) == prefix
 
-    def wipe(self, entry=None):
+    def wipe(self, entry: Entry | None = None) -> int:
         """Overwrites then unlinks one checkpoint, or every checkpoint.
 
         The text copy in every file is prompt content: wipe overwrites the
@@ -575,7 +591,7 @@ class KVStore:
         self._evictor.unpin(e.sha for e in targets)
         return n
 
-    def close(self):
+    def close(self) -> None:
         """Waits for queued saves and closes the store."""
         if self._closed:
             return
@@ -586,10 +602,10 @@ class KVStore:
         self._dir.close()
         self._closed = True
 
-    def __enter__(self):
+    def __enter__(self) -> KVStore:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

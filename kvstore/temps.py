@@ -1,4 +1,4 @@
-"""Temporary files: which ones are debris (docs/format.md §11).
+"""Temporary files: which ones are debris (docs/semantics.md §11).
 
 A checkpoint is written under ``<name>.tmp.<pid>.<random>`` and renamed into
 place (kvstore.publish.TempFile).  A crash or a power loss leaves the

@@ -47,7 +47,7 @@ SECTION_HEADER = struct.Struct("<B3xQI")
 # can be owned by bits 0..7 only.
 MAX_BIT = 7
 
-# A session title is a label for `list` (docs/format.md §9), not a document; 4 KiB
+# A session title is a label for `list` (docs/semantics.md §9), not a document; 4 KiB
 # is far past any title a person types and keeps a hostile file from turning
 # the listing into a dump of prompt text.
 TITLE_MAX_BYTES = 4096
@@ -152,7 +152,7 @@ def _check_str_map(value, exc):
 
 
 class TitleHook:
-    """Ext bit 3: the agent-session title (docs/format.md §9), UTF-8, at most TITLE_MAX_BYTES."""
+    """Ext bit 3: the agent-session title (docs/semantics.md §9), UTF-8, at most TITLE_MAX_BYTES."""
     bit = ExtFlag.SESSION_TITLE.bit_length() - 1   # 3
 
     def encode(self, value):

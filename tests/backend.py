@@ -28,7 +28,7 @@ def device():
 
 # The canary's distance for a float32 state the model itself made, restored
 # bit-exact and recomputed with another chunking: ~1e-6 on MLX's CPU backend
-# (docs/format.md §17); the bound below leaves 10 times that.  Not measured
+# (docs/semantics.md §17); the bound below leaves 10 times that.  Not measured
 # on Metal yet.
 OWN_STATE_FLOAT32 = {"cpu": canary.TOLERANCE["float32"] / 100}
 

@@ -167,15 +167,15 @@ def make_envelope(text=b"hello world", payload=b"\x00payload\xff", trailer=b"", 
         header: raw 48 header bytes to use instead of packing ``fields`` (for
             headers that Header.pack refuses to write).
         text_len: the u32 written as the text length (default len(text)).
-        fields: kvstore.Header fields; defaults make a valid ABI-16 header
+        fields: kvstore.format.Header fields; defaults make a valid ABI-16 header
             whose payload_bytes is len(payload).
     """
     if header is None:
         values = dict(quant_bits=4, tokens=7, ctx_size=32768, payload_bytes=len(payload),
-                      reason=kvstore.Reason.COLD, created_at=1_700_000_000,
+                      reason=kvstore.format.Reason.COLD, created_at=1_700_000_000,
                       last_used=1_700_000_100)
         values.update(fields)
-        header = kvstore.Header(**values).pack()
+        header = kvstore.format.Header(**values).pack()
     assert len(header) == 48
     tl = len(text) if text_len is None else text_len
     return header + struct.pack("<I", tl) + text + payload + trailer

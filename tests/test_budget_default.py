@@ -1,6 +1,6 @@
 """The default disk budget, derived from the directory's filesystem, and the
 warning when one session's chain takes more than half the budget
-(docs/format.md §8)."""
+(docs/semantics.md §8)."""
 
 import logging
 import shutil

@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import chain, policy, Reason
+from kvstore import chain, policy
+from kvstore.format import Reason
 from kvstore.chain import cut_points, plan_blocks
 from kvstore.files import verify_file
 from kvstore.format import (CHAIN_END, CHAIN_RESTORABLE, NO_PARENT, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TABLE_CHAIN,
@@ -242,7 +243,7 @@ def test_blocks_on_disk(store, snapshot):
     assert checkpoint_files(store.path) == sorted(b.name for b in plan)
     abi = PAYLOAD_ABI_CHAIN if store.kv_codec == "raw" else PAYLOAD_ABI_TABLE_CHAIN     # packed: CI's pass
     for b in plan:
-        e = kvstore.read_entry(os.path.join(store.path, b.name))
+        e = kvstore.format.read_entry(os.path.join(store.path, b.name))
         assert (e.payload_abi, e.is_block, e.sha, e.parent) == (abi, True, b.sha, b.parent)
         assert (e.token_start, e.tokens, e.text_start, e.text_bytes) == \
             (b.token_start, b.tokens, b.text_start, b.text_bytes)
@@ -258,7 +259,7 @@ def test_blocks_on_disk(store, snapshot):
             assert f.read(e.segment_bytes) == seq.text[b.text_start:b.text_bytes]
     assert (last.sha, last.tokens, last.token_start, last.parent) == \
         (plan[-1].sha, 300, 256, plan[-2].sha)
-    assert index_of(store).chain(last) == [kvstore.read_entry(os.path.join(store.path, b.name)) for b in plan]
+    assert index_of(store).chain(last) == [kvstore.format.read_entry(os.path.join(store.path, b.name)) for b in plan]
 
 
 @pytest.mark.store_args(block_tokens=64)
@@ -504,7 +505,7 @@ def test_chain_header_pointing_elsewhere(store, caplog, case):
     at, change = BROKEN_LINKS[case]
     victim = block_of(store, at)
     rewrite_chain_head(victim, **change(store))
-    kvstore.read_entry(victim.path)                    # a valid envelope: only the link is wrong
+    kvstore.format.read_entry(victim.path)                    # a valid envelope: only the link is wrong
     caplog.set_level(logging.INFO, logger="kvstore")
     # The leaf found before the damage: a shorter hit or a miss, never wrong data.
     ck = store.load(leaf)
@@ -587,7 +588,7 @@ def test_corrupt_middle_block_falls_back_to_the_longest_valid_ancestor(store, ca
     DAMAGE[kind](victim)
     if kind in ENVELOPE:
         with pytest.raises(kvstore.CorruptCheckpoint):
-            kvstore.read_entry(victim.path)
+            kvstore.format.read_entry(victim.path)
     if mode == "relisted":
         touch_directory(store.path)
     caplog.set_level(logging.INFO, logger="kvstore")
@@ -991,7 +992,7 @@ def test_sigkill_in_the_middle_of_a_chained_save(tmp_path):
 # ---- 9. eviction goes leaves first ----------------------------------------------------------
 
 def _entry(sha, parent, tokens, hits, now, reason=Reason.CONTINUED):
-    return kvstore.Entry(sha=sha, path=f"/x/{sha}.kv", quant_bits=16, reason=reason, ext_flags=kvstore.ExtFlag(0),
+    return kvstore.format.Entry(sha=sha, path=f"/x/{sha}.kv", quant_bits=16, reason=reason, ext_flags=kvstore.format.ExtFlag(0),
                          model_id=0, tokens=tokens, hits=hits, ctx_size=0, payload_abi=PAYLOAD_ABI_CHAIN,
                          created_at=now, last_used=now, payload_bytes=1000, text_bytes=tokens * 4,
                          file_size=1000, token_start=0, parent=parent)
@@ -1024,7 +1025,7 @@ def test_budget_eviction_never_cuts_a_hot_chain(tmp_path, caplog):
         ys = {e.tokens: e for e in s.entries() if e.sha not in {v.sha for v in xs.values()}}
         assert sorted(xs) == sorted(ys) == [64, 128, 192]
     for _ in range(50):
-        kvstore.touch(xs[192].path)                   # the leaf of x is hot, its interior cold
+        kvstore.format.touch(xs[192].path)                   # the leaf of x is hot, its interior cold
     budget = sum(e.file_size for e in xs.values()) + ys[64].file_size // 2
     caplog.set_level(logging.INFO, logger="kvstore")
     with make_store(d, block_tokens=64, budget_mb=budget / 2**20) as s:        # open evicts
@@ -1154,7 +1155,7 @@ def test_every_block_read_counts_a_hit(store):
     save(store, other, snapshot=False)
 
     def hits():
-        return {e.name: kvstore.read_entry(e.path).hits for e in store.entries()}
+        return {e.name: kvstore.format.read_entry(e.path).hits for e in store.entries()}
     assert set(hits().values()) == {0}
     ck = store.load(store.find(seq.prompt(300)))
     h = hits()
@@ -1168,7 +1169,7 @@ def test_every_block_read_counts_a_hit(store):
     h = hits()
     assert [h[block_of(store, t, seq.text).name] for t in (64, 128, 192, 256, 300)] == [3, 3, 2, 1, 1]
     assert [h[block_of(store, t, other.text).name] for t in (192, 228)] == [1, 1]
-    assert kvstore.read_entry(block_of(store, 64).path).last_used > 0
+    assert kvstore.format.read_entry(block_of(store, 64).path).last_used > 0
 
 
 # ---- 12. the lookup's shape with many blocks -------------------------------------------------

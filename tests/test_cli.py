@@ -49,7 +49,7 @@ def build_cache(d, layout="whole"):
                                    title="fix the io path")
     out["hot"] = s.save(f"{SECRET} hot", np.arange(32), tensors(32, 4), reason=Reason.CONTINUED)
     for _ in range(5):
-        kvstore.touch(out["hot"].path)
+        kvstore.format.touch(out["hot"].path)
     out["ds4"] = write_checkpoint(d, DS4_TEXT, b"\x02" * 3000, quant_bits=2, payload_abi=2,
                                   tokens=900, reason=Reason.COLD)
     bad = s.save(f"{SECRET} to be corrupted", np.arange(40), tensors(40, 5))
@@ -524,7 +524,7 @@ def test_ls_folds_chains_into_sequences(chains, cwd):
     assert a["blocks"] == 5 and a["token_start"] == 64 and a["restorable"] is True
     # The chain's bytes: the files whose names are digests of prefixes of a's text.
     assert a["chain_bytes"] == sum(e.file_size for e in files_
-                                   if kvstore.sha1(r["text_a"][:e.text_bytes]).hex() == e.sha)
+                                   if kvstore.format.sha1(r["text_a"][:e.text_bytes]).hex() == e.sha)
 
 
 def test_ls_blocks_unfolds_every_file_with_parent_and_range(chains, cwd):
@@ -554,7 +554,7 @@ def test_inspect_shows_a_blocks_parent_range_and_chain(chains, cwd):
                  f"text         24 bytes stored ({64 * 4}..{70 * 4} of the sequence)", "payload abi  17 (loadable)",
                  "restorable   yes", "ends a save  yes", "chain        5 blocks", "axis 1"):
         assert want in out, want
-    first = index_of(kvstore.KVStore(d, budget_mb=0)).chain(kvstore.read_entry(e.path))[0]
+    first = index_of(kvstore.KVStore(d, budget_mb=0)).chain(kvstore.format.read_entry(e.path))[0]
     p = run(cwd, "inspect", first.sha[:10], "--dir", d)
     assert "parent       none (the first block)" in p.stdout and "chain        1 block," in p.stdout
     # --text prints the whole sequence, its parents' segments first.
@@ -573,7 +573,7 @@ def test_verify_walks_chains(chains, cwd):
     assert p.returncode == 0 and f"verified {n} files" in p.stdout and f"{n} ok, 0 corrupt" in p.stdout
     # A middle block's text byte flipped: it and every block after it fail the
     # digest of their whole text (their names).
-    mid = kvstore.read_entry(os.path.join(d, r["a"].parent + ".kv"))     # tokens 48..64
+    mid = kvstore.format.read_entry(os.path.join(d, r["a"].parent + ".kv"))     # tokens 48..64
     flip(mid.path, 52 + 1, 0x20)
     p = run(cwd, "verify", d)
     assert p.returncode == 1
@@ -592,10 +592,10 @@ def test_export_and_import_a_chain(chains, cwd, tmp_path):
     p = run(cwd, "export", r["a"].sha[:8], out, "--dir", d)
     assert p.returncode == 0, p.stderr
     assert f"exported {r['a'].sha[:12]} (70 tokens" in p.stdout
-    e = kvstore.read_entry(out)
+    e = kvstore.format.read_entry(out)
     assert e.payload_abi == 16 and e.tokens == 70 and e.text_bytes == 280 and e.reason == Reason.COLD
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
-    assert files.verify_file(out, name=kvstore.sha1(r["text_a"]).hex() + ".kv") is None
+    assert files.verify_file(out, name=kvstore.format.sha1(r["text_a"]).hex() + ".kv") is None
     # Into a chained store with another grid: cut again where the export can be cut.
     d2 = tmp_path / "other"
     p = run(cwd, "import", out, "--dir", d2, "--block-tokens", "32")

@@ -1,4 +1,4 @@
-"""Concurrency (docs/format.md §11): real processes sharing one directory.
+"""Concurrency (docs/semantics.md §11): real processes sharing one directory.
 
 Four processes run 500 random operations each (save, save_async, find, load,
 touch, evict, wipe) on one directory whose budget forces eviction all along.
@@ -134,7 +134,7 @@ def _worker(d, wid, n_ops, seed, out):
                     e = store.find(prompt)
                     if e is not None:
                         before = uid_at(e.path)
-                        kvstore.touch(e.path)
+                        kvstore.format.touch(e.path)
                         after = uid_at(e.path)
                         if before is not None and before == after:
                             touches[before] += 1
@@ -205,7 +205,7 @@ def audit(d, results):
     for n in files:
         path = os.path.join(d, n)
         assert verify_file(path) is None, n
-        e = kvstore.read_entry(path)
+        e = kvstore.format.read_entry(path)
         total += e.file_size
         uid = uid_at(path)
         want = loads[uid] + touches[uid]
@@ -366,7 +366,7 @@ def test_hit_counts_on_the_file_loaded_not_on_its_replacement(tmp_path, monkeypa
         assert done
         assert ck is not None and ck.meta["uid"] == "old"       # the load stands...
         assert ck.entry.hits == 0                              # ...uncounted: its file is gone
-        assert kvstore.read_entry(old.path).hits == 0           # the replacement got no phantom hit
+        assert kvstore.format.read_entry(old.path).hits == 0           # the replacement got no phantom hit
         ck = s.load(s.find(text + "?"))
         assert ck.meta["uid"] == "new" and ck.entry.hits == 1
 
@@ -410,6 +410,6 @@ def test_save_whose_file_is_wiped_as_soon_as_visible(tmp_path, monkeypatch):
         monkeypatch.setattr(os, "link", publish_then_wipe("link"))
         e = s.save(TEXTS[2], tokens_for(3), tensors_for(seed=3), meta={"t": 2, "seed": 3, "uid": "x"})
         monkeypatch.undo()
-        assert e is not None and e.tokens == 40 and e.name == kvstore.sha1(TEXTS[2].encode()).hex() + ".kv"
+        assert e is not None and e.tokens == 40 and e.name == kvstore.format.sha1(TEXTS[2].encode()).hex() + ".kv"
         found = s.find(TEXTS[2] + "?")                         # the zeroed file is a miss
         assert found is None or s.load(found) is None

@@ -1,4 +1,4 @@
-"""The directory's cumulative counters (docs/format.md §15): <dir>/.counters.
+"""The directory's cumulative counters (docs/semantics.md §15): <dir>/.counters.
 
 Every process using a directory adds to the same counters, across restarts;
 `kvstore stats --json` reads them from another process.  The file is
@@ -96,7 +96,7 @@ def test_file_layout_and_slot_order(store):
     assert SLOTS[10:27] == counters.histogram_slots("load_seconds")
     assert SLOTS[27:44] == counters.histogram_slots("save_seconds")
     assert SLOTS[44:47] == ("write_budget_level_bytes", "write_budget_refill_us", "write_budget_capacity_bytes")
-    # Added later, after the budget's slots: the canary's (docs/format.md §17).
+    # Added later, after the budget's slots: the canary's (docs/semantics.md §17).
     assert SLOTS[47:] == ("canary_checks", "canary_failures")
     assert values["saves"] == 1 and values["bytes_written"] == e.file_size
     assert values["save_seconds_count"] == 1

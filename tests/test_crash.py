@@ -1,4 +1,4 @@
-"""Crash safety (docs/format.md §6 and §11): writer processes killed with SIGKILL.
+"""Crash safety (docs/semantics.md §6 and §11): writer processes killed with SIGKILL.
 
 A child process saves 50 MB checkpoints (durable=True) in a loop and reports
 each one through a pipe before (``begin``) and after (``done``) save()
@@ -35,7 +35,8 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import KVStore, Reason
+from kvstore import KVStore
+from kvstore.format import Reason
 from kvstore.files import verify_file
 from kvhelpers import CTX, OPTS, make_tensors
 
@@ -198,7 +199,7 @@ class Rounds:
                 out.append(("retitle", name, text, seed, ctx, f"title {self.counter}"))
             else:
                 text = f"crash test checkpoint {self.counter}: " + "x" * (self.counter % 300)
-                name = kvstore.sha1(text.encode()).hex() + ".kv"
+                name = kvstore.format.sha1(text.encode()).hex() + ".kv"
                 out.append(("new", name, text, self.counter, CTX_SIZE, None))
             kind, name, text, seed, ctx, _ = out[-1]
             state[name] = (text, seed, ctx)
@@ -375,7 +376,7 @@ def _updater(d, counter):
         if step == 0:
             store.load(e, min_tokens=1, consume=False)                  # touch inside
         elif step == 1:
-            kvstore.touch(e.path)
+            kvstore.format.touch(e.path)
         elif step == 2:
             # Compatible: kept, its trailer rewritten in place (lengths vary).
             store.save(SMALL_TEXT, [1, 2, 3], small_tensors(), trailers={3: "t" * (i % 97)})
@@ -399,7 +400,7 @@ def run_header_kills(tmp_path, kills, seed):
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
         assert p.exitcode == -signal.SIGKILL
-        cur = kvstore.read_entry(e.path)                      # the header parses
+        cur = kvstore.format.read_entry(e.path)                      # the header parses
         assert cur.hits >= hits and cur.tokens == 3
         hits = cur.hits
         assert verify_file(e.path) is None

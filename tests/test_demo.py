@@ -40,7 +40,7 @@ def test_demo_runs_the_agent_workload_across_a_restart(tmp_path):
     disk = sum(src == "disk" for _, _, src, _, _, _ in rows)
     assert m and int(m.group(1)) >= disk >= 1 and m.group(2) == "0"
     # The checkpoints are on disk, valid, private, and hold the reasons the policy stores.
-    entries = [kvstore.read_entry(cache / n) for n in os.listdir(cache) if n.endswith(".kv")]
+    entries = [kvstore.format.read_entry(cache / n) for n in os.listdir(cache) if n.endswith(".kv")]
     reasons = {e.reason.name.lower() for e in entries}
     assert {"cold", "evict", "shutdown", "agent_session"} <= reasons
     assert oct(os.stat(cache).st_mode & 0o777) == "0o700"

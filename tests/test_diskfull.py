@@ -1,4 +1,4 @@
-"""Disk full (docs/format.md §6 and §11): a save that cannot be written fails
+"""Disk full (docs/semantics.md §6 and §11): a save that cannot be written fails
 cleanly.  None comes back, exactly one log line says why, no partial file is
 left (no .kv, no temporary), and the store goes on serving hits.
 
@@ -264,7 +264,7 @@ def test_full_tmpfs_every_stage(tmpfs, tmp_path):
         room(0)
         with KVStore(d, options=Options(min_tokens=1), durable=True, budget_mb=0) as s:
             assert s.load(s.find("an old prompt!")) is not None
-            assert kvstore.read_entry(path).hits == hits + 1
+            assert kvstore.format.read_entry(path).hits == hits + 1
     finally:
         log.removeHandler(grab)
         log.setLevel(old_level)

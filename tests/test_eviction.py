@@ -1,4 +1,4 @@
-"""Eviction and the disk budget through KVStore (docs/format.md §8): the budget
+"""Eviction and the disk budget through KVStore (docs/semantics.md §8): the budget
 after every save, who goes first, the protected new file, tie-breaks, two
 evicting processes, and the maximum age."""
 
@@ -17,7 +17,7 @@ from kvstore import store as store_mod
 from kvhelpers import CTX, checkpoint_files, make_store
 
 HALF_LIFE = Options().hit_half_life_s
-R = kvstore.Reason
+R = kvstore.format.Reason
 TENSORS = {"k": np.arange(4096, dtype=np.float32)}      # every test file: 16 KiB of data
 
 
@@ -32,7 +32,7 @@ def disk_bytes(directory):
 def patch_header(path, **fields):
     """Rewrites header fields of a file in place (the test's clock and hit history)."""
     with open(path, "r+b") as f:
-        h = kvstore.Header.unpack(f.read(48))
+        h = kvstore.format.Header.unpack(f.read(48))
         for k, v in fields.items():
             setattr(h, k, v)
         f.seek(0)
@@ -92,7 +92,7 @@ def test_foreign_files_count_and_can_be_evicted(tmp_path):
     size = populate(d, [("ours", R.COLD, {})])
     foreign = os.path.join(d, hashlib.sha1(b"ds4 state").hexdigest() + ".kv")
     payload = bytes(size)
-    h = kvstore.Header(quant_bits=2, tokens=1, ctx_size=4096, payload_bytes=len(payload),
+    h = kvstore.format.Header(quant_bits=2, tokens=1, ctx_size=4096, payload_bytes=len(payload),
                        reason=R.CONTINUED, payload_abi=2, created_at=NOW)
     with open(foreign, "wb") as f:
         f.write(h.pack() + struct.pack("<I", 9) + b"ds4 state" + payload)

@@ -1,4 +1,4 @@
-"""Faults (docs/format.md §3, §5, §11, §12): corrupt, truncated and vanished files,
+"""Faults (docs/format.md §3; docs/semantics.md §5, §11, §12): corrupt, truncated and vanished files,
 read-only directories, a full disk, hostile names and impossible inputs.  A
 fault is a miss or a refusal, never an exception in the serving loop, and it
 never leaves a partial or corrupt visible file behind."""
@@ -37,7 +37,7 @@ def tmp_names(directory):
 
 def layout(path):
     """(payload start P, manifest length, data offset, manifest dict)."""
-    e = kvstore.read_entry(path)
+    e = kvstore.format.read_entry(path)
     with open(path, "rb") as f:
         f.seek(e.tensors_offset)
         _, mlen, doff, _, _ = PAYLOAD_HEAD.unpack(f.read(24))
@@ -54,7 +54,7 @@ def rewrite_manifest(path, raw):
         f.seek(P + 4)
         f.write(struct.pack("<I", mlen))
         f.seek(P + 16)
-        f.write(struct.pack("<I", kvstore.crc32c(raw)))
+        f.write(struct.pack("<I", kvstore.format.crc32c(raw)))
         f.seek(P + 24)
         f.write(raw)
 
@@ -260,8 +260,8 @@ def test_hostile_names_and_types_are_ignored(store, tmp_path):
     assert store.find(PROMPT) is None
     assert store.entries() == []
     assert store.evict() == []
-    with pytest.raises(kvstore.UnsafePath):
-        kvstore.read_entry(good.path)
+    with pytest.raises(kvstore.errors.UnsafePath):
+        kvstore.format.read_entry(good.path)
     # Saving replaces the symlink itself and never writes through it.
     before = elsewhere.read_bytes()
     e = store.save(TEXT, [1, 2, 3], tensors(seed=2))
@@ -387,7 +387,7 @@ def test_full_disk(tmp_path):
 
 
 def hashlib_name(text):
-    return kvstore.sha1(text.encode()).hex() + ".kv"
+    return kvstore.format.sha1(text.encode()).hex() + ".kv"
 
 
 # ---- impossible inputs -------------------------------------------------------------------

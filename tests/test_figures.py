@@ -1,7 +1,7 @@
-"""Every measured figure that README.md and docs/format.md quote comes from bench/results/.
+"""Every measured figure that README.md and docs/*.md quote comes from bench/results/.
 
 `python -m bench` keeps each harness's results in bench/results/NAME.json and
-NAME.md and rewrites the generated blocks of both files from them
+NAME.md and rewrites the generated blocks of those files from them
 (bench/figures.py: between `<!-- TAG:start -->` and `<!-- TAG:end -->`).
 These tests fail when a block differs from what bench/figures.py makes of the
 results on disk (run `python bench/figures.py` to rewrite the blocks from
@@ -19,7 +19,9 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ("README.md", "docs/format.md")
+# Every file of prose a reader meets: README.md and each doc in docs/ (a new
+# doc is checked as soon as it exists).
+DOCS = ("README.md", *sorted("docs/" + name for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md")))
 
 # bench/figures.py, loaded by path: bench/ holds scripts named like common
 # modules (store, serve, remote) that must not shadow anything else here.
@@ -147,11 +149,11 @@ def test_figures_outside_blocks_are_caught():
 def test_blocks_without_results(tmp_path):
     """With no results the blocks say so; a skipped harness gives its reason."""
     blocks = figures.generate(str(tmp_path))
-    assert "no results yet" in blocks[("README.md", "bench:remote")]
+    assert "no results yet" in blocks[("docs/remote.md", "bench:remote")]
     assert "not measured" in blocks[("docs/format.md", "bench:seal")]
     (tmp_path / "remote.json").write_text(json.dumps({"machine": {}, "skipped": "boto3 is not installed",
                                                       "rows": []}))
-    assert "boto3 is not installed" in figures.generate(str(tmp_path))[("README.md", "bench:remote")]
+    assert "boto3 is not installed" in figures.generate(str(tmp_path))[("docs/remote.md", "bench:remote")]
 
 
 def test_a_harness_is_skipped_only_when_it_says_why_in_a_sentence():
@@ -160,3 +162,13 @@ def test_a_harness_is_skipped_only_when_it_says_why_in_a_sentence():
     assert figures.skipped({"skipped": "boto3 is not installed"}) == "boto3 is not installed"
     assert figures.skipped({"skipped": [{"geometry": "Llama-3.3-70B", "tokens": 32768, "why": "memory"}]}) is None
     assert figures.skipped({"skipped": []}) is None and figures.skipped({}) is None
+
+
+def test_the_readme_quotes_three_headline_rows():
+    """README.md's block holds three rows, each one of the headline rows docs/benchmarks.md holds."""
+    headline = [(h[0], h[1], h[2] if len(h) > 2 else ()) for h in figures.HEADLINE]
+    assert len(figures.README_HEADLINE) == 3
+    assert all((name, needle, section) in headline for name, needle, section, _ in figures.README_HEADLINE)
+    body = figures.current_block(_read("README.md"), "bench", "README.md")
+    rows = [line for line in body.splitlines() if line.startswith("| ") and not line.startswith("| comparison")]
+    assert len(rows) == 3, rows

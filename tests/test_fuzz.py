@@ -1,4 +1,4 @@
-"""Bad input (docs/format.md §2, §3, §10 and §12): hypothesis properties over the
+"""Bad input (docs/format.md §2, §3, §10 and docs/semantics.md §12): hypothesis properties over the
 envelope header, the payload header, the manifest JSON and the trailer
 sections of a real checkpoint file.
 
@@ -344,7 +344,7 @@ def test_trailer_sections_never_cost_the_checkpoint(target, sections, tail):
     then garbage: the checkpoint loads with its original tensors every time."""
     raw = b""
     for bit, length, good_crc, body in sections:
-        crc = kvstore.crc32c(body) if good_crc else kvstore.crc32c(body) ^ 1
+        crc = kvstore.format.crc32c(body) if good_crc else kvstore.format.crc32c(body) ^ 1
         raw += struct.pack("<B3xQI", bit, length % 2**64, crc) + body
     blob = target.good[:target.entry.trailer_offset] + raw + tail
     assert bounded_check(target, blob, expect_original=True) == "loaded"

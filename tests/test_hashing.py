@@ -135,13 +135,13 @@ SHA1_VECTORS = [
 
 @pytest.mark.parametrize("data,digest", SHA1_VECTORS, ids=lambda v: str(len(v)) if isinstance(v, bytes) else None)
 def test_sha1_known_vectors(impl, data, digest):
-    assert kvstore.sha1(data).hex() == digest
+    assert kvstore.format.sha1(data).hex() == digest
 
 
 def test_sha1_every_length_to_300(impl):
     for n in range(301):
         d = BUF[:n]
-        got = kvstore.sha1(d)
+        got = kvstore.format.sha1(d)
         assert type(got) is bytes and len(got) == 20
         assert got == hashlib.sha1(d).digest(), n
         assert got == reference.sha1(d), n
@@ -153,32 +153,32 @@ def test_sha1_block_boundaries(impl, edge, blocks):
     n = edge + 64 * blocks
     for off in range(8):
         d = BUF[off:off + n]
-        assert kvstore.sha1(d) == hashlib.sha1(d).digest(), (n, off)
+        assert kvstore.format.sha1(d) == hashlib.sha1(d).digest(), (n, off)
 
 
 @pytest.mark.parametrize("n", [3 * 2**20 + 17, 8 * 2**20])
 def test_sha1_large_buffer(impl, n):
     d = rand_bytes(n, seed=n)
-    assert kvstore.sha1(d) == hashlib.sha1(d).digest()
+    assert kvstore.format.sha1(d) == hashlib.sha1(d).digest()
 
 
 def test_sha1_unaligned_memoryview_slices(impl):
     mv = memoryview(BUF)
     for off in range(1, 8):
         for n in [0, 1, 63, 64, 65, 1000, 4096 + 3, 100_001]:
-            assert kvstore.sha1(mv[off:off + n]) == hashlib.sha1(BUF[off:off + n]).digest(), (off, n)
+            assert kvstore.format.sha1(mv[off:off + n]) == hashlib.sha1(BUF[off:off + n]).digest(), (off, n)
 
 
 def test_sha1_buffer_kinds(impl, tmp_path):
     data = BUF[:5000]
     want = hashlib.sha1(data).digest()
-    assert kvstore.sha1(bytearray(data)) == want
-    assert kvstore.sha1(memoryview(data)) == want
-    assert kvstore.sha1(memoryview(data[:4096]).cast("I")) == hashlib.sha1(data[:4096]).digest()
+    assert kvstore.format.sha1(bytearray(data)) == want
+    assert kvstore.format.sha1(memoryview(data)) == want
+    assert kvstore.format.sha1(memoryview(data[:4096]).cast("I")) == hashlib.sha1(data[:4096]).digest()
     p = tmp_path / "blob"
     p.write_bytes(data)
     with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        assert kvstore.sha1(m) == want
+        assert kvstore.format.sha1(m) == want
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.int32, np.uint32,
@@ -190,32 +190,32 @@ def test_sha1_numpy_arrays(impl, dtype):
     else:
         arr = raw.view(dtype).reshape(4, -1)        # 2-d, C-contiguous
     assert arr.flags.c_contiguous
-    assert kvstore.sha1(arr) == hashlib.sha1(arr.tobytes()).digest()
-    assert kvstore.sha1_prefixes(arr, [arr.nbytes, 1]) == [hashlib.sha1(arr.tobytes()).digest(),
+    assert kvstore.format.sha1(arr) == hashlib.sha1(arr.tobytes()).digest()
+    assert kvstore.format.sha1_prefixes(arr, [arr.nbytes, 1]) == [hashlib.sha1(arr.tobytes()).digest(),
                                                          hashlib.sha1(arr.tobytes()[:1]).digest()]
-    assert kvstore.crc32c(arr) == reference.crc32c(arr.tobytes())
+    assert kvstore.format.crc32c(arr) == reference.crc32c(arr.tobytes())
 
 
 def test_sha1_refuses_non_contiguous_buffer(impl):
     # Hashing a strided view's underlying memory would name the wrong bytes.
     arr = np.arange(100, dtype=np.uint32)[::2]
     with pytest.raises((BufferError, ValueError)):
-        kvstore.sha1(arr)
+        kvstore.format.sha1(arr)
     with pytest.raises((BufferError, ValueError)):
-        kvstore.crc32c(arr)
+        kvstore.format.crc32c(arr)
 
 
 def test_sha1_rejects_non_buffer(impl):
     with pytest.raises(TypeError):
-        kvstore.sha1("text")
+        kvstore.format.sha1("text")
     with pytest.raises(TypeError):
-        kvstore.crc32c([1, 2, 3])
+        kvstore.format.crc32c([1, 2, 3])
 
 
 @HSETTINGS
 @given(st.binary(max_size=2000))
 def test_sha1_property(impl, data):
-    assert kvstore.sha1(data) == hashlib.sha1(data).digest()
+    assert kvstore.format.sha1(data) == hashlib.sha1(data).digest()
 
 
 # ---- sha1_prefixes --------------------------------------------------------
@@ -227,7 +227,7 @@ def hashlib_prefixes(data, lengths):
 def test_prefixes_unsorted_with_repeats_and_ends(impl):
     data = BUF[:1000]
     lengths = [1000, 0, 64, 63, 64, 999, 0, 500, 128, 1, 1000, 65, 56, 55, 57, 119, 120, 121]
-    assert kvstore.sha1_prefixes(data, lengths) == hashlib_prefixes(data, lengths)
+    assert kvstore.format.sha1_prefixes(data, lengths) == hashlib_prefixes(data, lengths)
 
 
 def test_prefixes_every_length_dense(impl):
@@ -235,36 +235,36 @@ def test_prefixes_every_length_dense(impl):
     # path where two pending digests are finished together.
     data = BUF[:300]
     asc = list(range(301))
-    assert kvstore.sha1_prefixes(data, asc) == hashlib_prefixes(data, asc)
+    assert kvstore.format.sha1_prefixes(data, asc) == hashlib_prefixes(data, asc)
     shuffled = asc * 2
     random.Random(3).shuffle(shuffled)
-    assert kvstore.sha1_prefixes(data, shuffled) == hashlib_prefixes(data, shuffled)
+    assert kvstore.format.sha1_prefixes(data, shuffled) == hashlib_prefixes(data, shuffled)
     desc = asc[::-1]
-    assert kvstore.sha1_prefixes(data, desc) == hashlib_prefixes(data, desc)
+    assert kvstore.format.sha1_prefixes(data, desc) == hashlib_prefixes(data, desc)
 
 
 def test_prefixes_large_data_few_lengths(impl):
     data = rand_bytes(3 * 2**20 + 5, seed=11)
     lengths = [len(data), 17, 2**20, 2**20 + 1, 64 * 1000, 64 * 1000 - 9, len(data) - 1]
-    assert kvstore.sha1_prefixes(data, lengths) == hashlib_prefixes(data, lengths)
+    assert kvstore.format.sha1_prefixes(data, lengths) == hashlib_prefixes(data, lengths)
 
 
 def test_prefixes_empty_and_single(impl):
-    assert kvstore.sha1_prefixes(b"abc", []) == []
-    assert kvstore.sha1_prefixes(b"", []) == []
-    assert kvstore.sha1_prefixes(b"", [0]) == [hashlib.sha1(b"").digest()]
-    assert kvstore.sha1_prefixes(b"abc", [3]) == [hashlib.sha1(b"abc").digest()]
-    assert kvstore.sha1_prefixes(b"abc", (0,)) == [hashlib.sha1(b"").digest()]
+    assert kvstore.format.sha1_prefixes(b"abc", []) == []
+    assert kvstore.format.sha1_prefixes(b"", []) == []
+    assert kvstore.format.sha1_prefixes(b"", [0]) == [hashlib.sha1(b"").digest()]
+    assert kvstore.format.sha1_prefixes(b"abc", [3]) == [hashlib.sha1(b"abc").digest()]
+    assert kvstore.format.sha1_prefixes(b"abc", (0,)) == [hashlib.sha1(b"").digest()]
 
 
 def test_prefixes_accepts_any_iterable_of_ints(impl):
     data = BUF[:700]
     want = hashlib_prefixes(data, [5, 700, 64])
-    assert kvstore.sha1_prefixes(data, (n for n in [5, 700, 64])) == want
-    assert kvstore.sha1_prefixes(data, (5, 700, 64)) == want
-    assert kvstore.sha1_prefixes(data, np.array([5, 700, 64], dtype=np.int64)) == want
-    assert kvstore.sha1_prefixes(data, [np.uint32(5), np.int16(700), np.uint64(64)]) == want
-    assert kvstore.sha1_prefixes(bytearray(data), range(0, 701, 100)) == hashlib_prefixes(data, range(0, 701, 100))
+    assert kvstore.format.sha1_prefixes(data, (n for n in [5, 700, 64])) == want
+    assert kvstore.format.sha1_prefixes(data, (5, 700, 64)) == want
+    assert kvstore.format.sha1_prefixes(data, np.array([5, 700, 64], dtype=np.int64)) == want
+    assert kvstore.format.sha1_prefixes(data, [np.uint32(5), np.int16(700), np.uint64(64)]) == want
+    assert kvstore.format.sha1_prefixes(bytearray(data), range(0, 701, 100)) == hashlib_prefixes(data, range(0, 701, 100))
 
 
 def test_prefixes_unaligned_memoryview(impl):
@@ -272,14 +272,14 @@ def test_prefixes_unaligned_memoryview(impl):
     for off in range(1, 8):
         view = mv[off:off + 777]
         lengths = [777, 0, 64, 700, 65]
-        assert kvstore.sha1_prefixes(view, lengths) == hashlib_prefixes(BUF[off:off + 777], lengths)
+        assert kvstore.format.sha1_prefixes(view, lengths) == hashlib_prefixes(BUF[off:off + 777], lengths)
 
 
 @pytest.mark.parametrize("bad,index", [([-1], 0), ([3, 11], 1), ([10, 0, 2**70], 2),
                                        ([0, -2**70], 1), ([5, 10, 11, 3], 2)])
 def test_prefixes_bad_length_names_value(impl, bad, index):
     with pytest.raises(ValueError) as ei:
-        kvstore.sha1_prefixes(b"0123456789", bad)
+        kvstore.format.sha1_prefixes(b"0123456789", bad)
     msg = str(ei.value)
     assert f"length {bad[index]!r} at index {index}" in msg
     assert "0..10" in msg
@@ -290,8 +290,8 @@ def test_prefixes_bad_length_names_value(impl, bad, index):
 def test_prefixes_property(impl, data):
     d = data.draw(st.binary(max_size=1500), label="data")
     lengths = data.draw(st.lists(st.integers(0, len(d)), max_size=40), label="lengths")
-    assert kvstore.sha1_prefixes(d, lengths) == [hashlib.sha1(d[:n]).digest() for n in lengths]
-    assert kvstore.sha1_prefixes(d, lengths) == reference.sha1_prefixes(d, lengths)
+    assert kvstore.format.sha1_prefixes(d, lengths) == [hashlib.sha1(d[:n]).digest() for n in lengths]
+    assert kvstore.format.sha1_prefixes(d, lengths) == reference.sha1_prefixes(d, lengths)
 
 
 @HSETTINGS
@@ -305,7 +305,7 @@ def test_prefixes_property_sorted_block_cuts(impl, data):
         lambda b: st.sampled_from([64 * b - 1, 64 * b, 64 * b + 1, 64 * b + 55, 64 * b + 56])),
         max_size=30))
     lengths = sorted(c for c in cuts if 0 <= c <= len(d))
-    assert kvstore.sha1_prefixes(d, lengths) == hashlib_prefixes(d, lengths)
+    assert kvstore.format.sha1_prefixes(d, lengths) == hashlib_prefixes(d, lengths)
 
 
 # ---- keyed (HMAC-SHA1) names: sealed stores ------------------------------------
@@ -320,8 +320,8 @@ HMAC_VECTORS = [  # RFC 2202 test cases 1, 2 and 6 (a key longer than a block)
 
 @pytest.mark.parametrize("key,data,digest", HMAC_VECTORS)
 def test_hmac_sha1_known_vectors(impl, key, data, digest):
-    assert kvstore.sha1(data, key).hex() == digest
-    assert kvstore.sha1_prefixes(data, [len(data)], key) == [bytes.fromhex(digest)]
+    assert kvstore.format.sha1(data, key).hex() == digest
+    assert kvstore.format.sha1_prefixes(data, [len(data)], key) == [bytes.fromhex(digest)]
 
 
 @HSETTINGS
@@ -331,7 +331,7 @@ def test_keyed_prefixes_property(impl, data):
     d = data.draw(st.binary(max_size=1500), label="data")
     lengths = data.draw(st.lists(st.integers(0, len(d)), max_size=40), label="lengths")
     want = [hmac.new(key, d[:n], "sha1").digest() for n in lengths]
-    assert kvstore.sha1_prefixes(d, lengths, key) == want
+    assert kvstore.format.sha1_prefixes(d, lengths, key) == want
     asc = np.array(sorted(set(lengths)), dtype=np.uint64)
     names = b"".join(hmac.new(key, d[:int(n)], "sha1").digest() for n in asc)
     assert _native.sha1_prefix_matches(d, asc, names, key) == list(range(len(asc)))
@@ -375,7 +375,7 @@ def test_lookup_tags_pass_over_only_lengths_that_cannot_match(impl, data):
     d = data.draw(st.binary(max_size=1500), label="data")
     asc = np.array(sorted(set(data.draw(st.lists(st.integers(0, len(d)), min_size=1, max_size=40)))), np.uint64)
     cuts = [int(n) for n in asc]
-    inner = kvstore.sha1_prefixes(d, cuts, key, inner=True)
+    inner = kvstore.format.sha1_prefixes(d, cuts, key, inner=True)
     assert inner == [inner_hash(key, d[:n]) for n in cuts]
     names = b"".join(hmac.new(key, d[:n], "sha1").digest() for n in cuts)
     T = _native.LOOKUP_TAG
@@ -412,12 +412,12 @@ def test_lookup_tags_in_the_forest(impl):
 
 def test_inner_hashes_need_a_key(impl):
     with pytest.raises(ValueError, match="needs a key"):
-        kvstore.sha1_prefixes(b"abc", [1], inner=True)
+        kvstore.format.sha1_prefixes(b"abc", [1], inner=True)
 
 
 def test_empty_hmac_key_is_refused(impl):
     with pytest.raises(ValueError, match="0 bytes"):
-        kvstore.sha1(b"abc", b"")
+        kvstore.format.sha1(b"abc", b"")
 
 
 # ---- many lengths: digests finished many at a time ------------------------------
@@ -457,7 +457,7 @@ def without(n, i):
 def test_prefixes_many_lengths(impl, size, per_block):
     data = rand_bytes(size, seed=size)
     lengths = dense_lengths(size, per_block, seed=size + per_block)
-    assert kvstore.sha1_prefixes(data, lengths) == reference.sha1_prefixes(data, lengths)
+    assert kvstore.format.sha1_prefixes(data, lengths) == reference.sha1_prefixes(data, lengths)
     asc = sorted(set(lengths))
     names = bytearray(b"".join(reference.sha1_prefixes(data, asc)))
     assert _native.sha1_prefix_matches(data, np.array(asc, np.uint64), bytes(names)) == list(range(len(asc)))
@@ -472,7 +472,7 @@ def test_prefixes_many_lengths_two_remainders(impl, rems):
     # jobs that need one padding block, or two, or a mix.
     data = rand_bytes(64 * 300 + 30, seed=sum(rems))
     lengths = [64 * b + r for b in range(301) for r in rems if 64 * b + r <= len(data)]
-    assert kvstore.sha1_prefixes(data, lengths) == reference.sha1_prefixes(data, lengths)
+    assert kvstore.format.sha1_prefixes(data, lengths) == reference.sha1_prefixes(data, lengths)
 
 
 @pytest.mark.parametrize("per_block", [1, 3])
@@ -482,8 +482,8 @@ def test_keyed_prefixes_many_lengths(impl, per_block):
     lengths = dense_lengths(len(data), per_block, seed=6)
     inner, names = hmac_prefixes(key, data, lengths)
     assert names[:3] == [hmac.new(key, data[:n], "sha1").digest() for n in lengths[:3]]
-    assert kvstore.sha1_prefixes(data, lengths, key, inner=True) == inner
-    assert kvstore.sha1_prefixes(data, lengths, key) == names
+    assert kvstore.format.sha1_prefixes(data, lengths, key, inner=True) == inner
+    assert kvstore.format.sha1_prefixes(data, lengths, key) == names
     asc = sorted(set(lengths))
     inner, names = hmac_prefixes(key, data, asc)
     lens, joined = np.array(asc, np.uint64), b"".join(names)
@@ -509,14 +509,14 @@ CRC_VECTORS = [  # RFC 3720 B.4 and the common check value
 
 @pytest.mark.parametrize("data,crc", CRC_VECTORS)
 def test_crc32c_known_vectors(impl, data, crc):
-    assert kvstore.crc32c(data) == crc
+    assert kvstore.format.crc32c(data) == crc
     assert reference.crc32c(data) == crc
 
 
 def test_crc32c_every_length_and_odd_offsets(impl):
     for off in (0, 1, 3, 5, 7):
         for n in range(301):
-            assert kvstore.crc32c(BUF[off:off + n]) == ref_crc(off, n), (off, n)
+            assert kvstore.format.crc32c(BUF[off:off + n]) == ref_crc(off, n), (off, n)
 
 
 # 511-769: the fold's start (512) and its 256-byte steps; 767-769 and 24575-24577:
@@ -526,7 +526,7 @@ def test_crc32c_every_length_and_odd_offsets(impl):
 def test_crc32c_path_thresholds(impl, n):
     mv = memoryview(BUF)
     for off in range(8):
-        assert kvstore.crc32c(mv[off:off + n]) == ref_crc(off, n), (n, off)
+        assert kvstore.format.crc32c(mv[off:off + n]) == ref_crc(off, n), (n, off)
 
 
 def test_crc32c_large_buffer(impl):
@@ -539,55 +539,55 @@ def test_crc32c_large_buffer(impl):
     for _ in range(20):
         want = _native.crc32c_combine(want, c, len(block))
     want = _native.crc32c_combine(want, ref_crc(0, 17), 17)
-    assert kvstore.crc32c(whole) == want
-    assert kvstore.crc32c(memoryview(whole)[3:]) == kvstore.crc32c(BUF[3:300_000] + block * 19 + BUF[:17])
+    assert kvstore.format.crc32c(whole) == want
+    assert kvstore.format.crc32c(memoryview(whole)[3:]) == kvstore.format.crc32c(BUF[3:300_000] + block * 19 + BUF[:17])
 
 
 def test_crc32c_buffer_kinds(impl):
     data = BUF[:4096]
     want = ref_crc(0, 4096)
-    assert kvstore.crc32c(bytearray(data)) == want
-    assert kvstore.crc32c(memoryview(data).cast("Q")) == want
-    assert kvstore.crc32c(np.frombuffer(data, dtype=np.float32).reshape(32, 32)) == want
+    assert kvstore.format.crc32c(bytearray(data)) == want
+    assert kvstore.format.crc32c(memoryview(data).cast("Q")) == want
+    assert kvstore.format.crc32c(np.frombuffer(data, dtype=np.float32).reshape(32, 32)) == want
 
 
 def test_crc32c_continue_argument(impl):
-    assert kvstore.crc32c(b"56789", kvstore.crc32c(b"1234")) == 0xE3069283
-    assert kvstore.crc32c(b"", 0xDEADBEEF) == 0xDEADBEEF
+    assert kvstore.format.crc32c(b"56789", kvstore.format.crc32c(b"1234")) == 0xE3069283
+    assert kvstore.format.crc32c(b"", 0xDEADBEEF) == 0xDEADBEEF
     with pytest.raises(OverflowError):
-        kvstore.crc32c(b"x", 2**32)
+        kvstore.format.crc32c(b"x", 2**32)
     with pytest.raises(OverflowError):
-        kvstore.crc32c(b"x", -1)
+        kvstore.format.crc32c(b"x", -1)
 
 
 @HSETTINGS
 @given(st.binary(max_size=3000), st.binary(max_size=3000))
 def test_crc32c_incremental_property(impl, a, b):
-    assert kvstore.crc32c(b, kvstore.crc32c(a)) == kvstore.crc32c(a + b)
+    assert kvstore.format.crc32c(b, kvstore.format.crc32c(a)) == kvstore.format.crc32c(a + b)
 
 
 @HSETTINGS
 @given(st.binary(max_size=1000))
 def test_crc32c_matches_reference_property(impl, data):
-    assert kvstore.crc32c(data) == reference.crc32c(data)
+    assert kvstore.format.crc32c(data) == reference.crc32c(data)
 
 
 @HSETTINGS
 @given(st.binary(max_size=5000), st.binary(max_size=5000))
 def test_crc32c_combine_property(impl, a, b):
-    ca, cb = kvstore.crc32c(a), kvstore.crc32c(b)
-    assert _native.crc32c_combine(ca, cb, len(b)) == kvstore.crc32c(a + b)
+    ca, cb = kvstore.format.crc32c(a), kvstore.format.crc32c(b)
+    assert _native.crc32c_combine(ca, cb, len(b)) == kvstore.format.crc32c(a + b)
 
 
 def test_crc32c_combine_edges(impl):
     a, b = BUF[:1234], BUF[1234:100_000]
-    assert _native.crc32c_combine(kvstore.crc32c(a), kvstore.crc32c(b), len(b)) == ref_crc(0, 100_000)
+    assert _native.crc32c_combine(kvstore.format.crc32c(a), kvstore.format.crc32c(b), len(b)) == ref_crc(0, 100_000)
     assert _native.crc32c_combine(0x12345678, 0, 0) == 0x12345678   # b empty
-    assert _native.crc32c_combine(0, kvstore.crc32c(b), len(b)) == kvstore.crc32c(b)   # a empty
+    assert _native.crc32c_combine(0, kvstore.format.crc32c(b), len(b)) == kvstore.format.crc32c(b)   # a empty
     # Zero-byte runs of any length: crc(a + zeros(n)) from combine.
     for n in (1, 7, 8, 255, 256, 8192, 65537):
         z = bytes(n)
-        assert _native.crc32c_combine(kvstore.crc32c(a), kvstore.crc32c(z), n) == kvstore.crc32c(a + z)
+        assert _native.crc32c_combine(kvstore.format.crc32c(a), kvstore.format.crc32c(z), n) == kvstore.format.crc32c(a + z)
 
 
 @HSETTINGS

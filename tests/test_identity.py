@@ -1,4 +1,4 @@
-"""Model identities in the store (docs/format.md §17): many models, one directory.
+"""Model identities in the store (docs/semantics.md §17): many models, one directory.
 
 A store opened with model_identity records the model in every file it writes
 (the header's model tag, the name's namespace, the manifest) and offers
@@ -58,7 +58,7 @@ def test_a_model_store_records_its_model_in_header_name_and_manifest(tmp_path):
         head = f.read(HEADER_SIZE)
     assert int.from_bytes(head[21:24], "little") == ident.tag
     # Named in the model's namespace: SHA1 of the namespace block then the text.
-    assert e.sha == names.name_of(TEXT.encode(), ident.names).hex() != kvstore.sha1(TEXT.encode()).hex()
+    assert e.sha == names.name_of(TEXT.encode(), ident.names).hex() != kvstore.format.sha1(TEXT.encode()).hex()
     h = names.hasher(ident.names)
     h.update(TEXT.encode())
     assert h.hexdigest() == e.sha
@@ -77,7 +77,7 @@ def test_a_store_without_identity_writes_ds4_style_files(tmp_path):
     with make_store(tmp_path / "kv", layout="whole") as s:
         e, _ = save(s, positional=None, text_offsets=None)
     assert read_entry(e.path).model_tag == 0
-    assert e.sha == kvstore.sha1(TEXT.encode()).hex()
+    assert e.sha == kvstore.format.sha1(TEXT.encode()).hex()
     with open(e.path, "rb") as f:
         assert f.read(HEADER_SIZE)[21:24] == b"\0\0\0"
 
@@ -198,16 +198,16 @@ def test_sealed_stores_of_two_models_share_a_key_and_a_directory(tmp_path):
 def test_one_budget_covers_every_model_and_stale_files_go_first(tmp_path):
     d = tmp_path / "kv"
     with make_store(d, model_identity=A, layout="whole", budget_mb=0) as a:
-        ea, _ = save(a, positional=None, text_offsets=None, reason=kvstore.Reason.COLD)
+        ea, _ = save(a, positional=None, text_offsets=None, reason=kvstore.format.Reason.COLD)
         eb, _ = save(a, text=TEXT + " second", positional=None, text_offsets=None,
-                     reason=kvstore.Reason.COLD)
-        kvstore.touch(eb.path)                       # A's second file is used, now
+                     reason=kvstore.format.Reason.COLD)
+        kvstore.format.touch(eb.path)                       # A's second file is used, now
     # A's first anchor was last used 40 days ago: past stale_after_s (30 days).
-    kvstore.touch(ea.path, now=int(time.time()) - 40 * 86400)
+    kvstore.format.touch(ea.path, now=int(time.time()) - 40 * 86400)
     size = read_entry(ea.path).file_size
     budget_mb = 2.5 * size / 2**20
     with make_store(d, model_identity=B, layout="whole", budget_mb=budget_mb) as b:
-        save(b, text=TEXT + " third", positional=None, text_offsets=None, reason=kvstore.Reason.CONTINUED)
+        save(b, text=TEXT + " third", positional=None, text_offsets=None, reason=kvstore.format.Reason.CONTINUED)
         kept = {e.sha for e in b.entries()}
     # The budget counted A's files too: one had to go, and the stale anchor
     # went before B's fresh waypoint, which scores lower.

@@ -1,4 +1,4 @@
-"""The index snapshot (kvstore/index_snapshot.py, docs/format.md §4): an open reads no envelope it need not.
+"""The index snapshot (kvstore/index_snapshot.py, docs/semantics.md §4): an open reads no envelope it need not.
 
 A store keeps its index in ``<dir>/.index`` so that the next open starts
 from it instead of reading every file's envelope.  The files stay the
@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import Reason, index, index_snapshot
+from kvstore import index, index_snapshot
+from kvstore.format import Reason
 from kvstore.format import read_entry
 from kvstore.index import DirectoryIndex
 from kvstore.index_snapshot import SNAPSHOT_NAME
@@ -177,7 +178,7 @@ def test_orphans_and_files_of_other_models_are_as_a_listing_leaves_them(tmp_path
     # A block cut out of a chain leaves the blocks after it orphaned until
     # a store removes them under its lock; the index lists them as such.
     text, ids, offsets = chain_of(2)
-    middle = kvstore.sha1(text[:offsets[4 * BLOCK]]).hex() + ".kv"
+    middle = kvstore.format.sha1(text[:offsets[4 * BLOCK]]).hex() + ".kv"
     os.unlink(d / middle)
     idx = DirectoryIndex(str(d), lambda e: e.model_id == 0, 1)
     idx.refresh()

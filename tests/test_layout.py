@@ -210,13 +210,16 @@ def test_rooms_rank_as_documented(importer, target, expect):
     assert {"upward": b > a, "same room": a == b, "downward": b < a}[expect]
 
 
-README = PACKAGE.parent / "README.md"
+# The rooms' table, the one list of the package's rooms in their order.
+ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"
 
 
-def readme_rows():
-    """Module or package name -> its row in the README's layout table (lowest first)."""
-    text = README.read_text()
-    table = text[text.index("## Layout"):]
+def layout_rows():
+    """Module or package name -> its row in docs/ARCHITECTURE.md's layout table (lowest first)."""
+    text = ARCHITECTURE.read_text()
+    start = text.index("\n## Layout\n")
+    end = text.find("\n## ", start + 1)
+    table = text[start:end if end != -1 else len(text)]
     rows, i = {}, 0
     for line in table.splitlines():
         if not line.startswith("| `"):
@@ -231,34 +234,42 @@ def readme_rows():
     return rows
 
 
-ROWS = readme_rows()
+ROWS = layout_rows()
 
 
-def readme_row(name):
+def layout_row(name):
     best = max((r for r in ROWS if name == r or name.startswith(r + ".")), key=len, default=None)
     return None if best is None else ROWS[best]
 
 
-def test_every_module_is_in_the_readme_layout():
-    missing = [m for m in MODULES if m not in ("kvstore", "kvstore.__main__") and readme_row(m) is None]
-    assert not missing, f"modules the README's layout table does not list: {missing}"
+def test_every_module_is_in_the_layout_table():
+    missing = [m for m in MODULES if m not in ("kvstore", "kvstore.__main__") and layout_row(m) is None]
+    assert not missing, f"modules docs/ARCHITECTURE.md's layout table does not list: {missing}"
 
 
-def test_imports_follow_the_readme_order():
+def test_imports_follow_the_layout_order():
     # Finer than LAYERS: inside a room too, a module imports only the rows
-    # the README lists before its own (or its own row).
+    # the layout table lists before its own (or its own row).
     bad = []
     for importer, edges in GRAPH.items():
-        a = readme_row(importer)
+        a = layout_row(importer)
         for mod, _, line in edges:
-            b = readme_row(mod)
+            b = layout_row(mod)
             if a is not None and b is not None and b > a:
                 bad.append(f"{MODULES[importer].relative_to(PACKAGE.parent)}:{line} imports {mod}, "
-                           f"which the README lists after it")
-    assert not bad, "imports against the README's order:\n" + "\n".join(bad)
+                           f"which the layout table lists after it")
+    assert not bad, "imports against the layout table's order:\n" + "\n".join(bad)
 
 
-def test_readme_order_agrees_with_layers():
+def test_layout_order_agrees_with_layers():
     order = sorted(ROWS, key=ROWS.get)
     rooms = [room(m) for m in order]
     assert rooms == sorted(rooms), [(m, room(m)) for m in order]
+
+
+def test_the_layout_table_lives_in_one_place():
+    """The rooms' table is docs/ARCHITECTURE.md's alone: a second copy would drift."""
+    root = PACKAGE.parent
+    holders = [p.relative_to(root).as_posix() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+               if "| room | its one job |" in p.read_text()]
+    assert holders == ["docs/ARCHITECTURE.md"], holders

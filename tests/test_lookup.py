@@ -1,4 +1,4 @@
-"""KVStore.find (docs/format.md §4): longest stored byte prefix, the filters, the
+"""KVStore.find (docs/semantics.md §4): longest stored byte prefix, the filters, the
 index kept current across processes, and digests confirmed by the bytes."""
 
 import dataclasses
@@ -46,8 +46,8 @@ def found_text(store, prompt):
 
 def write_foreign(directory, text, abi=2, tokens=1000, payload=b"ds4 graph state" * 10, **fields):
     """A checkpoint with another payload ABI (ds4 writes 2), written by hand."""
-    h = kvstore.Header(quant_bits=4, tokens=tokens, ctx_size=4096, payload_bytes=len(payload),
-                       reason=kvstore.Reason.COLD, payload_abi=abi, created_at=int(time.time()),
+    h = kvstore.format.Header(quant_bits=4, tokens=tokens, ctx_size=4096, payload_bytes=len(payload),
+                       reason=kvstore.format.Reason.COLD, payload_abi=abi, created_at=int(time.time()),
                        **fields)
     path = os.path.join(directory, hashlib.sha1(text).hexdigest() + ".kv")
     with open(path, "wb") as f:
@@ -201,7 +201,7 @@ def test_ctx_size_smaller_loadable_by_larger_never_reverse(tmp_path):
 def test_save_ctx_size_argument(tmp_path):
     with make_store(tmp_path / "kv", ctx_size=4096) as s:
         e = put(s, b"explicit ctx", ctx_size=16384)
-        assert e.ctx_size == 16384 and kvstore.read_entry(e.path).ctx_size == 16384
+        assert e.ctx_size == 16384 and kvstore.format.read_entry(e.path).ctx_size == 16384
         assert s.find(b"explicit ctx!") is None
         assert put(s, b"default ctx").ctx_size == 4096
 

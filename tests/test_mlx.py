@@ -16,7 +16,7 @@ What is checked:
    effective prompt is the stored tokens + the tokens of the text suffix, and
    prefilling it equals a cold prefill of that token list; multi-byte
    characters around the boundaries are never cut;
-3. the store policy of docs/format.md §7 over a scripted chat of two users;
+3. the store policy of docs/semantics.md §7 over a scripted chat of two users;
 4. a model directory loaded with mlx_lm.load works end to end.
 
 Where logits or greedy tokens are compared, both sides are prefilled with the
@@ -352,7 +352,7 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
     pc = PromptCache(store, engine, prefill_step=STEP)
 
     def expected_stores(start, end, last, cold_target):
-        """docs/format.md §7 from kvstore.policy alone: what a prefill of [start, end) stores."""
+        """docs/semantics.md §7 from kvstore.policy alone: what a prefill of [start, end) stores."""
         out = []
         for pos in chunk_ends(start, end, STEP, [cold_target] if cold_target else []):
             if cold_target and pos == cold_target:

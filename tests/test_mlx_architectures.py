@@ -848,7 +848,7 @@ def test_canary_passes_the_models_own_state_and_fails_another_models(arch, tmp_p
     ids = token_ids(arch)
     cache = mlc.make_prompt_cache(model)
     prefill(model, cache, ids)
-    tensors, _, positional = kvmlx.cache_state(cache)
+    tensors, _, positional = kvmlx.codecs.cache_state(cache)
     has_rows = any(mx.issubdtype(tensors[k].dtype, mx.floating) for k in positional)
     with model_store(tmp_path / "kv", model) as store:
         round_trip(store, arch, ids, cache, model)
@@ -962,7 +962,7 @@ def boundaries(n):
 
 def all_positional(cache):
     """True when every tensor of the cache is positional (no snapshot slot)."""
-    tensors, _, positional = kvmlx.cache_state(cache)
+    tensors, _, positional = kvmlx.codecs.cache_state(cache)
     return set(positional) == set(tensors)
 
 
@@ -1116,7 +1116,7 @@ def test_chain_from_one_save_restores_every_block_of_positional_models(arch, tmp
     text, offsets = chain_text(ids)
     cache = mlc.make_prompt_cache(model)
     prefill(model, cache, ids, chunks=(2 * B + 5, n - 2 * B - 5))
-    tensors, meta, positional = kvmlx.cache_state(cache)
+    tensors, meta, positional = kvmlx.codecs.cache_state(cache)
     snapshots = sorted(set(tensors) - set(positional))
     path = tmp_path / "kv"
     with chain_store(path, model) as store:

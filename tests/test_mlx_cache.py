@@ -18,8 +18,8 @@ import kvstore  # noqa: E402
 from mlx_lm.models import cache as mlc  # noqa: E402
 
 from kvstore import mlx as kvmlx  # noqa: E402
-from kvstore.mlx import (CACHE_CLASSES, cache_to_tensors, load_prompt_cache,  # noqa: E402
-                               save_prompt_cache, tensors_to_cache)
+from kvstore.mlx.codecs import CACHE_CLASSES  # noqa: E402
+from kvstore.mlx import cache_to_tensors, load_prompt_cache, save_prompt_cache, tensors_to_cache  # noqa: E402
 
 from kvstore.demo import model as mlx_model  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Pins (kvstore.pins, docs/format.md §19) through KVStore: a pinned prefix
+"""Pins (kvstore.pins, docs/semantics.md §19) through KVStore: a pinned prefix
 outlives eviction that removes everything else, keeps a chain's earlier
 blocks, survives a restart, expires, is refused past the budget's pinned
 share, and bad input is refused by name."""

@@ -1,4 +1,4 @@
-"""kvstore.policy against ds4's own arithmetic (docs/format.md §7 and §8).
+"""kvstore.policy against ds4's own arithmetic (docs/semantics.md §7 and §8).
 
 Each ds4 function the policy follows is ported literally below (``ds4_*``):
 C ``int`` math with truncating division and no overflow allowed, ``uint64_t``
@@ -6,7 +6,7 @@ sizes with ds4's overflow checks, ``double`` scores in ds4's evaluation
 order.  The ports are read off ``ds4_kvstore.c`` (upstream commit ec6a82a for
 the eviction score) and kept deliberately close to the C; policy.py is the
 readable version.  Hypothesis compares the two; hand-checked examples pin the
-numbers; the places where docs/format.md departs from ds4 are tested for its
+numbers; the places where docs/semantics.md departs from ds4 are tested for its
 behaviour.
 """
 
@@ -251,7 +251,7 @@ def make_entry(sha="0" * 40, reason=Reason.COLD, tokens=4096, hits=0, ctx_size=3
 
 
 def spec_supersedes(entry_text, entry, incoming):
-    """docs/format.md §8's definition, as a store would compute it from the texts."""
+    """docs/semantics.md §8's definition, as a store would compute it from the texts."""
     return (0 < len(entry_text) < len(incoming.text)
             and incoming.text.startswith(entry_text)
             and entry.model_id == incoming.model_id
@@ -771,7 +771,7 @@ def test_file_size_fits_boundary_is_one_percent_rounded_up(file_extra):
                                         ((0, 0, -1, 10), "trailer_bytes"),
                                         ((0, 0, 0, -1), "budget_bytes")])
 def test_file_size_fits_refuses_negative(args, name):
-    # docs/format.md departs from ds4 (whose sizes are unsigned): a negative budget is
+    # docs/semantics.md departs from ds4 (whose sizes are unsigned): a negative budget is
     # an error, not "unlimited".
     with pytest.raises(ValueError, match=rf"{name}=-1"):
         policy.file_size_fits(*args)
@@ -810,7 +810,7 @@ def test_pick_victim_tie_goes_to_older_use():
 
 def test_pick_victim_tie_uses_created_at_when_never_hit():
     # ds4 compares raw last_used, so a never-hit file (last_used 0) loses
-    # every tie however new it is; docs/format.md uses t = last_used or created_at.
+    # every tie however new it is; docs/semantics.md §8 uses t = last_used or created_at.
     new_unhit = make_entry(sha=sha(1), reason=Reason.CONTINUED, last_used=0, created_at=2000)
     old_used = make_entry(sha=sha(2), reason=Reason.CONTINUED, last_used=1000, created_at=500)
     entries = [new_unhit, old_used]
@@ -870,7 +870,7 @@ def victim_cases(draw):
             hits=draw(st.integers(min_value=0, max_value=4)),
             ctx_size=32768, model_id=0, quant_bits=4,
             created_at=draw(st.integers(min_value=0, max_value=10_000)),
-            # ds4 ties on raw last_used; with last_used > 0 that is docs/format.md's t.
+            # ds4 ties on raw last_used; with last_used > 0 that is docs/semantics.md §8's t.
             last_used=draw(st.integers(min_value=1, max_value=10_000)),
             text_bytes=len(text),
             file_size=draw(st.sampled_from([0, 1 << 20, 2 << 20, 3 << 20]))))

@@ -35,7 +35,8 @@ import shutil
 import numpy as np
 import pytest
 
-from kvstore import KVStore, Reason, files
+from kvstore import KVStore, files
+from kvstore.format import Reason
 from kvstore.errors import CorruptCheckpoint
 from kvstore.exchange import export_checkpoint, import_checkpoint
 from kvstore.format import is_checkpoint_name, read_entry

@@ -1,4 +1,4 @@
-"""PromptCache policy (docs/format.md §7) on a byte-level toy engine.
+"""PromptCache policy (docs/semantics.md §7) on a byte-level toy engine.
 
 The toy engine's tokens are bytes and its "KV state" is the list of tokens it
 has prefilled, so every restore can be checked exactly: the state loaded from
@@ -109,7 +109,7 @@ def test_failed_cold_store_restores_the_waypoint(store, monkeypatch):
     real_save = store.save
 
     def refuse_cold(*a, **kw):
-        if kw.get("reason") == kvstore.Reason.COLD:
+        if kw.get("reason") == kvstore.format.Reason.COLD:
             return None
         return real_save(*a, **kw)
     monkeypatch.setattr(store, "save", refuse_cold)

@@ -261,8 +261,8 @@ def test_a_quantized_kv_cache_is_never_quantised_again(tmp_path):
     cache = mlc.make_prompt_cache(model)
     model(mx.array([ids]), cache=cache)
     quantized = [c.to_quantized(group_size=64, bits=8) for c in cache]
-    tensors, meta, _ = kvmlx.cache_state(quantized)
-    assert kvmlx.quantized_names(meta) == set(tensors)
+    tensors, meta, _ = kvmlx.codecs.cache_state(quantized)
+    assert kvmlx.codecs.quantized_names(meta) == set(tensors)
     text = bytes(i % 200 + 32 for i in ids)
     with model_store(tmp_path, model, kv_codec="q8", block_tokens=256) as store:   # scales of 1 KiB a block
         e = kvmlx.save_prompt_cache(store, text, ids, quantized, model, text_offsets=list(range(len(ids) + 1)))
@@ -270,7 +270,7 @@ def test_a_quantized_kv_cache_is_never_quantised_again(tmp_path):
         assert all(manifest_of(b).packed == {} for b in store.entries())      # every block
         assert store.load(store.find(text)).lossy == ""
         restored = kvmlx.load_prompt_cache(store, text, model, check=False)[0]
-    want, got = kvmlx.cache_state(quantized)[0], kvmlx.cache_state(restored)[0]
+    want, got = kvmlx.codecs.cache_state(quantized)[0], kvmlx.codecs.cache_state(restored)[0]
     assert all(np.array_equal(np.array(got[k]), np.array(want[k])) for k in want)
 
 

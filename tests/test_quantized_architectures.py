@@ -22,7 +22,7 @@ ERROR = {"q8": 0.02, "q4": 0.2}
 
 def float_rows(cache):
     """{name: float32 NumPy copy} of the cache's floating positional tensors."""
-    tensors, _, positional = kvmlx.cache_state(cache)
+    tensors, _, positional = kvmlx.codecs.cache_state(cache)
     return {k: np.array(tensors[k].astype(mx.float32)) for k in positional
             if mx.issubdtype(tensors[k].dtype, mx.floating)}
 

@@ -464,7 +464,7 @@ def test_janitor_shrinks_bucket_while_reader_sees_clean_misses(s3, tmp_path):
     hot = {0, 5, 9}
     for i in hot:                            # hits recorded in the header before the upload
         for _ in range(20):
-            kvstore.touch(entries[i].path)
+            kvstore.format.touch(entries[i].path)
     for e in entries:
         assert w.remote.upload(e)
     w.close()
@@ -542,7 +542,7 @@ def test_serve_with_remote_shares_across_cache_directories(s3, tmp_path):
                                     [{"role": "system", "content": system_prompt()}])
     finally:
         assert b.stop() == 0
-    anchors = [e for e in map(kvstore.read_entry, (tmp_path / "cache-b").glob("*.kv"))
+    anchors = [e for e in map(kvstore.format.read_entry, (tmp_path / "cache-b").glob("*.kv"))
                if e.reason == Reason.COLD]
     assert len(anchors) == 1, "the anchor was not fetched into the second server's directory"
     assert usages[0]["prompt_tokens_details"]["cached_tokens"] == anchors[0].tokens

@@ -392,7 +392,7 @@ def test_a_flipped_bit_is_a_miss_and_the_file_goes(tmp_path, caplog, region, qua
     text, ids, _ = seq(40)
     big = {"k": np.random.default_rng(1).standard_normal((1, 8, 40, 2048)).astype(np.float32)}
     with sealed_store(d, layout="whole") as s:
-        e = s.save(text, ids, big, trailers={kvstore.ExtFlag.SESSION_TITLE: "t" * 64})
+        e = s.save(text, ids, big, trailers={kvstore.format.ExtFlag.SESSION_TITLE: "t" * 64})
     assert os.path.getsize(e.path) > 2 * seal.CHUNK_BYTES
     flip(e.path, _regions(e.path)[region])
     caplog.set_level(logging.INFO, logger="kvstore")
@@ -710,10 +710,10 @@ def test_cli_export_of_a_sealed_store_needs_plain(tmp_path):
 
 def test_sealed_entries_keep_their_clear_fields(tmp_path):
     with sealed_store(tmp_path / "kv", layout="whole", ctx_size=8192, model_id=3) as s:
-        text, ids, _, e = save(s, 77, reason=kvstore.Reason.SHUTDOWN)
+        text, ids, _, e = save(s, 77, reason=kvstore.format.Reason.SHUTDOWN)
     got = read_entry(e.path)
     assert (got.tokens, got.ctx_size, got.model_id, got.reason, got.text_bytes) == \
-        (77, 8192, 3, kvstore.Reason.SHUTDOWN, len(text))
+        (77, 8192, 3, kvstore.format.Reason.SHUTDOWN, len(text))
     assert got.key_id == seal.Sealer(KEY).key_id and got.sealed
     assert dataclasses.replace(got, hits=0) is not None
     assert listing(tmp_path / "kv") == [e.name]

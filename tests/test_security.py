@@ -1,4 +1,4 @@
-"""Security and privacy (docs/format.md §12).
+"""Security and privacy (docs/semantics.md §12).
 
 - Modes: the directory 0700 and every file 0600 under umask 0 and 077, after
   every kind of write (test_store.py checks the basic save and quarantine
@@ -114,10 +114,10 @@ def test_planted_symlink_is_never_read(planted):
     assert s.entries() == [] and s.stats()["bytes"] == 0 and s.stats()["entries"] == 0
     assert s.load(found) is None                                  # an entry from before the swap
     assert verify_file(found.path).startswith("unsafe_path")
-    with pytest.raises(kvstore.UnsafePath):
-        kvstore.read_entry(found.path)
-    with pytest.raises(kvstore.UnsafePath):
-        kvstore.touch(found.path)
+    with pytest.raises(kvstore.errors.UnsafePath):
+        kvstore.format.read_entry(found.path)
+    with pytest.raises(kvstore.errors.UnsafePath):
+        kvstore.format.touch(found.path)
     assert sessions.list(s) == []
     assert open(outside, "rb").read() == before                   # no hit recorded through it
     assert os.path.islink(found.path)                             # not "removed as corrupt" either
@@ -196,7 +196,7 @@ def test_planted_lock_symlink_is_not_followed(tmp_path):
     d.mkdir(mode=0o700)
     target = tmp_path / "lock-target"
     os.symlink(target, d / LOCK_NAME)
-    with pytest.raises(kvstore.UnsafePath):                       # a KVStoreError, not a bare OSError
+    with pytest.raises(kvstore.errors.UnsafePath):                       # a KVStoreError, not a bare OSError
         KVStore(d, options=OPTS)
     assert not target.exists()
 
@@ -205,7 +205,7 @@ def test_store_path_that_is_a_symlink_is_refused(tmp_path):
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
     os.symlink(real, tmp_path / "link")
-    with pytest.raises(kvstore.UnsafePath):
+    with pytest.raises(kvstore.errors.UnsafePath):
         KVStore(tmp_path / "link", options=OPTS)
 
 
@@ -255,7 +255,7 @@ def test_no_path_is_built_from_file_contents(tmp_path):
         other = os.path.join(s.path, "0" * 40 + ".kv")
         shutil.copyfile(e.path, other)
         assert verify_file(other).startswith("text_hash")
-        assert s.load(kvstore.read_entry(other)) is None
+        assert s.load(kvstore.format.read_entry(other)) is None
         flip(e.path, e.trailer_offset - 1)
         s.load(s.find(evil + "!"))                                 # corrupt: quarantined by its own name
         s.evict()
@@ -329,11 +329,11 @@ def test_no_prompt_text_anywhere(tmp_path, caplog, capfd):
         bad = s.save(PROMPTS[3] + " corrupt", [1, 2], make_tensors())
         flip(bad.path, bad.file_size - 1)
         s.load(s.find(PROMPTS[3] + " corrupt!"))                                    # quarantined
-        attempt(kvstore.read_entry, os.path.join(s.path, QUARANTINE_DIR, bad.name))
+        attempt(kvstore.format.read_entry, os.path.join(s.path, QUARANTINE_DIR, bad.name))
         trunc = s.save(PROMPTS[3] + " truncated", [1, 2], make_tensors())
         os.truncate(trunc.path, 100)
-        attempt(kvstore.read_entry, trunc.path)
-        attempt(kvstore.touch, trunc.path)
+        attempt(kvstore.format.read_entry, trunc.path)
+        attempt(kvstore.format.touch, trunc.path)
         verify_file(trunc.path)
         reprs = [repr(x) for x in (e, ck, info, s.entries(), s.stats())]
         survivor = s.save(PROMPTS[0] + " kept for the CLI", [1, 2], make_tensors(seed=9))
@@ -424,9 +424,9 @@ def test_cli_wipe_and_wipe_file_overwrite(tmp_path):
 
 def _age(path, seconds):
     """Sets created_at `seconds` into the past (0 for None) and last_used to 0."""
-    e = kvstore.read_entry(path)
+    e = kvstore.format.read_entry(path)
     t = 0 if seconds is None else int(time.time()) - seconds
-    h = kvstore.Header(quant_bits=e.quant_bits, tokens=e.tokens, ctx_size=e.ctx_size,
+    h = kvstore.format.Header(quant_bits=e.quant_bits, tokens=e.tokens, ctx_size=e.ctx_size,
                        payload_bytes=e.payload_bytes, reason=e.reason, ext_flags=e.ext_flags,
                        model_id=e.model_id, hits=e.hits, payload_abi=e.payload_abi,
                        created_at=t, last_used=0)

@@ -24,7 +24,8 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from kvstore import KVStore, Reason, read_entry, registry
+from kvstore import KVStore, registry
+from kvstore.format import Reason, read_entry
 from kvstore.demo.model import prose, text_of_tokens, write_model_dir
 from kvstore.serve import split_at_waypoints
 from kvstore.files import verify_file

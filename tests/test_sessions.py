@@ -1,4 +1,4 @@
-"""Agent sessions (docs/format.md §9): save with a title, list, switch by hash prefix."""
+"""Agent sessions (docs/semantics.md §9): save with a title, list, switch by hash prefix."""
 
 import functools
 import os
@@ -184,5 +184,5 @@ def test_list_reads_headers_fresh(store):
     e = sessions.save(store, "busy", np.arange(4), tensors(4))
     store.entries()
     for _ in range(4):
-        kvstore.touch(e.path)
+        kvstore.format.touch(e.path)
     assert sessions.list(store)[0].hits == 4

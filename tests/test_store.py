@@ -1,4 +1,4 @@
-"""KVStore save/load semantics (docs/format.md §5, §6, §10-§12): refusals, keeping
+"""KVStore save/load semantics (docs/semantics.md §5, §6, §11, §12; docs/format.md §10): refusals, keeping
 compatible files, hit updates, consumption, async saves, stats, permissions,
 stale temporaries, wipe, close, and no prompt text in the logs."""
 
@@ -29,7 +29,7 @@ small_tensors = functools.partial(make_tensors, n=64, shape=((2, "n"), ("n",)), 
 
 
 def trailer_of(path):
-    e = kvstore.read_entry(path)
+    e = kvstore.format.read_entry(path)
     with open(path, "rb") as f:
         f.seek(e.trailer_offset)
         raw = f.read()
@@ -40,7 +40,7 @@ def messages(caplog):
     return [r.getMessage() for r in caplog.records if r.name.startswith("kvstore")]
 
 
-# ---- refusals (docs/format.md §6) ----------------------------------------------------
+# ---- refusals (docs/semantics.md §6) ----------------------------------------------------
 
 def test_refuses_too_few_tokens(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvstore")
@@ -78,7 +78,7 @@ def test_refusal_leaves_existing_checkpoints(tmp_path):
         assert checkpoint_files(s.path, temporaries=True) == [keep.name]
 
 
-# ---- an existing file (docs/format.md §6, §10) -------------------------------------------
+# ---- an existing file (docs/semantics.md §6, docs/format.md §10) ---------------------------------
 
 def test_compatible_existing_file_is_kept(store):
     e1 = store.save("same text", [1, 2, 3], small_tensors(seed=1))
@@ -99,12 +99,12 @@ def test_kept_file_gets_only_its_trailer_rewritten(store):
     ino = os.stat(e1.path).st_ino
 
     e2 = store.save("agent session", [5, 6, 7], small_tensors(seed=3),
-                    trailers={kvstore.ExtFlag.TOOL_MAP: tool_map, kvstore.ExtFlag.SESSION_TITLE: "fix the build"})
+                    trailers={kvstore.format.ExtFlag.TOOL_MAP: tool_map, kvstore.format.ExtFlag.SESSION_TITLE: "fix the build"})
     assert e2 is not None
     assert os.stat(e1.path).st_ino == ino
     entry, raw, (values, sections, flags) = trailer_of(e1.path)
     assert raw and values == {0: tool_map, 3: "fix the build"}
-    assert entry.ext_flags & kvstore.ExtFlag.TOOL_MAP and entry.ext_flags & kvstore.ExtFlag.SESSION_TITLE
+    assert entry.ext_flags & kvstore.format.ExtFlag.TOOL_MAP and entry.ext_flags & kvstore.format.ExtFlag.SESSION_TITLE
     after = open(e1.path, "rb").read()
     assert after[7:entry.trailer_offset] == body_before[7:]            # only the ext-flags byte changed before it
     assert after[:6] == body_before[:6]
@@ -114,10 +114,10 @@ def test_kept_file_gets_only_its_trailer_rewritten(store):
 
 
 def test_unknown_trailer_sections_are_preserved(store):
-    e = store.save("forward compat", [1, 2], small_tensors(), trailers={kvstore.ExtFlag.SESSION_TITLE: "old"})
+    e = store.save("forward compat", [1, 2], small_tensors(), trailers={kvstore.format.ExtFlag.SESSION_TITLE: "old"})
     # A section for ext bit 6, which this build has no hook for.
     body = b"\x00opaque future section\xff"
-    section = trailer_mod.SECTION_HEADER.pack(6, len(body), kvstore.crc32c(body)) + body
+    section = trailer_mod.SECTION_HEADER.pack(6, len(body), kvstore.format.crc32c(body)) + body
     with open(e.path, "r+b") as f:
         f.seek(0, os.SEEK_END)
         f.write(section)
@@ -128,7 +128,7 @@ def test_unknown_trailer_sections_are_preserved(store):
     ino = os.stat(e.path).st_ino
 
     assert store.save("forward compat", [1, 2], small_tensors(),
-                      trailers={kvstore.ExtFlag.SESSION_TITLE: "new", kvstore.ExtFlag.TOOL_MAP: {"a": "b"}})
+                      trailers={kvstore.format.ExtFlag.SESSION_TITLE: "new", kvstore.format.ExtFlag.TOOL_MAP: {"a": "b"}})
     assert os.stat(e.path).st_ino == ino
     entry, raw, (values, sections, flags) = trailer_of(e.path)
     assert values == {0: {"a": "b"}, 3: "new"}
@@ -139,7 +139,7 @@ def test_unknown_trailer_sections_are_preserved(store):
 
 def test_trailers_on_first_save(store):
     e = store.save("fresh with trailer", [1], small_tensors(), trailers={0: {"id": "text"}})
-    assert e.ext_flags == kvstore.ExtFlag.TOOL_MAP
+    assert e.ext_flags == kvstore.format.ExtFlag.TOOL_MAP
     assert trailer_of(e.path)[2][0] == {0: {"id": "text"}}
     assert store.load(store.find("fresh with trailer")).trailers == {0: {"id": "text"}}
 
@@ -158,7 +158,7 @@ def test_incompatible_existing_file_is_replaced(tmp_path, first, second):
         e2 = b.save("contested text", [1, 2, 3, 4], small_tensors(seed=2))
         assert e2 is not None and e2.path == e1.path
         assert os.stat(e2.path).st_ino != ino
-        h = kvstore.read_entry(e2.path)
+        h = kvstore.format.read_entry(e2.path)
         assert h.tokens == 4
         assert h.model_id == second.get("model_id", 0)
         assert h.ctx_size == (second.get("ctx_size") or 0)
@@ -176,23 +176,23 @@ def test_smaller_context_file_is_kept_by_larger_store(tmp_path):
     with make_store(d, ctx_size=8192) as b:
         assert b.save("context text", [1, 2], small_tensors(seed=2)) is not None
         assert os.stat(e1.path).st_ino == ino
-        assert kvstore.read_entry(e1.path).ctx_size == 2048
+        assert kvstore.format.read_entry(e1.path).ctx_size == 2048
 
 
-# ---- load (docs/format.md §5) -----------------------------------------------------
+# ---- load (docs/semantics.md §5) -----------------------------------------------------
 
 def test_load_touches_header(store):
     e = store.save("touch me", [1, 2], small_tensors())
-    h0 = kvstore.read_entry(e.path)
+    h0 = kvstore.format.read_entry(e.path)
     assert h0.hits == 0 and h0.last_used == 0 and h0.created_at > 0
     t0 = int(time.time())
     ck = store.load(store.find("touch me please"))
-    h1 = kvstore.read_entry(e.path)
+    h1 = kvstore.format.read_entry(e.path)
     assert h1.hits == 1 and ck.entry.hits == 1
     assert t0 <= h1.last_used <= int(time.time())
     assert h1.created_at == h0.created_at
     store.load(store.find("touch me again"))
-    assert kvstore.read_entry(e.path).hits == 2
+    assert kvstore.format.read_entry(e.path).hits == 2
 
 
 def test_effective_prompt_parts(store):
@@ -221,7 +221,7 @@ def test_long_checkpoint_is_consumed_after_load(tmp_path):
         assert s.stats()["consumed"] == 1
 
 
-# ---- save_async (docs/format.md §6) -------------------------------------------------------
+# ---- save_async (docs/semantics.md §6) -------------------------------------------------------
 
 def test_save_async_captures_arrays_at_call_time(store):
     k = np.arange(4096, dtype=np.float32)
@@ -231,7 +231,7 @@ def test_save_async_captures_arrays_at_call_time(store):
     k[:] = -1.0                                            # the caller reuses its buffers at once
     tokens[:] = 0
     e = fut.result(timeout=30)
-    assert isinstance(e, kvstore.Entry)
+    assert isinstance(e, kvstore.format.Entry)
     ck = store.load(store.find("async prompt"))
     assert np.array_equal(ck.tensors["k"], np.arange(4096, dtype=np.float32))
     assert ck.tokens.tolist() == list(range(1, 33))
@@ -361,7 +361,7 @@ def test_stats_counters(tmp_path):
         assert ck is not None
 
 
-# ---- permissions, temporaries (docs/format.md §11, §12) --------------------------------------------
+# ---- permissions, temporaries (docs/semantics.md §11, §12) --------------------------------------------
 
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o077, 0o277])
 def test_modes_whatever_the_umask(tmp_path, umask):
@@ -490,7 +490,7 @@ def test_everything_after_close_raises_store_closed(tmp_path):
     assert os.path.exists(e.path)                          # close deletes nothing
 
 
-# ---- privacy (docs/format.md §12) -------------------------------------------------------------
+# ---- privacy (docs/semantics.md §12) -------------------------------------------------------------
 
 def test_no_prompt_text_in_logs(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvstore")

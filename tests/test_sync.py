@@ -257,7 +257,7 @@ def test_a_refused_barrier_is_a_full_flush(tmp_path, monkeypatch):
 def test_a_durable_chained_save_on_macos_orders_its_steps_and_flushes_once(tmp_path, monkeypatch):
     """macOS's sequence, run here with fcntl recorded: each block's data and
     each link a barrier, in the chain's order, and one full flush, the
-    save's last step (docs/format.md §11)."""
+    save's last step (docs/semantics.md §11)."""
     if not os.path.exists("/proc/self/fd"):
         pytest.skip("names a descriptor's file through /proc/self/fd")
     from kvstore import publish

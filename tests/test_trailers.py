@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore import ExtFlag, trailers
+from kvstore import trailers
+from kvstore.format import ExtFlag
 
 import reference
 from kvstore.trailers import (SECTION_HEADER, Section, TitleHook, ToolMapHook, encode_trailer,

@@ -1,4 +1,4 @@
-"""The SSD write budget (docs/format.md §15): KVStore(max_write_mb_per_hour=N).
+"""The SSD write budget (docs/semantics.md §15): KVStore(max_write_mb_per_hour=N).
 
 A token bucket of one hour's bytes, refilled at N MiB an hour, kept in the
 directory's counters file so that every process draws from the same one.

@@ -22,7 +22,7 @@ from kvstore.store import LAYOUTS, KVStore
 
 
 def model_of_file(d, e, sealer):
-    """The model identity of a file that names one (docs/format.md §17): the
+    """The model identity of a file that names one (docs/semantics.md §17): the
     directory's registry's, else its manifest's (through the key when sealed);
     None for a file that names none."""
     if not e.model_tag:

@@ -1,6 +1,6 @@
 """`kvstore inspect`: one checkpoint's header, chain, manifest, trailer and (asked for) text.
 
-The prompt text in each file is prompt content (docs/format.md §12): only
+The prompt text in each file is prompt content (docs/semantics.md §12): only
 `inspect --text` prints it.  A sealed file shows its manifest, trailers and
 text through its key, and only its clear head without one.
 """

@@ -3,7 +3,7 @@
 Read without opening a store (which would evict) and without creating or
 changing the counters file: the envelopes through
 kvstore.files.scan_directory, the models through kvstore.registry, the
-counters through kvstore.counters.read_directory (docs/format.md §15).
+counters through kvstore.counters.read_directory (docs/semantics.md §15).
 """
 
 import collections
@@ -39,7 +39,7 @@ def summary(d, entries, bad, budget, budget_derived=False):
         "oldest": min(times) if times else None,
         "newest": max(times) if times else None,
         "sync": files.SYNC_PRIMITIVE,
-        # Every model's share of the directory (docs/format.md §17).
+        # Every model's share of the directory (docs/semantics.md §17).
         "models": registry.summarize(entries, registry.read_registry(d)),
         # Every process's cumulative counters (KVStore.counters()), read
         # without creating or changing the file.

@@ -27,7 +27,7 @@ from mlx_lm.models import cache as mlc
 from mlx_lm.models import llama
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from kvstore.mlx import bytes_to_unicode
+from kvstore.mlx.engine import bytes_to_unicode
 
 VOCAB_SIZE = 2000
 SPECIAL_TOKENS = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]

@@ -8,7 +8,7 @@
 
 save_prompt_cache / load_prompt_cache store and restore any mlx-lm prompt
 cache (a list of per-layer caches) under the prompt text it belongs to, for
-the model it belongs to (model_fingerprint names it, docs/format.md §17).
+the model it belongs to (model_fingerprint names it, docs/semantics.md §17).
 
 Rooms: codecs (each mlx-lm cache class <-> named arrays and a JSON meta),
 fingerprint (a model's identity), canary (a restored state checked against
@@ -19,15 +19,15 @@ supported mlx-lm releases: an unsupported one fails this import).
 
 # First: an mlx-lm release outside SUPPORTED_MLX_LM fails here, with its version.
 from kvstore.mlx.mlxlm import SUPPORTED_MLX_LM
-from kvstore.mlx.codecs import (CACHE_CLASSES, cache_from_checkpoint, cache_state, cache_to_tensors,
-                                checked_state, checked_tensors, quantized_names, same_layout, supported,
-                                tensors_to_cache)
-from kvstore.mlx.engine import (DEFAULT_CTX_SIZE, MLXEngine, bytes_to_unicode, text_offsets_function,
-                                token_bytes_function)
-from kvstore.mlx.fingerprint import model_fingerprint, model_label
+from kvstore.mlx.codecs import cache_to_tensors, supported, tensors_to_cache
+from kvstore.mlx.engine import MLXEngine
+from kvstore.mlx.fingerprint import model_fingerprint
 from kvstore.mlx.stored import load_prompt_cache, save_prompt_cache
 
-__all__ = ["MLXEngine", "save_prompt_cache", "load_prompt_cache", "model_fingerprint", "model_label",
-           "cache_to_tensors", "tensors_to_cache", "cache_state", "checked_state", "checked_tensors",
-           "cache_from_checkpoint", "quantized_names", "same_layout", "supported", "CACHE_CLASSES",
-           "token_bytes_function", "text_offsets_function", "bytes_to_unicode", "DEFAULT_CTX_SIZE", "SUPPORTED_MLX_LM"]
+# What an MLX user needs: mlx-lm's save/load_prompt_cache through a store,
+# the engine PromptCache drives, a model's identity, a cache's tensors and
+# back, and which caches and mlx-lm releases are supported.  The rest is in
+# the submodules: codecs (cache classes, checked states, quantised names),
+# engine (token bytes and text offsets), fingerprint (model_label), canary.
+__all__ = ["MLXEngine", "save_prompt_cache", "load_prompt_cache", "model_fingerprint",
+           "cache_to_tensors", "tensors_to_cache", "supported", "SUPPORTED_MLX_LM"]

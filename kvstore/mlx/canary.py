@@ -1,4 +1,4 @@
-"""The canary: does a restored state come from the live model? (docs/format.md §17)
+"""The canary: does a restored state come from the live model? (docs/semantics.md §17)
 
 A CRC or an AEAD tag proves that a checkpoint's bytes are the ones written;
 the model identity proves who wrote them, as far as the writer was honest.
@@ -28,7 +28,7 @@ passes when every slot's distance is within the tolerance of its dtype and
 every stored dtype is one the live model writes.  Another prefill chunking
 rounds differently, so each tolerance sits between the rounding measured
 and the distances another model, another RoPE or a replaced block make
-(docs/format.md §17 has the figures).  The canary is not a corruption
+(docs/semantics.md §17 has the figures).  The canary is not a corruption
 detector (a few damaged values stay under the tolerance: the CRCs and tags
 catch those); it tells whether the live model made the state.
 """
@@ -49,7 +49,7 @@ __all__ = ["TOLERANCE", "QUANTIZED_TOLERANCE", "LOSSY_TOLERANCE", "HEAD_TOKENS",
            "kv_dtypes", "prepare", "finish", "check"]
 
 # The largest relative L2 distance of a recomputed row that passes, by the
-# KV dtype (docs/format.md §17 has the measurements behind them).  Rounding:
+# KV dtype (docs/semantics.md §17 has the measurements behind them).  Rounding:
 # float32 ~1e-6; float16 and bfloat16 0 on the CPU, up to 7e-3 and 5.4e-2
 # where the rows were computed in another precision (as another device's
 # kernels would); a quantised cache 0.17 (4 bits) to 0.34 (8 bits, bfloat16)

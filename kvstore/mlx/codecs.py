@@ -34,10 +34,13 @@ whose length is not a multiple of the step, and the attention sees the same
 keys in the same order, so generation continues bit for bit.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import importlib
 import logging
-from typing import Callable
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlc
@@ -369,7 +372,7 @@ def _offsets(layer_meta):
     return [] if off is None else [off]
 
 
-def cache_to_tensors(cache):
+def cache_to_tensors(cache: list) -> tuple[dict[str, Any], dict[str, Any]]:
     """Flattens an mlx-lm prompt cache into named arrays and a JSON meta.
 
     Only the filled part of each buffer is kept (a slice, not yet a copy:
@@ -459,7 +462,7 @@ def _build_layer(lm, slots_of, what, depth=0, tokens=None):
     return codec.build(codec.cls, slots, values, offset, what)
 
 
-def tensors_to_cache(tensors, meta, tokens=None):
+def tensors_to_cache(tensors: Mapping[str, Any], meta: Mapping[str, Any], tokens: Any = None) -> list:
     """Rebuilds the mlx-lm prompt cache written by cache_to_tensors.
 
     Args:
@@ -507,7 +510,7 @@ def tensors_to_cache(tensors, meta, tokens=None):
     return cache
 
 
-def supported(cache):
+def supported(cache: list) -> bool:
     """True when every layer's class (CacheList children included) is in CACHE_CLASSES."""
     def ok(c):
         name = _NAMES.get(type(c))

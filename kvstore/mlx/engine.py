@@ -9,21 +9,19 @@ is bytes, the engine's state is token ids).
 """
 
 import time
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from kvstore.identity import ModelIdentity
-from kvstore.mlx import canary
+from kvstore.mlx import canary, spec
 from kvstore.mlx.codecs import cache_state, quantized_names, tensors_to_cache
 from kvstore.mlx.fingerprint import model_fingerprint, model_label
 from kvstore.mlx.mlxlm import hf_tokenizer
 
-__all__ = ["MLXEngine", "token_bytes_function", "text_offsets_function", "bytes_to_unicode", "DEFAULT_CTX_SIZE"]
-
-# A context size for models whose config names none.
-DEFAULT_CTX_SIZE = 32768
+__all__ = ["MLXEngine", "token_bytes_function", "text_offsets_function", "bytes_to_unicode"]
 
 
 def bytes_to_unicode():
@@ -110,13 +108,6 @@ def text_offsets_function(token_bytes):
     return offsets
 
 
-def _model_quant_bits(model):
-    q = getattr(getattr(model, "args", None), "quantization", None)
-    if isinstance(q, dict) and q.get("bits") in (2, 3, 4, 5, 6, 8):
-        return int(q["bits"])
-    return 16
-
-
 class MLXEngine:
     """The PromptCache Engine protocol for any mlx-lm model.
 
@@ -137,14 +128,15 @@ class MLXEngine:
 
     load_into = "mlx"
 
-    def __init__(self, model, tokenizer, model_id=0, quant_bits=None, ctx_size=None,
-                 user_marker=None, assistant_marker=None, max_kv_size=None):
+    def __init__(self, model: Any, tokenizer: Any, model_id: int = 0, quant_bits: int | None = None,
+                 ctx_size: int | None = None, user_marker: str | None = None, assistant_marker: str | None = None,
+                 max_kv_size: int | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
-        self.quant_bits = quant_bits if quant_bits is not None else _model_quant_bits(model)
         args = getattr(model, "args", None)
-        self.ctx_size = int(ctx_size or getattr(args, "max_position_embeddings", None) or DEFAULT_CTX_SIZE)
+        self.quant_bits = quant_bits if quant_bits is not None else spec.quant_bits(args)
+        self.ctx_size = int(ctx_size or spec.ctx_size(args))
         self.user_id = self._marker_id(user_marker, "user_id")
         self.assistant_id = self._marker_id(assistant_marker, "assistant_id")
         self.max_kv_size = max_kv_size
@@ -152,7 +144,7 @@ class MLXEngine:
         self.text_offsets = text_offsets_function(self.token_bytes)
         self.cache = make_prompt_cache(model, max_kv_size)
         # The exact model (weights, config, cache): its checkpoints name it,
-        # and only its own are restored (docs/format.md §17).
+        # and only its own are restored (docs/semantics.md §17).
         self.identity = ModelIdentity(model_fingerprint(model, max_kv_size), model_label(model))
         self.eos_ids = self._eos_ids()
         self._no_specials = _accepts_special_flag(tokenizer)

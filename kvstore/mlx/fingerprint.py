@@ -1,4 +1,4 @@
-"""model_fingerprint: the identity of an exact MLX model (docs/format.md §17).
+"""model_fingerprint: the identity of an exact MLX model (docs/semantics.md §17).
 
 A checkpoint is right only for the model that computed it, so a store keyed
 by a model's name (or its architecture, or its file sizes) restores a
@@ -22,7 +22,11 @@ one loaded from disk, and the same loaded model gives the same fingerprint in
 every process.
 """
 
+from __future__ import annotations
+
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 import hashlib
 import json
 import weakref
@@ -85,7 +89,7 @@ def _cache_kinds(model, max_kv_size):
     return out
 
 
-def model_fingerprint(model, max_kv_size=None, options=None):
+def model_fingerprint(model: Any, max_kv_size: int | None = None, options: Mapping[str, Any] | None = None) -> str:
     """A hex SHA-256 naming the exact model and the KV cache it makes.
 
     Args:

@@ -5,19 +5,29 @@
     cache, tokens, text_bytes = kvstore.mlx.load_prompt_cache(store, prompt, model)
 
 Both take the model (or an MLXEngine): a store holds one model's states
-(docs/format.md §17), and a cache saved or restored through another model's
+(docs/semantics.md §17), and a cache saved or restored through another model's
 store would decode without an error and answer wrongly, so a mismatch is an
 error here, not a miss.  A load checks what it restored with the live model
 (kvstore.mlx.canary); a state the model would not have produced is a miss,
 and its file is quarantined.
 """
 
-import logging
+from __future__ import annotations
 
-from kvstore.format import Reason
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvstore.format import Entry, Reason
+from kvstore.identity import check_holds
 from kvstore.mlx import canary
 from kvstore.mlx.codecs import cache_from_checkpoint, checked_state, quantized_names
 from kvstore.mlx.fingerprint import model_fingerprint
+
+if TYPE_CHECKING:
+    from kvstore.store import KVStore
 
 log = logging.getLogger("kvstore")
 
@@ -42,17 +52,13 @@ def check_store(store, model):
             for a model; or a model's, for None).
     """
     model, fingerprint = model_of(model)
-    if store.model_identity != fingerprint:
-        if fingerprint is None:
-            raise ValueError(f"the store at {store.path} holds model {store.model_identity}: pass the model "
-                             "(or its MLXEngine) to save or load its state")
-        raise ValueError(f"the store at {store.path} holds the state of model "
-                         f"{store.model_identity or '(none named)'}, not of this one ({fingerprint[:16]}…): open "
-                         "it with KVStore(path, model_identity=kvstore.mlx.model_fingerprint(model))")
+    check_holds(store.path, store.model_identity, fingerprint,
+                "KVStore(path, model_identity=kvstore.mlx.model_fingerprint(model))")
     return model
 
 
-def save_prompt_cache(store, text, tokens, cache, model, reason=Reason.COLD, **kw):
+def save_prompt_cache(store: KVStore, text: str | bytes, tokens: Sequence[int] | np.ndarray, cache: list,
+                      model: Any, reason: Reason = Reason.COLD, **kw: Any) -> Entry | None:
     """Stores an mlx-lm prompt cache as the checkpoint of text.
 
     Args:
@@ -63,7 +69,7 @@ def save_prompt_cache(store, text, tokens, cache, model, reason=Reason.COLD, **k
         cache: list of mlx-lm cache objects (see cache_to_tensors).
         model: the mlx-lm model that made the cache, or its MLXEngine (None
             only for a store that names no model).
-        reason: kvstore.Reason recorded in the header.
+        reason: kvstore.format.Reason recorded in the header.
         **kw: passed to KVStore.save (ctx_size, trailers, text_offsets: with
             them a chained store cuts the cache into blocks, each token's KV
             written once; see KVStore.save).
@@ -83,7 +89,8 @@ def save_prompt_cache(store, text, tokens, cache, model, reason=Reason.COLD, **k
                       exact=quantized_names(meta), **kw)
 
 
-def load_prompt_cache(store, prompt, model, check=True):
+def load_prompt_cache(store: KVStore, prompt: str | bytes, model: Any, check: bool = True
+                      ) -> tuple[list, np.ndarray, bytes] | None:
     """Finds and loads the longest stored checkpoint that prefixes prompt.
 
     Args:

@@ -228,7 +228,7 @@ def _optional_fields(m, path, stored):
             isinstance(c, list) and len(c) == 2 and all(type(v) is int and v > 0 for v in c) for c in cuts):
         raise CorruptCheckpoint("bad_manifest", path, "cuts is not a list of [tokens, text length] pairs")
     cuts = {t: n for t, n in cuts if t <= stored}
-    # Optional: the identity of the model that made the state (docs/format.md §17).
+    # Optional: the identity of the model that made the state (docs/semantics.md §17).
     model = m.get("model")
     if model is not None and (not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_CHARS):
         raise CorruptCheckpoint("bad_manifest", path, "model is not a string of 1..1024 characters")

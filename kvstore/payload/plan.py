@@ -102,7 +102,7 @@ class Plan:
         head: bytes before the tensor payload within the payload (a chain
             block's 64-byte header).
         model: the identity of the model that made the state (recorded as
-            "model"; docs/format.md §17), or None.
+            "model"; docs/semantics.md §17), or None.
         exact: names of tensors a lossy codec leaves exact (a state quantised
             already); lossless packing still applies to them.
     """

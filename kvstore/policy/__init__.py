@@ -1,4 +1,4 @@
-"""Store and eviction policy (docs/format.md §7 and §8) as pure functions.
+"""Store and eviction policy (docs/semantics.md §7 and §8) as pure functions.
 
 This package owns the arithmetic a server uses to decide *what* to store and
 *what* to delete: the aligned store length, the chat anchor of a cold
@@ -11,7 +11,7 @@ waypoint and the clock, and passes them in.
 The numbers follow antirez's ds4 (``ds4_kvstore.c``; the eviction score as of
 upstream commit ec6a82a, which added the anchor factor and the superseded
 waypoint scale).  Where kvstore departs from ds4 the function says so in a
-comment (docs/format.md §7 and §8 are the rules as implemented).
+comment (docs/semantics.md §7 and §8 are the rules as implemented).
 
 Modules: options (Options and the defaults), store (what to store, where and
 why), eviction (scores and the victim order), budget (the disk and write

@@ -1,4 +1,4 @@
-"""Budgets (docs/format.md §8 and §15), and which checkpoints an engine can load.
+"""Budgets (docs/semantics.md §8 and §15), and which checkpoints an engine can load.
 
 The disk budget check (with ds4's 1 % slack), the SSD write budget's floors
 per reason, and misfit: why a checkpoint cannot be loaded by an engine.
@@ -100,15 +100,15 @@ def bytes_fit(file_bytes, budget_bytes):
     return required <= budget_bytes
 
 
-# --- The SSD write budget (docs/format.md §15)
+# --- The SSD write budget (docs/semantics.md §15)
 #
 # KVStore(max_write_mb_per_hour=N) keeps a token bucket of one hour's bytes
 # (kvstore.counters has its arithmetic).  When it runs low, saves are
 # skipped in order of value: each reason may only spend the bucket down to
 # its floor, a share of the capacity.  A save that would leave less is
 # skipped; the bytes left below a floor stay for the reasons with a lower
-# one.  kvstore has no ds4 number to follow here; the order is the §7 one
-# of what a lost checkpoint costs to rebuild:
+# one.  kvstore has no ds4 number to follow here; the order is the one of
+# docs/semantics.md §7, of what a lost checkpoint costs to rebuild:
 #   - cold and agent-system anchors (0): the shared prefix every request
 #     starts from, written once and hit most; skipped last, only when the
 #     bucket cannot pay for them at all;
@@ -134,7 +134,7 @@ def write_budget_floor(reason):
     """The share of the write budget's capacity a save of this reason must leave.
 
     Args:
-        reason: a :class:`kvstore.Reason` or its integer value (an unknown
+        reason: a :class:`kvstore.format.Reason` or its integer value (an unknown
             value counts as UNKNOWN).
 
     Returns:
@@ -153,7 +153,7 @@ def write_allowed(reason, nbytes, available_bytes, capacity_bytes):
     (write_budget_floor) times the capacity after it.
 
     Args:
-        reason: the save's :class:`kvstore.Reason`.
+        reason: the save's :class:`kvstore.format.Reason`.
         nbytes: the bytes it would write (a chained save: its new blocks only).
         available_bytes: the bucket's level now.
         capacity_bytes: the bucket's capacity (one hour's bytes).
@@ -172,13 +172,13 @@ def misfit(entry, model_id, ctx_size=None, quant_bits=None, reject_different_qua
     """Why a checkpoint cannot be loaded by an engine, or None when it fits.
 
     A checkpoint fits when its payload ABI is one this build loads, it was
-    made by the same model (its model tag, docs/format.md §17) and model
+    made by the same model (its model tag, docs/semantics.md §17) and model
     id, with a context no larger than the engine's (None: no limit), and,
     only when quant is part of the match, with the same quant bits
-    (docs/format.md §4 and §7).
+    (docs/semantics.md §4 and §7).
 
     Args:
-        entry: a :class:`kvstore.Entry` (or anything with its header fields).
+        entry: a :class:`kvstore.format.Entry` (or anything with its header fields).
         model_id, ctx_size, quant_bits, reject_different_quant: the engine's.
         abis: the payload ABIs the store loads (a store with a key: the sealed
             ones, and the plain ones only when it accepts unsealed files).

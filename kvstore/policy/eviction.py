@@ -1,4 +1,4 @@
-"""Eviction (docs/format.md §8): the decayed hit count, the score, the victim order.
+"""Eviction (docs/semantics.md §8): the decayed hit count, the score, the victim order.
 
 The score is ds4's (``ds4_kvstore.c`` as of upstream commit ec6a82a, which
 added the anchor factor and the superseded waypoint scale); the order adds
@@ -40,7 +40,7 @@ def is_anchor(reason):
     """True for checkpoints kept on purpose: reasons cold, evict and shutdown.
 
     Args:
-        reason: a :class:`kvstore.Reason` or its integer value.
+        reason: a :class:`kvstore.format.Reason` or its integer value.
 
     Returns:
         bool.
@@ -87,7 +87,7 @@ def eviction_score(entry, now, superseded=False, protected=False,
 
     Args:
         entry: anything with ``hits``, ``last_used``, ``created_at``,
-            ``tokens``, ``file_size`` and ``reason`` (a :class:`kvstore.Entry`).
+            ``tokens``, ``file_size`` and ``reason`` (a :class:`kvstore.format.Entry`).
         now: unix seconds.
         superseded: the caller found the entry's text a strict byte prefix of
             the incoming checkpoint's text, and the incoming one at least as
@@ -142,7 +142,7 @@ def eviction_order(entries, now, superseded=frozenset(), protected=frozenset(),
     line's dry run and the bucket's janitor.
 
     Args:
-        entries: candidate entries (:class:`kvstore.Entry` or alike).
+        entries: candidate entries (:class:`kvstore.format.Entry` or alike).
         now: unix seconds.
         superseded: shas of continued waypoints the incoming store supersedes.
         protected: shas (or file names) to keep while others remain.

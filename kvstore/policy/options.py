@@ -1,4 +1,4 @@
-"""The store-policy knobs (docs/format.md §7) and their defaults.
+"""The store-policy knobs (docs/semantics.md §7) and their defaults.
 
 Each default is ds4's compiled-in value (``ds4_kvstore.c`` /
 ``ds4_kvstore.h``); Options checks what ds4 leaves unchecked.
@@ -31,7 +31,7 @@ DEFAULT_BOUNDARY_ALIGN_TOKENS = 2048
 DEFAULT_HALF_LIFE = 6 * 3600
 # A checkpoint nobody has used for this long goes before any other when the
 # directory is over its budget, whatever its score: in a directory that many
-# models share (docs/format.md §17) the files of a model tried once and
+# models share (docs/semantics.md §17) the files of a model tried once and
 # dropped would otherwise keep their anchors' double score for ever.  30 days
 # outlives a month's pause in a project, not a model nobody runs any more.
 DEFAULT_STALE_AFTER_S = 30 * 24 * 3600
@@ -42,7 +42,7 @@ DEFAULT_MAX_PINNED_SHARE = 0.5
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Store-policy knobs (docs/format.md §7).  Defaults are ds4's.
+    """Store-policy knobs (docs/semantics.md §7).  Defaults are ds4's.
 
     Attributes:
         min_tokens: shortest checkpoint worth storing.

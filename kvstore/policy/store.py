@@ -1,4 +1,4 @@
-"""The store policy (docs/format.md §7 and §14) as pure functions: what to store, where, why.
+"""The store policy (docs/semantics.md §7, docs/format.md §14) as pure functions: what to store, where, why.
 
 Every rule that decides a store lives here once, and both callers apply
 it: PromptCache (kvstore.prompt_cache: one live session, a chunked prefill)
@@ -209,10 +209,10 @@ def snapshot_every_block(tensors, positional, tokens, block_tokens):
 # The kinds of StoreTarget.
 ANCHOR = "anchor"          # the cold anchor of a request: reason cold
 WAYPOINT = "waypoint"      # a continued waypoint of a long prefill
-SNAPSHOT = "snapshot"      # a block-grid snapshot of a chained store (§14), when snapshots are cheap
+SNAPSHOT = "snapshot"      # a block-grid snapshot of a chained store (docs/format.md §14), when snapshots are cheap
 BLOCKS = "blocks"          # the whole blocks of a finished request (chains)
 LEAVING = "leaving"        # a state that leaves memory: evict or shutdown
-PIN = "pin"                # a prefix a request pinned (docs/format.md §19): exactly its tokens
+PIN = "pin"                # a prefix a request pinned (docs/semantics.md §19): exactly its tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +220,7 @@ class StoreTarget:
     """One store a caller may make now: why, and how the state may be cut for it.
 
     Attributes:
-        reason: the checkpoint's :class:`kvstore.Reason`.
+        reason: the checkpoint's :class:`kvstore.format.Reason`.
         kind: ANCHOR, WAYPOINT, SNAPSHOT, BLOCKS or LEAVING.
         prefer: store only this many tokens when the state can be cut
             there; a state that cannot is stored whole (None: no cut).
@@ -234,7 +234,7 @@ class StoreTarget:
 
 
 def cold_target(prompt_tokens, anchor, options=DEFAULT_OPTIONS):
-    """Where a cold request stores its cold checkpoint (docs/format.md §7).
+    """Where a cold request stores its cold checkpoint (docs/semantics.md §7).
 
     At the anchor when there is one, else at the store length of the whole
     prompt.  A prompt longer than ``cold_max_tokens`` gets none: continued
@@ -268,7 +268,7 @@ def prefill_stores(pos, options=DEFAULT_OPTIONS, cold_target=0, last_store=0, bl
         snapshot: a state that does not decompose by position (a window, a
         recurrent state) is only whole where it was captured, so where its
         snapshots are cheap (:func:`snapshot_every_block`, which the caller
-        holding the state asks) every block boundary gets one (§14).
+        holding the state asks) every block boundary gets one (docs/format.md §14).
 
     Args:
         pos: the tokens prefilled so far.
@@ -317,7 +317,7 @@ def finished_stores(block_tokens):
 
 def pin_target(tokens):
     """The store a pinned prefix of this many tokens asks for: exactly those
-    tokens, whatever the other rules would choose (docs/format.md §19).  A
+    tokens, whatever the other rules would choose (docs/semantics.md §19).  A
     state that holds more is cut there when it can be (positional); the
     caller stores nothing when the cut is not exactly the prefix."""
     return StoreTarget(Reason.COLD, PIN, prefer=tokens)

@@ -7,7 +7,7 @@ Rooms: options (defaults, key layout, argparse wiring), s3 (the S3 calls and
 their failure kinds), breaker (circuit breaker and health counters), index
 (the bucket listing in memory), uploads (the upload queue), tier
 (RemoteTier: what KVStore calls), janitor (`kvstore remote gc`).  See
-docs/format.md §13.
+docs/remote.md §13.
 """
 
 import logging

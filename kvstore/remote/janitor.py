@@ -1,4 +1,4 @@
-"""The bucket's janitor: `kvstore ls --remote` and `kvstore remote gc` (docs/format.md §13).
+"""The bucket's janitor: `kvstore ls --remote` and `kvstore remote gc` (docs/remote.md §13).
 
 Clients never delete remote objects; one janitor (a cron job) keeps the
 bucket within a budget, with the local tier's eviction order read from each

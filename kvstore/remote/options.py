@@ -1,4 +1,4 @@
-"""The remote tier's options, tuned defaults and bucket key layout (docs/format.md §13).
+"""The remote tier's options, tuned defaults and bucket key layout (docs/remote.md §13).
 
 Keys are ``<prefix>/v1/<fingerprint>/<text length, 12 digits>/<sha1>.kv``: the
 fingerprint keeps one model's checkpoints apart from another's, and the text

@@ -1,4 +1,4 @@
-"""The S3 calls kvstore makes, and what a failed call means (docs/format.md §13).
+"""The S3 calls kvstore makes, and what a failed call means (docs/remote.md §13).
 
 boto3 is imported here only, and only when a Bucket is opened: ``import
 kvstore`` works without it.  Credentials come from the standard AWS chain

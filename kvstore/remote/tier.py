@@ -1,4 +1,4 @@
-"""RemoteTier: one bucket behind one KVStore (docs/format.md §13).
+"""RemoteTier: one bucket behind one KVStore (docs/remote.md §13).
 
 A KVStore opened with ``remote="s3://bucket/prefix"`` keeps its local
 directory as the first tier and the bucket as a second one behind it:

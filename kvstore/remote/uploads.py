@@ -6,7 +6,7 @@ multipart parts for big files), so that the first host to upload a
 checkpoint wins and the others count it as already there.  While the
 breaker is open the queue waits; when it is full the oldest item is dropped
 with one log line (during a long outage the newest checkpoints are the
-likeliest to be asked for).  See docs/format.md §13.
+likeliest to be asked for).  See docs/remote.md §13.
 """
 
 import collections

@@ -22,7 +22,7 @@ class Sealer:
     Args:
         key: the 32 raw key bytes (load_key gives them).
         identity: the store's kvstore.identity.ModelIdentity, or None: its
-            files' names are keyed per model too (docs/format.md §17).
+            files' names are keyed per model too (docs/semantics.md §17).
     """
 
     def __init__(self, key, identity=None):

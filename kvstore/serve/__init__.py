@@ -13,7 +13,7 @@ TieredPromptCache, a subclass that adds a kvstore directory behind it:
                 cache and prefills only the remaining tokens
     stored on disk (background writer; requests never wait for a write):
       cold      the system-prompt segment mlx-lm already cuts at the first
-                user turn (the anchor of docs/format.md §7: agent sessions share it)
+                user turn (the anchor of docs/semantics.md §7: agent sessions share it)
       continued waypoints every continued_step tokens of a long prefill
       evict     an entry mlx-lm's LRU drops, when worth keeping
       shutdown  every RAM entry, on SIGINT / SIGTERM
@@ -25,7 +25,7 @@ TieredPromptCache, a subclass that adds a kvstore directory behind it:
 
 Keys.  The server's cache API sees token ids only, so a checkpoint's key is
 the detokenized token stream: the exact bytes of each token, concatenated
-(kvstore.mlx.token_bytes_function), opened by the tenant's tag when the
+(kvstore.mlx.engine.token_bytes_function), opened by the tenant's tag when the
 request carries a cache_salt (kvstore.tenants).  Token prefixes map to
 byte prefixes, so the longest-prefix lookup finds what a token trie would.
 A hit is used only when its stored token ids equal the request's first
@@ -35,12 +35,12 @@ model a state it did not compute.
 Models.  Every model shares one cache root and its budget; each file names the
 model that made it (kvstore.mlx.model_fingerprint of the loaded weights, with
 the server's KV options) and a model is offered only its own files; a disk
-hit is checked against the live model by the canary (docs/format.md §17).
+hit is checked against the live model by the canary (docs/semantics.md §17).
 
 Modules: tier (the RAM + disk cache, admission), generator (prefetch on the
 HTTP thread, waypoints), http (cache_salt, cache_control, usage.kvstore,
 GET /metrics), ticket (what the server knows of one request: its trace),
-pinning (cache_control breakpoints, docs/format.md §19), activity (what the
+pinning (cache_control breakpoints, docs/semantics.md §19), activity (what the
 server has served: hit rates by source, recent traces), warm (--warm FILE:
 prompts prefilled after start-up), admin (GET/DELETE /v1/cache and its
 access rule) and page (GET /cache), metrics (Prometheus),

@@ -57,7 +57,7 @@ class TieredResponseGenerator(HookedResponseGenerator):
 
     mlx-lm hands the cache to insert_cache at the end of each prompt
     segment; cutting a long segment at every multiple of the waypoint step
-    gives the disk tier the states docs/format.md §7 stores as `continued`.
+    gives the disk tier the states docs/semantics.md §7 stores as `continued`.
     """
 
     def __init__(self, model_provider, prompt_cache):

@@ -20,7 +20,7 @@ from kvstore.store import LAYOUTS
 
 # Where checkpoints go when --cache-dir is not given: one directory, and one
 # budget, for every model served from this machine; each file names its
-# model (docs/format.md §17), so models never load each other's state.
+# model (docs/semantics.md §17), so models never load each other's state.
 # ~/.cache/kvstore/serve; on macOS ~/Library/Caches/kvstore/serve (kvstore.host).
 DEFAULT_CACHE_ROOT = os.path.join(host.default_cache_root(), "serve")
 

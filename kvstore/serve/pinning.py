@@ -1,4 +1,4 @@
-"""Pins a request asks for: `cache_control` breakpoints on chat messages (docs/format.md §19).
+"""Pins a request asks for: `cache_control` breakpoints on chat messages (docs/semantics.md §19).
 
 A chat message, or one of its content parts, may carry the object
 Anthropic-style clients already send:

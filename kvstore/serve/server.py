@@ -17,7 +17,8 @@ from mlx_lm import server as mlx_server
 
 from kvstore import payload, remote, seal
 # SUPPORTED_MLX_LM (kvstore.serve shows it): an mlx-lm release outside it fails the import of kvstore.mlx.
-from kvstore.mlx import DEFAULT_CTX_SIZE, SUPPORTED_MLX_LM  # noqa: F401
+from kvstore.mlx import spec
+from kvstore.mlx import SUPPORTED_MLX_LM  # noqa: F401
 from kvstore.identity import tag_hex
 from kvstore.policy import Options
 from kvstore.serve import admin as admin_mod
@@ -45,15 +46,6 @@ def _config(path):
             return json.load(f)
     except (OSError, ValueError):
         return {}
-
-
-def _ctx_size(config):
-    return int(config.get("max_position_embeddings") or DEFAULT_CTX_SIZE)
-
-
-def _quant_bits(config):
-    q = config.get("quantization") or config.get("quantization_config") or {}
-    return int(q["bits"]) if isinstance(q, dict) and q.get("bits") in (2, 3, 4, 5, 6, 8) else 16
 
 
 def _store_options(opts):
@@ -89,10 +81,10 @@ def _open_store(cache_dir, opts, config, options, identity):
     """The KVStore of one model's checkpoints under cache_dir.
 
     Called on the generation thread, once the model has loaded: its
-    identity names the store's files (docs/format.md §17).
+    identity names the store's files (docs/semantics.md §17).
     """
     store = KVStore(cache_dir, budget_mb=opts.budget_mb, model_identity=identity,
-                    quant_bits=_quant_bits(config), ctx_size=_ctx_size(config),
+                    quant_bits=spec.quant_bits(config), ctx_size=spec.ctx_size(config),
                     options=options, layout=opts.layout, block_tokens=opts.block_tokens, kv_codec=opts.kv_codec,
                     max_write_mb_per_hour=opts.max_write_mb_per_hour,
                     key=opts.cache_key_file, **remote.store_kwargs(opts))
@@ -117,7 +109,7 @@ class _Server:
         self.cache_dir = cache_dir = opts.cache_dir or os.path.expanduser(DEFAULT_CACHE_ROOT)
         options = _store_options(opts)
         # Loads and saves run beside the generation thread: at a lower CPU
-        # priority they take the time decoding leaves (docs/format.md §7).
+        # priority they take the time decoding leaves (docs/semantics.md §7).
         payload.set_io_priority(LOAD_NICE)
         # The HTTP threads load into MLX while the generation thread runs it:
         # no MLX task may call back into Python (kvstore.payload.set_mlx_threaded).

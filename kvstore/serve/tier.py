@@ -14,7 +14,7 @@ deadlock mx.load's read callback risks).  mlx-lm's trie is shared by both
 kinds of thread, so every access to it here holds one lock.
 
 Models.  Every model's checkpoints share one cache root and its budget; each
-file names the model that made it (docs/format.md §17), and the store the
+file names the model that made it (docs/semantics.md §17), and the store the
 tier opens offers only its model's.  The model's identity is known once it
 has loaded, so the generation thread opens the store then (open()), before
 it serves anything; a request that arrives earlier waits for it.  Every disk
@@ -51,8 +51,10 @@ from kvstore import policy
 from kvstore.chain import DEFAULT_BLOCK_TOKENS, slice_along
 from kvstore.format import Reason
 from kvstore.identity import ModelIdentity
-from kvstore.mlx import (cache_from_checkpoint, checked_state, model_fingerprint, model_label, quantized_names,
-                         same_layout, text_offsets_function, token_bytes_function)
+from kvstore.mlx.codecs import cache_from_checkpoint, checked_state, quantized_names, same_layout
+from kvstore.mlx import model_fingerprint
+from kvstore.mlx.fingerprint import model_label
+from kvstore.mlx.engine import text_offsets_function, token_bytes_function
 from kvstore.mlx import canary
 from kvstore.mlx.mlxlm import ReportingPromptCache
 from kvstore import tenants
@@ -405,7 +407,7 @@ class TieredPromptCache(ReportingPromptCache):
         anchor = len(tokens) if cache_type == "system" else 0
         return policy.prefill_stores(len(tokens), self.options, cold_target=anchor)
 
-    # -- pins (kvstore.serve.pinning, docs/format.md §19) -----------------------
+    # -- pins (kvstore.serve.pinning, docs/semantics.md §19) -----------------------
 
     def judge_pins(self, prompt, ticket):
         """Judges a request's breakpoints on its HTTP thread (kvstore.serve.pinning.Pinner.judge).

@@ -19,7 +19,7 @@ The file.  JSON, either a list of prompts or an object
     {"messages": [...]} or {"prompt": "..."}   the same, spelled out
 
 and "model", when given, is the label of the served model (its
-directory's name) or its identity fingerprint (docs/format.md §17): a file
+directory's name) or its identity fingerprint (docs/semantics.md §17): a file
 made for another model stops the server before it serves or warms anything.
 read_file checks everything but the model before the server listens; a
 bad file is a start-up error naming the file and the line, or the prompt's

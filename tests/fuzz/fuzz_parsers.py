@@ -195,7 +195,7 @@ def check_file(target, blob, expect_original=False, name=None):
         "loaded", "refused" or "not_eligible".
     """
     text = _text_of(blob)
-    name = name or kvstore.sha1(text).hex() + ".kv"
+    name = name or kvstore.format.sha1(text).hex() + ".kv"
     path = os.path.join(target.store.path, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -286,7 +286,7 @@ def _fix_manifest(blob, raw):
     magic, mlen, doff, _, res = PAYLOAD_HEAD.unpack_from(blob, P)
     if 24 + len(raw) > doff or P + 24 + len(raw) > len(blob):
         return False
-    blob[P:P + 24] = PAYLOAD_HEAD.pack(magic, len(raw), doff, kvstore.crc32c(raw), res)
+    blob[P:P + 24] = PAYLOAD_HEAD.pack(magic, len(raw), doff, kvstore.format.crc32c(raw), res)
     blob[P + 24:P + 24 + len(raw)] = raw
     return True
 
