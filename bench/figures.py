@@ -219,24 +219,27 @@ HEADER = ["| comparison | KV measured at | kvstore | peer | ratio (median) | tar
           "|---|---|---|---|---|---|---|"]
 
 
+def _table(results, heads, after):
+    """HEADER, the rows of heads (HEADLINE entries) that have results, then
+    the runs they come from and the sentence after."""
+    lines = list(HEADER)
+    lines += [row for row in (headline_row(results, *h) for h in heads) if row]
+    lines += ["", f"Rows from {provenance(results, [h[0] for h in heads])}{after}"]
+    return "\n".join(lines)
+
+
 def headline_block(results):
     """docs/benchmarks.md's table: the HEADLINE rows, then the runs they come from."""
-    lines = list(HEADER)
-    lines += [row for row in (headline_row(results, *h) for h in HEADLINE) if row]
-    lines += ["", f"Rows from {provenance(results, [h[0] for h in HEADLINE])} (bench/README.md stamps each "
-                  "table with its run, machine and date). Rows marked toy come from models far smaller than "
-                  "any served one; the real-size rows are bench/shapes.py's and bench/serve_sizes.py's."]
-    return "\n".join(lines)
+    return _table(results, HEADLINE, " (bench/README.md stamps each table with its run, machine and date). Rows "
+                  "marked toy come from models far smaller than any served one; the real-size rows are "
+                  "bench/shapes.py's and bench/serve_sizes.py's.")
 
 
 def readme_block(results):
     """README.md's table: the three README_HEADLINE rows, then the runs they come from."""
-    lines = list(HEADER)
-    lines += [row for row in (headline_row(results, *h) for h in README_HEADLINE) if row]
-    lines += ["", f"Rows from {provenance(results, [h[0] for h in README_HEADLINE])}. The row marked toy "
-                  "comes from a model far smaller than any served one. docs/benchmarks.md has the headline "
-                  "row of every harness; bench/README.md every table, its machine and the method."]
-    return "\n".join(lines)
+    return _table(results, README_HEADLINE, ". The row marked toy comes from a model far smaller than any served "
+                  "one. docs/benchmarks.md has the headline row of every harness; bench/README.md every table, "
+                  "its machine and the method.")
 
 
 def skipped(data):
