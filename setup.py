@@ -14,7 +14,7 @@ from setuptools import Extension, setup
 
 CSRC = ["csrc/dispatch.c", "csrc/cpu.c", "csrc/sha1.c", "csrc/crc32c.c",
         "csrc/header.c", "csrc/io.c", "csrc/planes.c", "csrc/quant.c",
-        "csrc/table.c"]
+        "csrc/table.c", "csrc/packed.c"]
 
 opt_flags = shlex.split(os.environ.get("KVSTORE_OPT_CFLAGS", "-O2"))
 extra = ["-std=gnu11", "-Wall", "-Wno-unused-function"]

@@ -114,6 +114,22 @@ cdef extern from "table.h" nogil:
     const char *kvs_table_impl_name()
 
 
+cdef extern from "packed.h" nogil:
+    ctypedef struct kvs_packed_piece:
+        int fd
+        uint64_t off
+        size_t stored
+        size_t width
+        size_t lens[16]
+        uint8_t table[16]
+        uint8_t *dst
+        size_t run, count, stride
+        uint32_t want
+        uint32_t crc
+        int status
+    size_t kvs_read_packed(kvs_packed_piece *pieces, size_t n, uint8_t *scratch, int check_crc)
+
+
 cdef extern from "quant.h" nogil:
     enum: KVS_Q_F32, KVS_Q_F16, KVS_Q_BF16
     int kvs_quantize(const void *src, size_t count, int dtype, int bits, size_t group,

@@ -213,3 +213,73 @@ def table_join(stored, planes, dst, size_t offset, size_t run, size_t count, siz
     finally:
         PyBuffer_Release(&src)
     _raise_status(rc, path, what)
+
+
+def read_packed(buffers, pieces, verify=True):
+    """Reads a batch of packed chain blocks (table planes) into buffers in
+    one call, GIL released (csrc/packed.h): the share of one I/O thread.
+
+    Args:
+        buffers: writable buffers (the destinations).
+        pieces: sequence of (buffer index, fd, file offset, stored length,
+            planes [(is_table, stored length), ...], destination offset,
+            run, count, stride, expected CRC32C of the stored bytes).
+        verify: join only a block whose CRC is the one expected.
+
+    Returns:
+        list of (status, crc): status 0 or the code _raise_status maps
+        (bad_payload for planes that do not hold, truncated, an OSError);
+        crc the CRC32C of the stored bytes read.
+
+    Raises:
+        ValueError: a piece does not fit its buffer, or its planes are not
+            1 to 16 of whole elements.
+    """
+    cdef Py_ssize_t nb = len(buffers), n = len(pieces), i, got = 0
+    cdef Py_buffer *views = NULL
+    cdef kvs_packed_piece *c = NULL
+    cdef uint8_t *scratch = NULL
+    cdef size_t most = 1, width, k
+    cdef uint64_t run, count, stride, dst, span
+    cdef int check
+    views = <Py_buffer *>malloc(max(nb, 1) * sizeof(Py_buffer))
+    c = <kvs_packed_piece *>malloc(max(n, 1) * sizeof(kvs_packed_piece))
+    try:
+        if views == NULL or c == NULL:
+            raise MemoryError()
+        for i in range(nb):
+            PyObject_GetBuffer(buffers[i], &views[i], PyBUF_WRITABLE)
+            got += 1
+        for i in range(n):
+            b, fd, off, stored, planes, dst, run, count, stride, want = pieces[i]
+            width = len(planes)
+            if not 0 <= b < nb:
+                raise ValueError(f"piece {i} names buffer {b} of {nb}")
+            if width < 1 or width > KVS_PLANES_MAX or run % width:
+                raise ValueError(f"piece {i}: {width} planes for runs of {run} bytes")
+            span = <uint64_t>views[b].len
+            if count and run and (dst > span or run > span - dst or (count > 1 and (
+                    stride < run or (span - dst - run) // stride < count - 1))):
+                raise ValueError(f"piece {i}: {count} runs of {run} bytes every {stride} from {dst} "
+                                 f"do not fit a buffer of {span}")
+            c[i].fd, c[i].off, c[i].stored, c[i].width = fd, off, stored, width
+            for k in range(width):
+                c[i].table[k] = 1 if planes[k][0] else 0
+                c[i].lens[k] = planes[k][1]
+            c[i].dst = <uint8_t *>views[b].buf + dst
+            c[i].run, c[i].count, c[i].stride = <size_t>run, <size_t>count, <size_t>stride
+            c[i].want, c[i].crc, c[i].status = want, 0, 0
+            most = max(most, <size_t>stored)
+        scratch = <uint8_t *>malloc(most)
+        if scratch == NULL:
+            raise MemoryError()
+        check = 1 if verify else 0
+        with nogil:
+            kvs_read_packed(c, <size_t>n, scratch, check)
+        return [(c[i].status, c[i].crc) for i in range(n)]
+    finally:
+        free(scratch)
+        for i in range(got):
+            PyBuffer_Release(&views[i])
+        free(views)
+        free(c)

@@ -28,6 +28,7 @@ from kvstore.files import RDWR_FLAGS, short_name
 from kvstore.format import (CHAIN_HEAD_SIZE, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS,
                             PREFIX_SIZE, Header, Reason, entry_from_fd, open_checkpoint, pack_chain_head)
 from kvstore.payload import forms
+from kvstore.payload.plan import PackAhead
 
 log = logging.getLogger("kvstore")
 
@@ -238,10 +239,10 @@ class Saver:
         d = self.d
         now = int(time.time())
         staged = []
+        packs = PackAhead(d.kv_codec, [t[4] for t in todo])
         try:
-            for b, restorable, path, seg, plan, tr in todo:
-                # Packed just before it is written: one block's packed bytes held at a time.
-                abi = forms.abi_of(plan.pack(d.kv_codec) if d.kv_codec != "raw" else (), PAYLOAD_ABI_CHAIN)
+            for k, (b, restorable, path, seg, plan, tr) in enumerate(todo):
+                abi = forms.abi_of(packs.codecs(k), PAYLOAD_ABI_CHAIN)
                 header = self._header(reason if b.last else Reason.CONTINUED, b.tokens, ctx, plan,
                                       ext if b.last else 0, abi, now)
                 head = pack_chain_head(b.parent_digest, b.token_start, b.text_start, d.block_tokens,

@@ -3,6 +3,7 @@ table plane (csrc/table.h) or raw, rebuilt exactly by every decoder this
 machine has, and a damaged or lying plane refused before anything is
 written where it would land."""
 
+import os
 import struct
 
 import numpy as np
@@ -203,3 +204,34 @@ def test_every_decoder_rebuilds_the_same_bytes():
 ])
 def test_bad_plane_descriptions_are_named(planes, message):
     assert message in packing.check_planes(planes, 2, 100)
+
+
+def test_a_chain_loads_packed_blocks_in_one_native_call(tmp_path):
+    """_native.read_packed (csrc/packed.h), what a chain load's I/O thread
+    calls for its table-plane blocks: a good block lands whole; one whose
+    CRC is not the expected one, or whose planes lie, lands nothing (the
+    first is reported by its CRC, the second as bad_payload)."""
+    planes, stored, n = packed()
+    lying = lie_about_count(stored, n)
+    path = tmp_path / "blocks"
+    path.write_bytes(stored + lying)
+    crc = _native.crc32c(stored)
+    native = [(kind == "table", length) for kind, length in planes]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = [bytearray(2 * n + 8) for _ in range(3)]
+        got = _native.read_packed(out, [
+            (0, fd, 0, len(stored), native, 8, 2 * n, 1, 0, crc),
+            (1, fd, 0, len(stored), native, 0, 2 * n, 1, 0, crc ^ 1),
+            (2, fd, len(stored), len(lying), native, 0, 2 * n, 1, 0, _native.crc32c(lying)),
+        ], verify=True)
+    finally:
+        os.close(fd)
+    want = bytearray(2 * n)
+    packing.unpack(stored, planes, want, (0, 2 * n, 1, 0), "f", "k")
+    assert got[0] == (0, crc) and bytes(out[0][8:]) == bytes(want) and not any(out[0][:8])
+    assert got[1] == (0, crc) and not any(out[1])                  # the caller compares crc with want
+    assert got[2][0] != 0 and not any(out[2])
+    with pytest.raises(CorruptCheckpoint) as e:
+        _native.raise_status(got[2][0], "f.kv", "tensor 'k'")
+    assert e.value.reason == "bad_payload"

@@ -77,12 +77,15 @@ def pack(kv_codec, dtype, width, nbytes, pieces):
 
 
 class _Planes:
-    """How one lossless block is restored (its planes, checked)."""
+    """How one lossless block is restored (its planes, checked).  native:
+    the planes as csrc/packed.h reads them, [(is_table, stored length)]: a
+    chain load joins such blocks in one native call per job."""
 
-    __slots__ = ("codec", "planes")
+    __slots__ = ("codec", "planes", "native")
 
     def __init__(self, planes):
         self.codec, self.planes = packing.CODEC, planes
+        self.native = [(kind == "table", length) for kind, length in planes]
 
     def unpack(self, stored, dst, runs, path, what):
         packing.unpack(stored, self.planes, dst, runs, path, what)

@@ -19,7 +19,7 @@ from kvstore.payload.manifest import (BLOCK_ALIGN, DATA_ALIGN, DTYPES, MAGIC, PA
                                       align)
 from kvstore.payload import forms
 from kvstore.payload.mlx_io import is_mlx_array, mlx_source
-from kvstore.payload.pool import io_pool, slices
+from kvstore.payload.pool import io_pool, pack_thread, slices
 from kvstore.sources import as_source
 
 _CRC_PLACEHOLDER = 0xFFFFFFFF                 # widest u32 in decimal (10 digits)
@@ -285,3 +285,34 @@ def _crc_of(pieces):
     for mv in pieces:
         value = _native.crc32c(mv, value)
     return value
+
+
+class PackAhead:
+    """The packing of a chained save's blocks, one block ahead of their
+    writes: block k + 1 is packed (on pack_thread, its tensors on the I/O
+    threads) while the saving thread writes block k, so a save pays for the
+    packing of its first block only.  At most two blocks' packed bytes are
+    held at once.
+
+    Args:
+        kv_codec: the store's codec ("raw": nothing is packed).
+        plans: the blocks' Plans, in the order they are written.
+    """
+
+    def __init__(self, kv_codec, plans):
+        self.kv_codec, self.plans, self.ahead = kv_codec, plans, {}
+        self._start(0)
+
+    def _start(self, k):
+        if self.kv_codec != "raw" and k < len(self.plans):
+            self.ahead[k] = pack_thread().submit(self.plans[k].pack, self.kv_codec)
+
+    def codecs(self, k):
+        """Block k's Plan packed: the codecs its tensors were stored with
+        (Plan.pack), once the packing of block k + 1 has been started."""
+        if self.kv_codec == "raw":
+            return ()
+        got = self.ahead.pop(k).result()
+        self._start(k + 1)
+        return got
+

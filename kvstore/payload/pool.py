@@ -101,6 +101,17 @@ def gc_paused():
                 gc.enable()
 
 
+# One thread that packs a chained save's next block while the saving thread
+# writes the current one (kvstore.payload.plan.PackAhead); the packing itself
+# runs on the I/O threads.
+_pack = LazyExecutor(lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-pack"))
+
+
+def pack_thread():
+    """The executor (one thread) that packs a chained save's blocks ahead of their writes."""
+    return _pack.get()
+
+
 def io_pool():
     """The I/O threads' executor (IO_THREADS threads), shared with kvstore.seal's chunk jobs."""
     return _io.get()

@@ -114,6 +114,7 @@ class Form:
     """How one quantised block is restored (the manifest's row, checked)."""
 
     __slots__ = ("codec", "dtype", "group")
+    native = None               # restored in Python (a native join is a table plane's: forms._Planes)
 
     def __init__(self, codec, dtype, group):
         self.codec, self.dtype, self.group = codec, dtype, group

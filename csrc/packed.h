@@ -1,0 +1,40 @@
+/* packed.h: reads of packed chain blocks (table planes, table.h).
+ *
+ * The share of one I/O thread of a chain load, for its packed pieces, in
+ * one call: each block's stored bytes are read into a scratch buffer (a
+ * block of a real model's KV is a few hundred KiB: it stays in cache), their
+ * CRC32C computed, and, when it is the one expected, the planes checked
+ * (table.h: kvs_table_check) and joined into the block's runs in the
+ * destination, whose pages are mapped first (io.h: kvs_populate).  Nothing
+ * lands in the destination from a block whose CRC or planes do not hold.
+ */
+#ifndef KVS_PACKED_H
+#define KVS_PACKED_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "planes.h"
+
+typedef struct {
+    int fd;
+    uint64_t off;                   /* the stored bytes in the file */
+    size_t stored;                  /* their length */
+    size_t width;                   /* planes: the element's bytes */
+    size_t lens[KVS_PLANES_MAX];    /* each plane's stored length */
+    uint8_t table[KVS_PLANES_MAX];  /* 1: a table plane; 0: raw */
+    uint8_t *dst;                   /* the first run */
+    size_t run, count, stride;      /* count runs of run bytes, stride apart */
+    uint32_t want;                  /* the stored bytes' CRC32C (when checked) */
+    uint32_t crc;                   /* out: the CRC32C of the bytes read */
+    int status;                     /* out: 0, KVS_ESHORT, -errno or KVS_EBADTABLE */
+} kvs_packed_piece;
+
+/* Reads, checks and joins every piece in order with scratch (at least the
+ * largest stored length).  check_crc = 0 joins without comparing the CRC.
+ * Returns the number of pieces that failed (each has its status set; a CRC
+ * that is not want leaves status 0 and the destination untouched: the
+ * caller compares crc with want). */
+size_t kvs_read_packed(kvs_packed_piece *pieces, size_t n, uint8_t *scratch, int check_crc);
+
+#endif
