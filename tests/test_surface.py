@@ -6,6 +6,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 
 # A Python that cannot import MLX or mlx-lm (as where `kvstore[serve]` is
 # not installed): each import of them fails as a missing module does.
@@ -17,7 +18,11 @@ WITHOUT_MLX = ("import sys\n"
 
 
 def run_without_mlx(*args):
-    return subprocess.run([sys.executable, "-c", WITHOUT_MLX, *args], capture_output=True, text=True, timeout=60)
+    # cwd away from the source tree: `python -c` puts the cwd first on
+    # sys.path, and the repository's un-built kvstore/ must not shadow the
+    # installed one.
+    return subprocess.run([sys.executable, "-c", WITHOUT_MLX, *args], capture_output=True, text=True, timeout=60,
+                          cwd=tempfile.gettempdir())
 
 
 def test_serve_help_works_without_mlx_lm():
