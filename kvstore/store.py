@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal
 
 import numpy as np
 
-from kvstore import chain, files, payload
+from kvstore import chain, files, payload, tiers
 from kvstore import pins as pins_mod
 from kvstore import identity as identity_mod
 from kvstore.codec import make_codec
@@ -44,28 +43,13 @@ from kvstore.policy import Options
 from kvstore.divergence import Divergence
 from kvstore.reader import LOAD_TRIES, Checkpoint, Match, Reader
 from kvstore.saver import Saver, as_bytes, token_array
-from kvstore.writer import BackgroundWriter
+from kvstore.writer import ProcessWriter
 
 log = logging.getLogger("kvstore")
 
 # The default disk budget: None, derived from the size of the directory's
 # filesystem (kvstore.policy.default_budget_bytes).
 DEFAULT_BUDGET_MB = None
-
-# Openers of remote tiers by URL scheme ("s3"), registered by the tier's own
-# package (kvstore.remote) so that this module never imports a room above it.
-_REMOTE_OPENERS: dict[str, Callable[..., Any]] = {}
-
-
-def register_remote(scheme, opener):
-    """Makes KVStore(remote="<scheme>://...") open a tier with opener.
-
-    Args:
-        scheme: the URL scheme, such as "s3".
-        opener: callable(url, store, options) returning the tier object.
-    """
-    _REMOTE_OPENERS[scheme] = opener
-
 
 def _setting(name, doc):
     """A read-only attribute of the store that is its directory's setting."""
@@ -161,13 +145,11 @@ class KVStore:
         self.path = self._dir.path
         self.sealed = key is not None
         self._closed = False
-        self._writer = None
-        self._writer_pid = None
-        self._wlock = threading.Lock()
+        self._writer = ProcessWriter()
         self._evictor = Evictor(self._dir)
         self.evict()            # lists the directory (the first index refresh) and applies the budget
         self._dir.sweep_temps()  # what that listing saw of writers gone
-        self.remote = None if remote is None else self._open_remote(remote, remote_options)
+        self.remote = None if remote is None else tiers.open_remote(remote, self, remote_options)
         enqueue = self.remote.enqueue if self.remote is not None else None
         self._reader = Reader(self._dir, self.remote, on_fetched=self._evictor.evict_if_over)
         self._saver = Saver(self._dir, enqueue, after_write=self._evictor.evict_if_over)
@@ -204,14 +186,6 @@ class KVStore:
     def sealer(self):
         """The kvstore.seal.Sealer of the store's key, or None (a plain store)."""
         return getattr(self._dir.codec, "sealer", None)
-
-    def _open_remote(self, url, options):
-        scheme = url.partition("://")[0] if isinstance(url, str) else None
-        opener = _REMOTE_OPENERS.get(scheme)
-        if opener is None:
-            raise ValueError(f"remote={url!r}: no remote tier for this scheme "
-                             f"(known: {', '.join(sorted(_REMOTE_OPENERS)) or 'none'})")
-        return opener(url, self, options)
 
     def _check_open(self):
         if self._closed:
@@ -435,19 +409,13 @@ class KVStore:
         return self._background().try_submit(fn, *args, **kwargs)
 
     def _background(self):
-        """The store's background writer (made on first use, and again in a forked child)."""
+        """The store's background writer in this process (kvstore.writer.ProcessWriter)."""
         self._check_open()
-        with self._wlock:
-            if self._writer is None or self._writer_pid != os.getpid():
-                # (A forked child inherits the writer object but not its thread.)
-                self._writer = BackgroundWriter()
-                self._writer_pid = os.getpid()
-        return self._writer
+        return self._writer.get()
 
     def flush(self) -> None:
         """Waits for every queued save_async to finish."""
-        if self._writer is not None and self._writer_pid == os.getpid():
-            self._writer.flush()
+        self._writer.flush()
 
     # -- eviction (section 8) ----------------------------------------------
 
@@ -595,8 +563,7 @@ class KVStore:
         """Waits for queued saves and closes the store."""
         if self._closed:
             return
-        if self._writer is not None and self._writer_pid == os.getpid():
-            self._writer.close()
+        self._writer.close()
         if self.remote is not None:
             self.remote.close()
         self._dir.close()
@@ -609,5 +576,5 @@ class KVStore:
         self.close()
 
 
-__all__ = ["KVStore", "Checkpoint", "Match", "register_remote", "DEFAULT_BUDGET_MB", "LAYOUTS", "LOCK_NAME",
+__all__ = ["KVStore", "Checkpoint", "Match", "DEFAULT_BUDGET_MB", "LAYOUTS", "LOCK_NAME",
            "LOAD_TRIES", "ORPHAN_SWEEP_INTERVAL_S"]

@@ -8,6 +8,7 @@ instead of holding an unbounded number of KV caches in memory.
 
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 
@@ -86,3 +87,37 @@ class BackgroundWriter:
                         fut.set_exception(e)
             finally:
                 self._q.task_done()
+
+
+class ProcessWriter:
+    """A store's BackgroundWriter in this process: made on first use, and
+    made again in a forked child, which inherits the writer object but not
+    its thread (the parent's writer is never flushed or closed there)."""
+
+    def __init__(self):
+        self._writer = None
+        self._pid = None
+        self._lock = threading.Lock()
+
+    def get(self):
+        """This process's writer, made if it has none."""
+        with self._lock:
+            if self._writer is None or self._pid != os.getpid():
+                self._writer, self._pid = BackgroundWriter(), os.getpid()
+            return self._writer
+
+    def _own(self):
+        """This process's writer, or None when it made none."""
+        return self._writer if self._writer is not None and self._pid == os.getpid() else None
+
+    def flush(self):
+        """Waits for every queued call of this process's writer."""
+        w = self._own()
+        if w is not None:
+            w.flush()
+
+    def close(self):
+        """Runs what is queued and stops this process's writer."""
+        w = self._own()
+        if w is not None:
+            w.close()

@@ -42,7 +42,7 @@ LAYERS = [
     # The store's parts: the open directory and the codec (how a file's
     # bytes are read and written) below the reader, the saver and the
     # evictor; KVStore wires them.
-    ["kvstore.codec", "kvstore.directory"],
+    ["kvstore.codec", "kvstore.directory", "kvstore.tiers"],
     ["kvstore.reader", "kvstore.saver", "kvstore.evictor", "kvstore.divergence"],
     ["kvstore.store"],
     # Above the store: sealing (a codec it registers), the remote tier (an

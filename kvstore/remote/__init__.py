@@ -22,7 +22,7 @@ from kvstore.remote.options import (KeyInfo, add_arguments, key_fingerprint, lay
                                     options_from_args, parse_key, parse_url, resolve_options, store_kwargs)
 from kvstore.remote.s3 import CONFLICT, DENIED, ERROR, MISSING, UNAVAILABLE, Bucket, Failure, classify
 from kvstore.remote.tier import RemoteTier
-from kvstore.store import register_remote
+from kvstore.tiers import register_remote
 
 log = logging.getLogger("kvstore")
 

@@ -51,11 +51,10 @@ from kvstore import policy
 from kvstore.chain import DEFAULT_BLOCK_TOKENS, slice_along
 from kvstore.format import Reason
 from kvstore.identity import ModelIdentity
+from kvstore.mlx import canary, model_fingerprint
 from kvstore.mlx.codecs import cache_from_checkpoint, checked_state, quantized_names, same_layout
-from kvstore.mlx import model_fingerprint
-from kvstore.mlx.fingerprint import model_label
 from kvstore.mlx.engine import text_offsets_function, token_bytes_function
-from kvstore.mlx import canary
+from kvstore.mlx.fingerprint import model_label
 from kvstore.mlx.mlxlm import ReportingPromptCache
 from kvstore import tenants
 from kvstore.serve.admission import Ledger
