@@ -3,22 +3,23 @@
 #include "packed.h"
 #include "table.h"
 
-static int join(kvs_packed_piece *p, const uint8_t *stored)
+int kvs_packed_join(const uint8_t *stored, size_t len, const uint8_t *table, const size_t *lens, size_t width,
+                    uint8_t *dst, size_t run, size_t count, size_t stride)
 {
-    size_t n = p->run * p->count / p->width, at = 0;
+    size_t n = run * count / width, at = 0;
     kvs_plane planes[KVS_PLANES_MAX];
-    for (size_t k = 0; k < p->width; k++) {
+    for (size_t k = 0; k < width; k++) {
         planes[k].bytes = stored + at;
-        planes[k].table = p->table[k];
-        if (p->lens[k] > p->stored - at) return KVS_EBADTABLE;
-        if (!p->table[k] ? p->lens[k] != n : kvs_table_check(stored + at, p->lens[k], n) != 0)
+        planes[k].table = table[k];
+        if (lens[k] > len - at) return KVS_EBADTABLE;
+        if (!table[k] ? lens[k] != n : kvs_table_check(stored + at, lens[k], n) != 0)
             return KVS_EBADTABLE;
-        at += p->lens[k];
+        at += lens[k];
     }
-    if (at != p->stored) return KVS_EBADTABLE;
-    for (size_t r = 0, first = 0; r < p->count; r++, first += p->run / p->width) {
-        kvs_populate(p->dst + r * p->stride, p->run);
-        kvs_table_join(p->dst + r * p->stride, planes, p->width, n, first, p->run / p->width);
+    if (at != len) return KVS_EBADTABLE;
+    for (size_t r = 0, first = 0; r < count; r++, first += run / width) {
+        kvs_populate(dst + r * stride, run);
+        kvs_table_join(dst + r * stride, planes, width, n, first, run / width);
     }
     return 0;
 }
@@ -31,7 +32,8 @@ size_t kvs_read_packed(kvs_packed_piece *pieces, size_t n, uint8_t *scratch, int
         p->crc = 0;
         p->status = kvs_pread_full(p->fd, scratch, p->stored, p->off, &p->crc);
         if (p->status == 0 && (!check_crc || p->crc == p->want))
-            p->status = join(p, scratch);
+            p->status = kvs_packed_join(scratch, p->stored, p->table, p->lens, p->width, p->dst, p->run,
+                                        p->count, p->stride);
         failed += p->status != 0;
     }
     return failed;

@@ -30,6 +30,15 @@ typedef struct {
     int status;                     /* out: 0, KVS_ESHORT, -errno or KVS_EBADTABLE */
 } kvs_packed_piece;
 
+/* Checks a block's stored planes (len bytes, plane k of lens[k] bytes, a
+ * table plane where table[k]; width of them: the element's bytes) and joins
+ * them into count runs of run bytes at dst, stride apart, the runs' pages
+ * mapped first.  Returns 0, or KVS_EBADTABLE (nothing written) when the
+ * lengths do not add up to len, a raw plane is not one byte an element or a
+ * table plane's form does not hold. */
+int kvs_packed_join(const uint8_t *stored, size_t len, const uint8_t *table, const size_t *lens, size_t width,
+                    uint8_t *dst, size_t run, size_t count, size_t stride);
+
 /* Reads, checks and joins every piece in order with scratch (at least the
  * largest stored length).  check_crc = 0 joins without comparing the CRC.
  * Returns the number of pieces that failed (each has its status set; a CRC

@@ -103,12 +103,7 @@ cdef extern from "planes.h" nogil:
 
 cdef extern from "table.h" nogil:
     enum: KVS_TABLE_HEAD, KVS_EBADTABLE
-    ctypedef struct kvs_plane:
-        const uint8_t *bytes
-        int table
     size_t kvs_table_pack(const uint8_t *plane, size_t n, size_t max_exceptions, uint8_t *out)
-    int kvs_table_check(const uint8_t *stored, size_t len, size_t n)
-    void kvs_table_join(uint8_t *dst, const kvs_plane *planes, size_t width, size_t n, size_t first, size_t count)
     int kvs_table_select(int impl)
     int kvs_table_has(int impl)
     const char *kvs_table_impl_name()
@@ -128,6 +123,8 @@ cdef extern from "packed.h" nogil:
         uint32_t crc
         int status
     size_t kvs_read_packed(kvs_packed_piece *pieces, size_t n, uint8_t *scratch, int check_crc)
+    int kvs_packed_join(const uint8_t *stored, size_t len, const uint8_t *table, const size_t *lens, size_t width,
+                        uint8_t *dst, size_t run, size_t count, size_t stride)
 
 
 cdef extern from "quant.h" nogil:

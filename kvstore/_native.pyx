@@ -268,6 +268,20 @@ def pread_into(int fd, buf, uint64_t offset, path=None, crc=None):
     return None if crc is None else c
 
 
+cdef int _check_runs(Py_ssize_t i, Py_ssize_t b, Py_ssize_t nb, uint64_t span, uint64_t dst, uint64_t run,
+                     uint64_t count, uint64_t stride) except -1:
+    """Piece i's count runs of run bytes every stride from dst fit buffer b
+    (of nb, span bytes long); ValueError naming the piece otherwise."""
+    if not 0 <= b < nb:
+        raise ValueError(f"piece {i} names buffer {b} of {nb}")
+    # (count - 1) * stride + run <= span - dst, without overflow.
+    if count and run and (dst > span or run > span - dst or (count > 1 and (
+            stride < run or (span - dst - run) // stride < count - 1))):
+        raise ValueError(f"piece {i}: {count} runs of {run} bytes every {stride} from {dst} "
+                         f"do not fit a buffer of {span}")
+    return 0
+
+
 def pread_pieces(buffers, pieces, verify=True):
     """Reads a batch of pieces into buffers in one call, GIL released.
 
@@ -294,7 +308,7 @@ def pread_pieces(buffers, pieces, verify=True):
     cdef Py_buffer *views = NULL
     cdef kvs_piece *c = NULL
     cdef Py_ssize_t got = 0
-    cdef uint64_t run, count, stride, dst, span
+    cdef uint64_t run, count, stride, dst
     cdef int with_crc = 1 if verify else 0
     views = <Py_buffer *>malloc(max(nb, 1) * sizeof(Py_buffer))
     c = <kvs_piece *>malloc(max(n, 1) * sizeof(kvs_piece))
@@ -308,14 +322,7 @@ def pread_pieces(buffers, pieces, verify=True):
             got += 1
         for i in range(n):
             b, fd, off, run, count, stride, dst = pieces[i]
-            if not 0 <= b < nb:
-                raise ValueError(f"piece {i} names buffer {b} of {nb}")
-            # (count - 1) * stride + run <= len - dst, without overflow.
-            span = <uint64_t>views[b].len
-            if count and run and (dst > span or run > span - dst or (count > 1 and (
-                    stride < run or (span - dst - run) // stride < count - 1))):
-                raise ValueError(f"piece {i}: {count} runs of {run} bytes every {stride} from {dst} "
-                                 f"do not fit a buffer of {span}")
+            _check_runs(i, b, nb, <uint64_t>views[b].len if 0 <= b < nb else 0, dst, run, count, stride)
             c[i].fd = fd
             c[i].off = off
             c[i].run = <size_t>run

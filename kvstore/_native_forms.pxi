@@ -173,14 +173,16 @@ def table_join(stored, planes, dst, size_t offset, size_t run, size_t count, siz
             hold (csrc/table.h: kvs_table_check) or the lengths do not add up.
         ValueError: the runs do not fit dst or are not whole elements.
     """
-    cdef kvs_plane ps[KVS_PLANES_MAX]
+    cdef uint8_t table[KVS_PLANES_MAX]
     cdef size_t lens[KVS_PLANES_MAX]
-    cdef size_t width = len(planes), n, at = 0, p, r, first = 0
+    cdef size_t width = len(planes), p
     cdef Py_buffer src, out
     cdef int rc = 0
     if width < 1 or width > KVS_PLANES_MAX or run % width:
         raise ValueError(f"{width} planes for runs of {run} bytes")
-    n = run * count // width
+    for p, (is_table, length) in enumerate(planes):
+        table[p] = 1 if is_table else 0
+        lens[p] = length
     PyObject_GetBuffer(stored, &src, PyBUF_SIMPLE)
     try:
         PyObject_GetBuffer(dst, &out, PyBUF_WRITABLE)
@@ -188,31 +190,33 @@ def table_join(stored, planes, dst, size_t offset, size_t run, size_t count, siz
             if count and offset + (count - 1) * stride + run > <size_t>out.len:
                 raise ValueError(f"{what}: {count} runs of {run} bytes every {stride} from {offset} "
                                  f"do not fit {out.len} bytes")
-            for p, (is_table, length) in enumerate(planes):
-                ps[p].bytes = <const uint8_t *>src.buf + at
-                ps[p].table = 1 if is_table else 0
-                lens[p] = length
-                at += <size_t>length
-                if not is_table and length != n:
-                    rc = KVS_EBADTABLE
-            if at != <size_t>src.len:
-                rc = KVS_EBADTABLE
-            with nogil:
-                for p in range(width):
-                    if rc == 0 and ps[p].table:
-                        rc = kvs_table_check(ps[p].bytes, lens[p], n)
-                if rc == 0:
-                    for r in range(count):
-                        # Fresh destination memory: its pages mapped in one
-                        # call, as a read maps them (csrc/io.h).
-                        kvs_populate(<uint8_t *>out.buf + offset + r * stride, run)
-                        kvs_table_join(<uint8_t *>out.buf + offset + r * stride, ps, width, n, first, run // width)
-                        first += run // width
+            with nogil:     # checks the planes before a byte lands (csrc/packed.h)
+                rc = kvs_packed_join(<const uint8_t *>src.buf, <size_t>src.len, table, lens, width,
+                                     <uint8_t *>out.buf + offset, run, count, stride)
         finally:
             PyBuffer_Release(&out)
     finally:
         PyBuffer_Release(&src)
     _raise_status(rc, path, what)
+
+
+cdef int _packed_piece(kvs_packed_piece *c, Py_ssize_t i, piece, Py_buffer *views, Py_ssize_t nb) except -1:
+    """c set from read_packed's piece i, checked (see read_packed)."""
+    cdef size_t k
+    cdef uint64_t dst, run, count, stride
+    b, fd, off, stored, planes, dst, run, count, stride, want = piece
+    width = len(planes)
+    _check_runs(i, b, nb, <uint64_t>views[b].len if 0 <= b < nb else 0, dst, run, count, stride)
+    if width < 1 or width > KVS_PLANES_MAX or run % width:
+        raise ValueError(f"piece {i}: {width} planes for runs of {run} bytes")
+    c.fd, c.off, c.stored, c.width = fd, off, stored, width
+    for k in range(width):
+        c.table[k] = 1 if planes[k][0] else 0
+        c.lens[k] = planes[k][1]
+    c.dst = <uint8_t *>views[b].buf + dst
+    c.run, c.count, c.stride = <size_t>run, <size_t>count, <size_t>stride
+    c.want, c.crc, c.status = want, 0, 0
+    return 0
 
 
 def read_packed(buffers, pieces, verify=True):
@@ -239,8 +243,7 @@ def read_packed(buffers, pieces, verify=True):
     cdef Py_buffer *views = NULL
     cdef kvs_packed_piece *c = NULL
     cdef uint8_t *scratch = NULL
-    cdef size_t most = 1, width, k
-    cdef uint64_t run, count, stride, dst, span
+    cdef size_t most = 1
     cdef int check
     views = <Py_buffer *>malloc(max(nb, 1) * sizeof(Py_buffer))
     c = <kvs_packed_piece *>malloc(max(n, 1) * sizeof(kvs_packed_piece))
@@ -251,25 +254,8 @@ def read_packed(buffers, pieces, verify=True):
             PyObject_GetBuffer(buffers[i], &views[i], PyBUF_WRITABLE)
             got += 1
         for i in range(n):
-            b, fd, off, stored, planes, dst, run, count, stride, want = pieces[i]
-            width = len(planes)
-            if not 0 <= b < nb:
-                raise ValueError(f"piece {i} names buffer {b} of {nb}")
-            if width < 1 or width > KVS_PLANES_MAX or run % width:
-                raise ValueError(f"piece {i}: {width} planes for runs of {run} bytes")
-            span = <uint64_t>views[b].len
-            if count and run and (dst > span or run > span - dst or (count > 1 and (
-                    stride < run or (span - dst - run) // stride < count - 1))):
-                raise ValueError(f"piece {i}: {count} runs of {run} bytes every {stride} from {dst} "
-                                 f"do not fit a buffer of {span}")
-            c[i].fd, c[i].off, c[i].stored, c[i].width = fd, off, stored, width
-            for k in range(width):
-                c[i].table[k] = 1 if planes[k][0] else 0
-                c[i].lens[k] = planes[k][1]
-            c[i].dst = <uint8_t *>views[b].buf + dst
-            c[i].run, c[i].count, c[i].stride = <size_t>run, <size_t>count, <size_t>stride
-            c[i].want, c[i].crc, c[i].status = want, 0, 0
-            most = max(most, <size_t>stored)
+            _packed_piece(&c[i], i, pieces[i], views, nb)
+            most = max(most, c[i].stored)
         scratch = <uint8_t *>malloc(most)
         if scratch == NULL:
             raise MemoryError()

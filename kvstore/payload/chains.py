@@ -21,13 +21,13 @@ from kvstore.errors import CorruptCheckpoint
 from kvstore.payload.buffers import bytes_view, pread_into, thread_scratch
 from kvstore.payload.manifest import BLOCK_ALIGN, DTYPES, align, numpy_dtype, read_manifest
 from kvstore.payload.pool import IO_THREADS, JOB_BYTES, MIN_SLICE, QUEUE_BYTES, check_crc, io_pool
+from kvstore.payload.whole import VirtualBlob, safetensors_head
+from kvstore.sources import as_source, sealed
 
 # Packed pieces go to the I/O threads in jobs of about this many stored
 # bytes: a block's tensor is a piece, and a job each would cost more in the
 # pool than unpacking a small one.
 PACKED_JOB = 4 << 20
-from kvstore.payload.whole import VirtualBlob, safetensors_head
-from kvstore.sources import as_source, sealed
 
 
 class Piece:

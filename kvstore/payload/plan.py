@@ -290,9 +290,8 @@ def _crc_of(pieces):
 class PackAhead:
     """The packing of a chained save's blocks, one block ahead of their
     writes: block k + 1 is packed (on pack_thread, its tensors on the I/O
-    threads) while the saving thread writes block k, so a save pays for the
-    packing of its first block only.  At most two blocks' packed bytes are
-    held at once.
+    threads) while the saving thread writes block k.  At most two blocks'
+    packed bytes are held at once.
 
     Args:
         kv_codec: the store's codec ("raw": nothing is packed).
@@ -315,4 +314,3 @@ class PackAhead:
         got = self.ahead.pop(k).result()
         self._start(k + 1)
         return got
-

@@ -90,25 +90,25 @@ def check(opts):
     local = os.path.isabs(opts.model) or opts.model.startswith((".", "~"))
     if local and not os.path.isdir(os.path.expanduser(opts.model)):
         # (Anything else may be a hub repository id, which mlx-lm resolves.)
-        return (f"--model {opts.model}: no such model directory")
+        return f"--model {opts.model}: no such model directory"
     for name in ("block_tokens", "admit_after"):
         value = getattr(opts, name)
         if value < 1:
-            return (f"--{name.replace('_', '-')} {value} must be >= 1")
+            return f"--{name.replace('_', '-')} {value} must be >= 1"
     if opts.max_write_mb_per_hour is not None and not opts.max_write_mb_per_hour > 0:
-        return (f"--max-write-mb-per-hour {opts.max_write_mb_per_hour} must be > 0")
+        return f"--max-write-mb-per-hour {opts.max_write_mb_per_hour} must be > 0"
     if not 0 <= opts.max_pinned_share <= 1:
-        return (f"--max-pinned-share {opts.max_pinned_share} must be between 0 and 1")
+        return f"--max-pinned-share {opts.max_pinned_share} must be between 0 and 1"
     for name in ("budget_mb", "min_tokens", "waypoint_tokens", "stale_after_days", "drain_timeout"):
         value = getattr(opts, name)
         if value is not None and value < 0:
-            return (f"--{name.replace('_', '-')} {value} must be >= 0")
+            return f"--{name.replace('_', '-')} {value} must be >= 0"
     if opts.disk_kv_bits is not None:
         codec = f"q{opts.disk_kv_bits}"
         if opts.kv_codec not in ("raw", codec):
-            return (f"--disk-kv-bits {opts.disk_kv_bits} with --kv-codec {opts.kv_codec}: choose one")
+            return f"--disk-kv-bits {opts.disk_kv_bits} with --kv-codec {opts.kv_codec}: choose one"
         opts.kv_codec = codec
     if opts.kv_codec != "raw" and opts.layout != "chain":
         return (f"--kv-codec {opts.kv_codec} with --layout {opts.layout}: packed and quantised "
-                            "tensors are chain blocks'")
+                "tensors are chain blocks'")
     return None

@@ -212,7 +212,7 @@ def main(argv=None):
         return 0
     bad = options.check(opts)
     if bad is not None:
-        if bad.startswith("--model PATH"):
+        if not opts.model:
             parser.print_usage(sys.stderr)
         return _usage_error(bad)
     if opts.cache_key_file is not None:
