@@ -76,4 +76,15 @@ int kvs_preallocate(int fd, uint64_t len);
  * Returns 0 or -errno (ENOSPC, EFBIG, EIO ...). */
 int kvs_pwrite_full(int fd, const uint8_t *buf, size_t len, uint64_t off, uint32_t *crc);
 
+/* A buffer of a vectored write. */
+typedef struct {
+    const uint8_t *buf;
+    size_t len;
+} kvs_span;
+
+/* Writes n spans one after another from off (a vectored write per
+ * KVS_PIECE_IOV spans where the platform has one), then the CRC32C of each
+ * span still in cache when crc is not NULL; 0 or -errno. */
+int kvs_pwrite_spans(int fd, const kvs_span *spans, size_t n, uint64_t off, uint32_t *crc);
+
 #endif

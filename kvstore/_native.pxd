@@ -93,6 +93,10 @@ cdef extern from "io.h" nogil:
     void kvs_copy_runs(uint8_t *dst, const uint8_t *src, size_t run, size_t count, size_t stride)
     void kvs_populate(uint8_t *buf, size_t len)
     int kvs_pwrite_full(int fd, const uint8_t *buf, size_t n, uint64_t off, uint32_t *crc)
+    ctypedef struct kvs_span:
+        const uint8_t *buf
+        size_t len
+    int kvs_pwrite_spans(int fd, const kvs_span *spans, size_t n, uint64_t off, uint32_t *crc)
 
 
 cdef extern from "planes.h" nogil:

@@ -72,6 +72,9 @@ class FdSource:
                 done = max(0, done - n)
                 offset += n
 
+    def pwrite_blocks(self, blocks, path=None, crc=True):
+        return _native.pwrite_blocks(self.fd, blocks, path if path is not None else f"fd {self.fd}", crc)
+
     def reserve(self, size, path=None):
         # All blocks at once: faster writes, and a disk without room fails here.
         host.preallocate(self.fd, size, path)

@@ -383,6 +383,12 @@ def test_a_saves_bytes_are_written_by_the_io_threads(tmp_path, monkeypatch, layo
             seen.append((n, threading.current_thread().name))
             return real(self, bufs, offset, path)
         monkeypatch.setattr(sources.FdSource, name, record)
+    real_blocks = sources.FdSource.pwrite_blocks
+
+    def record_blocks(self, blocks, path=None, crc=True):
+        seen.append((sum(memoryview(b).nbytes for _, bufs in blocks for b in bufs), threading.current_thread().name))
+        return real_blocks(self, blocks, path, crc)
+    monkeypatch.setattr(sources.FdSource, "pwrite_blocks", record_blocks)
     rng = np.random.default_rng(3)
     tensors = {"k": rng.standard_normal((2, 600, 64)).astype(np.float32),
                "v": rng.standard_normal((2, 600, 64)).astype(np.float32)}

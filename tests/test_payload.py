@@ -533,13 +533,14 @@ def test_strided_views_are_written_as_runs_and_read_back_exact(tmp_path, monkeyp
         written.append(len(bufs))
         return real(dst, bufs, offset, path)
     monkeypatch.setattr(plan, "pwrite_pieces", spy)
-    # Vectored writes that come up short: what is left goes one by one.
-    calls = []
+    # A plain file's small tensors go in batches, one native call each.
+    batched = []
+    real_blocks = sources.FdSource.pwrite_blocks
 
-    def short_pwritev(fd, bufs, offset):
-        calls.append(len(bufs))
-        return os.pwrite(fd, bytes(memoryview(bufs[0]).cast("B")[:1000]), offset)
-    monkeypatch.setattr(sources, "_pwritev", short_pwritev)
+    def spy_blocks(self, blocks, path=None, crc=True):
+        batched.extend(len(bufs) for _, bufs in blocks)
+        return real_blocks(self, blocks, path, crc)
+    monkeypatch.setattr(sources.FdSource, "pwrite_blocks", spy_blocks)
     tensors = {**kv_slices(), "plain": sample("int32", (7, 5))}
     key = os.urandom(32) if sealed else None
     with kvstore.KVStore(tmp_path / "s", options=Options(min_tokens=1), layout="whole", key=key) as store:
@@ -549,8 +550,38 @@ def test_strided_views_are_written_as_runs_and_read_back_exact(tmp_path, monkeyp
     assert ck is not None
     for name, want in tensors.items():
         assert np.array_equal(ck.tensors[name], want), name
-    assert sorted(written) == [2, 4]            # long_runs (4 runs), two_axes (2); the rest copied
-    assert calls == ([] if sealed else [4, 2])  # the sealing sink takes pieces without a vectored write
+    # long_runs (4 runs) and two_axes (2) as views of their runs; the rest
+    # (the tokens, short_runs, plain) copied into one buffer each.
+    if sealed:                                  # the sealing sink takes no batch
+        assert sorted(written) == [2, 4] and batched == []
+    else:
+        assert written == [] and sorted(batched) == [1, 1, 1, 2, 4]
+
+
+def test_a_batch_of_blocks_lands_at_its_offsets_with_each_crc(tmp_path):
+    from kvstore import _native
+    rng = np.random.default_rng(5)
+    # 70 spans in the first block: more than one vectored write (64).
+    first = [rng.integers(0, 256, int(n), dtype=np.uint8) for n in rng.integers(1, 5000, 70)]
+    second = [b"tail", bytearray(b"x" * 3)]
+    at = sum(a.nbytes for a in first) + 100
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        crcs = _native.pwrite_blocks(fd, [(0, first), (at, second)], "f")
+        assert _native.pwrite_blocks(fd, [(0, first)], "f", crc=False) == [0]
+    finally:
+        os.close(fd)
+    data = (tmp_path / "f").read_bytes()
+    one = b"".join(a.tobytes() for a in first)
+    assert data[:len(one)] == one and data[at:] == b"tailxxx"
+    assert crcs == [_native.crc32c(one), _native.crc32c(b"tailxxx")]
+    ro = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as err:
+            _native.pwrite_blocks(ro, [(0, [b"abc"])], "the-file")
+        assert "the-file" in str(err.value)
+    finally:
+        os.close(ro)
 
 
 # ---- loads too large for one MLX array ------------------------------------------------

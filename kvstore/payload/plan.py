@@ -24,6 +24,12 @@ from kvstore.sources import as_source
 
 _CRC_PLACEHOLDER = 0xFFFFFFFF                 # widest u32 in decimal (10 digits)
 
+# Blocks under SMALL_BLOCK bytes are written in batches of about SMALL_BATCH
+# bytes, one native call each (Plan.write); a larger block has its CRC
+# computed in parallel slices while it is written.
+SMALL_BLOCK = 2 << 20
+SMALL_BATCH = 8 << 20
+
 # A strided view is written run by run, without a contiguous copy, when its
 # contiguous runs are at least this long (a (1, 8, n, 128) float16 KV buffer
 # cut along its sequence axis into 256-token blocks: 64 KiB runs) and not
@@ -226,11 +232,14 @@ class Plan:
     def write(self, fd, path, crc=True):
         """Writes the payload at its place in fd, CRC'ing every block as it goes.
 
-        A file takes one writer at a time in the kernel, so this thread does
-        all the writing, in order, while the pool computes the CRC32C of each
-        block's slices, or of the contiguous runs it is written from, in one
-        job (GIL released): the CRC costs no wall time.  Blocks that need a
-        contiguous copy are materialised one at a time, just before they are
+        A file takes one writer at a time in the kernel, so the blocks are
+        written in order, one job at a time on an I/O thread.  A large block
+        is written while the pool computes the CRC32C of its slices (the CRC
+        costs no wall time); small ones (a chain block's layers: hundreds of
+        tensors of tens of KiB) go in batches of about SMALL_BATCH bytes, one
+        native call each that writes and CRCs them with the GIL released (a
+        job per tensor cost more in handing over than in writing).  Blocks
+        that need a contiguous copy are materialised just before they are
         written.
 
         Args:
@@ -242,11 +251,46 @@ class Plan:
         blocks = [(m["tokens"], lambda: [self.tokens])] + \
             [(t, (lambda parts=self.packed[src[0]]: parts) if src[0] in self.packed else src[4])
              for t, src in zip(m["tensors"], self.sources)]
+        dst = as_source(fd)
+        batch = _SmallBatch(dst, path, crc) if getattr(dst, "pwrite_blocks", None) else None
         for t, materialize in blocks:
-            t["crc32c"] = _write_block(fd, path, [bytes_view(b) for b in materialize()], P + t["offset"], crc)
+            pieces = [bytes_view(b) for b in materialize()]
+            if batch is not None and sum(p.nbytes for p in pieces) < SMALL_BLOCK:
+                batch.add(t, P + t["offset"], pieces)
+                continue
+            if batch is not None:
+                batch.flush()
+            t["crc32c"] = _write_block(fd, path, pieces, P + t["offset"], crc)
+        if batch is not None:
+            batch.flush()
         raw = self.manifest_bytes()
         head = PAYLOAD_HEADER.pack(MAGIC, len(raw), self.data_offset, _native.crc32c(raw), 0)
         pwrite_from(fd, head + raw, P, path)
+
+
+class _SmallBatch:
+    """Small blocks of a payload gathered for one write job (Plan.write):
+    their (offset, pieces), written and CRC'd by one native call on an I/O
+    thread when about SMALL_BATCH bytes are gathered, and at flush()."""
+
+    def __init__(self, dst, path, crc):
+        self.dst, self.path, self.crc = dst, path, crc
+        self.entries, self.jobs, self.nbytes = [], [], 0
+
+    def add(self, t, at, pieces):
+        self.entries.append(t)
+        self.jobs.append((at, pieces))
+        self.nbytes += sum(p.nbytes for p in pieces)
+        if self.nbytes >= SMALL_BATCH:
+            self.flush()
+
+    def flush(self):
+        if not self.jobs:
+            return
+        crcs = io_pool().submit(self.dst.pwrite_blocks, self.jobs, self.path, self.crc).result()
+        for t, c in zip(self.entries, crcs):
+            t["crc32c"] = c
+        self.entries, self.jobs, self.nbytes = [], [], 0
 
 
 def _write_block(fd, path, pieces, at, crc):
