@@ -403,7 +403,7 @@ def bench_reuse(report, tmp):
         store.close()
         stored = [s for r in reports for s in r["stored"]] + [("shutdown", REUSE_SESSION)]
         with KVStore(d, budget_mb=UNLIMITED_BUDGET_MB) as s:
-            ends = sorted(e.tokens for e in s.entries() if e.restorable and e.tokens >= kvstore.Options().min_tokens)
+            ends = sorted(e.tokens for e in s.entries() if e.restorable and e.tokens >= kvstore.Settings().min_tokens)
         out = {"stored": stored, "restorable_ends": len(ends), "points": []}
         for p in REUSE_POINTS:
             assert p not in ends or layout == "chain" and p % BLOCK_TOKENS == 0, (layout, p)
@@ -679,7 +679,7 @@ def picture_data(tmp):
     rng = np.random.default_rng(SEED + 4)
     system = words(rng, PICTURE_SYSTEM)
     known, saves, sessions = set(), [], []
-    min_tokens = kvstore.Options().min_tokens
+    min_tokens = kvstore.Settings().min_tokens
 
     def record(label):
         """Attributes the blocks new since the last call to the saves that ended at them."""

@@ -92,7 +92,7 @@ def trained_bytes(report, tmp):
     for codec in ("raw",) + CODECS:
         d = os.path.join(tmp, "trained-" + codec)
         with kvstore.KVStore(d, block_tokens=shapes.BLOCK_TOKENS, durable=False, kv_codec=codec,
-                             options=kvstore.Options(min_tokens=1)) as store:
+                             min_tokens=1) as store:
             text = b"".join(b"t%06d " % i for i in ids)
             e = kvstore.mlx.save_prompt_cache(store, text, ids, cache, None, min_tokens=1,
                                               text_offsets=lambda i: i * shapes.TOKEN_TEXT)

@@ -49,7 +49,6 @@ import time
 import numpy as np
 
 import kvstore
-from kvstore.policy import Options
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -220,7 +219,7 @@ def measure(sizes, repeats, root):
     """Both tiers against one loopback server; returns (the sizes' records, the lookup record)."""
     with weed_server(root) as endpoint:
         ro = {"endpoint_url": endpoint, "profile": "kvbench", "refresh_interval_s": 3600}
-        kw = dict(options=Options(min_tokens=1), durable=True, budget_mb=0, model_identity="bench")
+        kw = dict(min_tokens=1, durable=True, budget_mb=0, model_identity="bench")
         remote = f"s3://{BUCKET}/bench"
         with kvstore.KVStore(os.path.join(root, "writer"), remote=remote, remote_options=ro, **kw) as writer, \
                 kvstore.KVStore(os.path.join(root, "local"), **kw) as local, \

@@ -245,7 +245,7 @@ def bench_reasoning(report, cmds, system, model, tok, rounds, tmp):
     """The reasoning scenario (module docstring); adds its rows to report, returns its record."""
     from mlx_lm.utils import load_tokenizer
 
-    from kvstore.chain import DEFAULT_BLOCK_TOKENS
+    from kvstore.settings import DEFAULT_BLOCK_TOKENS
 
     requests, turn4 = reasoning_conversation(system, tok)
     # The server's own tokenizer and template: the ids it prefills and stores.

@@ -647,7 +647,7 @@ def write_checkpoint(model, cache_dir, hf, ids, seed, layout="chain"):
         token_bytes = token_bytes_function(hf)
         key = token_bytes(ids[:n])
         tensors, meta, positional = checked_state(cache, n)
-        entry = store.save(key, ids[:n], tensors, meta=meta, reason=Reason.SHUTDOWN, ctx_size=store.ctx_size,
+        entry = store.save(key, ids[:n], tensors, meta=meta, reason=Reason.SHUTDOWN, ctx_size=store.settings.ctx_size,
                            positional=positional, text_offsets=text_offsets_function(token_bytes)(ids[:n], len(key)))
         if entry is None:
             raise SystemExit("the store refused P's checkpoint")

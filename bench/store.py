@@ -113,7 +113,7 @@ LOAD_MAX_TIME_RATIO = 1.0        # kvstore first load vs mlx-lm load_prompt_cach
 # 256 tokens a block, 16 blocks (512 KiB of each of the 64 tensors per block,
 # read as 8 strided runs of 64 KiB).  The prompt text is CHECKPOINT_TEXT_BYTES
 # / CONTEXT_TOKENS = 4 bytes per token, so every cut adds text.
-CHAIN_BLOCK_TOKENS = kvstore.chain.DEFAULT_BLOCK_TOKENS
+CHAIN_BLOCK_TOKENS = kvstore.settings.DEFAULT_BLOCK_TOKENS
 CHAIN_BLOCKS = CONTEXT_TOKENS // CHAIN_BLOCK_TOKENS
 LOAD_CHAIN_MIN_SPEED = 0.95      # chain load speed vs the ABI 16 file's: time ratio ≤ 1 / 0.95
 LOAD_CHAIN_MAX_TIME_RATIO = 1.0  # chain first load vs mlx-lm load_prompt_cache
@@ -369,12 +369,11 @@ class LookupDir:
         # one real entry at MAX_TEXT_BYTES; N entries = the real one + the first N-1.
         self.lengths = rng.sample(range(1, MAX_TEXT_BYTES), max(LOOKUP_SIZES) - 1)
         self.names = [d.hex() + ".kv" for d in kvstore.format.sha1_prefixes(bytes(MAX_TEXT_BYTES), self.lengths)]
-        self.options = kvstore.Options()
         # layout="whole": the real entry is an ABI 16 file like the sparse ones,
         # so find() takes the flat pass of docs/semantics.md §4 (a chain block
         # would make the directory a lookup forest, docs/format.md §14).
         self.store = kvstore.KVStore(directory, budget_mb=UNLIMITED_BUDGET_MB, quant_bits=ENTRY_QUANT_BITS,
-                                     ctx_size=ENTRY_CTX_SIZE, options=self.options, durable=False,
+                                     ctx_size=ENTRY_CTX_SIZE, durable=False,
                                      layout="whole")
         self.real = self.store.save(self.hit_prompt[:MAX_TEXT_BYTES], np.arange(ENTRY_TOKENS, dtype=np.uint32),
                                     {"x": np.zeros(16, np.float16)})
@@ -415,7 +414,7 @@ class LookupDir:
 def bench_lookup(report, tmp, rng, quick):
     report.section("Lookup scaling: KVStore.find vs ds4's find loop, 400 KB prompt")
     lookup = LookupDir(os.path.join(tmp, "lookup"), rng)
-    directory, store, opts = lookup.directory, lookup.store, lookup.options
+    directory, store, opts = lookup.directory, lookup.store, lookup.store.settings
     hit_prompt, miss_prompt, real = lookup.hit_prompt, lookup.miss_prompt, lookup.real
     curve = []
     try:
@@ -1011,7 +1010,8 @@ def bench_save(report, tmp, rng, tensors, quick):
         "kv_chain": kvstore.KVStore(os.path.join(tmp, "save-chain"), budget_mb=UNLIMITED_BUDGET_MB),
     }
     chain_store = stores["kv_chain"]
-    assert (chain_store.layout, chain_store.block_tokens, chain_store.durable) == ("chain", CHAIN_BLOCK_TOKENS, True)
+    chain_settings = chain_store.settings
+    assert (chain_settings.layout, chain_settings.block_tokens, chain_settings.durable) == ("chain", CHAIN_BLOCK_TOKENS, True)
     # The cut points of the chain: every tensor grows along axis 2, one row a
     # token; the text is the same number of bytes per token.
     positional = {k: 2 for k in tensors}

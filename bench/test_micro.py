@@ -158,5 +158,5 @@ def test_ds4_find_miss(benchmark, lookup):
         pytest.skip(f"ds4's loop at {lookup.n:,} entries: see python -m bench")
     benchmark.group = f"find, N={lookup.n:,}"
     entries = ds4_refresh(lookup.directory)
-    assert benchmark(ds4_find_text_prefix, entries, lookup.miss_prompt, lookup.options.min_tokens,
+    assert benchmark(ds4_find_text_prefix, entries, lookup.miss_prompt, lookup.store.settings.min_tokens,
                      ENTRY_CTX_SIZE) == -1

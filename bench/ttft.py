@@ -304,7 +304,7 @@ def bench_size(report, model, tok, text, n_ckpt, rounds, tmp):
     prompt, ids, head = make_prompt(tok, text, n_ckpt)
     n = len(ids)
     store_dir = os.path.join(tmp, f"kv-{n_ckpt}")
-    assert kvstore.policy.store_len(n, kvstore.Options()) == n_ckpt
+    assert kvstore.policy.store_len(n, kvstore.Settings()) == n_ckpt
 
     # The checkpoint: one cold request through PromptCache with the default
     # policy (it stores the cold checkpoint at store_len = n_ckpt).  It is

@@ -9,7 +9,7 @@ the rooms of this package.
 
 from kvstore.errors import (BadKey, CheckpointOSError, CorruptCheckpoint, KVStoreError, PinRefused, SessionNotFound,
                             StoreClosed)
-from kvstore.policy import Options
+from kvstore.settings import Settings
 from kvstore.store import Checkpoint, KVStore, Match
 from kvstore.prompt_cache import PromptCache
 # The remote tier registers itself with the store (KVStore(remote="s3://...")).
@@ -21,12 +21,12 @@ from kvstore import sessions  # noqa: F401
 
 __version__ = "0.1.0"
 
-# The names a user needs: the store and its options, what find() and
+# The names a user needs: the store and its settings, what find() and
 # load() return, the prompt cache, and the errors worth catching.  The file
 # format's helpers (Header, Entry, read_entry, touch, sha1, crc32c ...) are
 # kvstore.format's; every error is in kvstore.errors.
 __all__ = [
-    "KVStore", "Options", "Match", "Checkpoint", "PromptCache",
+    "KVStore", "Settings", "Match", "Checkpoint", "PromptCache",
     "KVStoreError", "CorruptCheckpoint", "CheckpointOSError", "StoreClosed", "SessionNotFound", "BadKey",
     "PinRefused",
 ]

@@ -32,11 +32,6 @@ from kvstore.forest import chain_link_ok
 from kvstore.names import names_of
 from kvstore.sources import as_source
 
-# Blocks of this many tokens.  mlx-lm grows its KV buffers in steps of 256
-# tokens, and a block of 256 tokens of an 8B model (128 KiB of KV per token)
-# is 32 MiB: large enough that its reads run at full speed, small enough
-# that a prompt leaving a stored sequence loses at most 255 tokens of reuse.
-DEFAULT_BLOCK_TOKENS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,5 +326,5 @@ class OpenChain:
         self.close()
 
 
-__all__ = ["DEFAULT_BLOCK_TOKENS", "BlockPlan", "cut_points", "plan_blocks", "slice_along", "block_tensors",
+__all__ = ["BlockPlan", "cut_points", "plan_blocks", "slice_along", "block_tensors",
            "same_block", "block_entry", "open_block", "OpenChain"]

@@ -20,24 +20,14 @@ import time
 from kvstore import counters, files, policy, registry, temps
 from kvstore import pins as pins_mod
 from kvstore.errors import CheckpointOSError, UnsafePath, os_error
-from kvstore.payload.forms import KV_CODECS
 from kvstore.files import short_name
-from kvstore.format import Header
 from kvstore.forest import TieredLookup
 from kvstore.index import DirectoryIndex
-from kvstore.policy import Options
+from kvstore.settings import DEFAULT_SETTINGS
 
 log = logging.getLogger("kvstore")
 
 LOCK_NAME = ".kvstore.lock"
-
-# How a store writes: "chain" (ABI 17 blocks, docs/format.md §14) or "whole"
-# (one ABI 16 file per checkpoint).  Both are always read.
-LAYOUTS = ("chain", "whole")
-
-# How a store writes a chain block's tensors: "raw", or "lossless": the
-# float tensors as packed byte planes wherever that shrinks them
-# (kvstore.payload.packing, docs/format.md §20).  Every kind is always read.
 
 # The directory counters (kvstore.counters) that KVStore.stats() knows by
 # another name; the others have the same name in both.
@@ -53,35 +43,16 @@ class Directory:
         path: the directory; created 0700 if missing.
         codec: the store's kvstore.codec.Codec.
         identity: the store's kvstore.identity.ModelIdentity, or None.
-        settings: the KVStore arguments of the same names (checked here).
+        settings: the store's kvstore.Settings (checked when it was made).
     """
 
-    def __init__(self, path, codec, identity=None, *, budget_mb, model_id, quant_bits, ctx_size,
-                 reject_different_quant, options, durable, verify, quarantine, max_age_s, layout, block_tokens,
-                 max_write_mb_per_hour, accept_unidentified, kv_codec="raw"):
+    def __init__(self, path, codec, identity=None, settings=DEFAULT_SETTINGS):
         self.path = os.path.abspath(os.fspath(path))
         self.codec = codec
         self.identity = identity
-        self.accept_unidentified = bool(accept_unidentified) and identity is not None
-        self.write_budget_bytes = counters.budget_capacity(max_write_mb_per_hour)   # ValueError if bad
-        _check_settings(budget_mb, model_id, quant_bits, ctx_size, layout, block_tokens)
-        if kv_codec not in KV_CODECS:
-            raise ValueError(f"kv_codec={kv_codec!r}; expected one of {', '.join(KV_CODECS)}")
-        if kv_codec != "raw" and layout != "chain":
-            raise ValueError(f"kv_codec={kv_codec!r} with layout={layout!r}: packed and quantised tensors are "
-                             "chain blocks' (docs/format.md §20)")
-        self.kv_codec = kv_codec
-        self.layout = layout
-        self.block_tokens = block_tokens
-        self.model_id = int(model_id)
-        self.quant_bits = quant_bits
-        self.ctx_size = None if ctx_size is None else int(ctx_size)
-        self.reject_different_quant = bool(reject_different_quant)
-        self.options = options if options is not None else Options()
-        self.durable = durable
-        self.verify = verify
-        self.quarantine = quarantine
-        self.max_age_s = max_age_s
+        self.settings = settings
+        self.accept_unidentified = settings.accept_unidentified and identity is not None
+        self.write_budget_bytes = counters.budget_capacity(settings.max_write_mb_per_hour)
         self.lock = threading.RLock()
         self.stats = dict(hits=0, misses=0, loads=0, bytes_loaded=0, load_s=0.0, saves=0,
                           bytes_saved=0, save_s=0.0, refused=0, save_errors=0, evictions=0,
@@ -89,7 +60,7 @@ class Directory:
                           canary_checks=0, canary_failures=0, chains_over_half_budget=0,
                           kv_raw_bytes=0, kv_stored_bytes=0)
         self._make()
-        self.budget_bytes, self.budget_derived = budget_bytes_for(self.path, budget_mb)
+        self.budget_bytes, self.budget_derived = budget_bytes_for(self.path, settings.budget_mb)
         log.info("kvstore: store_budget bytes=%d derived_from_filesystem=%s", self.budget_bytes,
                  "yes" if self.budget_derived else "no")
         # The directory's own counters, shared with every process using it.
@@ -97,7 +68,7 @@ class Directory:
         if self.write_budget_bytes is not None:
             # Records this process's capacity (and clamps the level to it).
             self.counters.take(0, self.write_budget_bytes, lambda available: True)
-        self.index = DirectoryIndex(self.path, lambda e: self.misfit(e) is None, self.options.min_tokens,
+        self.index = DirectoryIndex(self.path, lambda e: self.misfit(e) is None, settings.min_tokens,
                                     codec.lookup_keys())
         self.lookup = TieredLookup(self.index)
 
@@ -113,7 +84,7 @@ class Directory:
     def _make(self):
         """Creates the directory (0700) or checks the one there; names its model."""
         try:
-            files.make_dir(self.path, self.durable)
+            files.make_dir(self.path, self.settings.durable)
             os.chmod(self.path, 0o700)      # whatever the umask
         except FileExistsError:
             st = os.lstat(self.path)
@@ -126,7 +97,7 @@ class Directory:
         if self.identity is not None:
             # Names the model in kvstore ls and stats (docs/semantics.md §17).
             with self.dir_lock(fcntl.LOCK_EX):
-                registry.record(self.path, self.identity, self.durable)
+                registry.record(self.path, self.identity, self.settings.durable)
 
     # -- what fits ------------------------------------------------------------
 
@@ -142,14 +113,15 @@ class Directory:
 
     def misfit(self, entry, ctx_size=None):
         """Why this store cannot load entry, or None when it fits (kvstore.policy.misfit)."""
-        ctx = self.ctx_size if ctx_size is None else ctx_size
-        return policy.misfit(entry, self.model_id, ctx, self.quant_bits, self.reject_different_quant,
+        s = self.settings
+        ctx = s.ctx_size if ctx_size is None else ctx_size
+        return policy.misfit(entry, s.model_id, ctx, s.quant_bits, s.reject_different_quant,
                              self.codec.abis, self.codec.key_id, self.model_tag, self.accept_unidentified)
 
     def eligible(self, e, min_tokens=None):
-        """e fits and is at least min_tokens long (default options.min_tokens)."""
+        """e fits and is at least min_tokens long (default settings.min_tokens)."""
         if min_tokens is None:
-            min_tokens = self.options.min_tokens
+            min_tokens = self.settings.min_tokens
         return e.tokens >= min_tokens and self.misfit(e) is None
 
     # -- counting and locking -------------------------------------------------
@@ -231,7 +203,7 @@ class Directory:
         """Removes (or moves aside) a corrupt file, if it is still the file st describes."""
         name = os.path.basename(path)
         self.count(corrupt=1)
-        if self.quarantine if quarantine is None else quarantine:
+        if self.settings.quarantine if quarantine is None else quarantine:
             try:
                 files.quarantine(path, self.path)
                 with self.lock:
@@ -294,7 +266,7 @@ class Directory:
         out["write_budget"] = (None if self.write_budget_bytes is None
                                else self.counters.report(self.write_budget_bytes)["write_budget"])
         # How a durable save reaches the disk here (docs/semantics.md §11).
-        out["sync"] = files.SYNC_PRIMITIVE if self.durable else "none"
+        out["sync"] = files.SYNC_PRIMITIVE if self.settings.durable else "none"
         out["sync_fallbacks"] = files.sync_fallbacks()
         return out
 
@@ -316,21 +288,6 @@ def budget_bytes_for(path, budget_mb):
     if budget_mb is not None:
         return int(budget_mb * 1024 * 1024), False
     return policy.default_budget_bytes(files.filesystem_bytes(path)), True
-
-
-def _check_settings(budget_mb, model_id, quant_bits, ctx_size, layout, block_tokens):
-    """ValueError naming the first bad setting of a store."""
-    if budget_mb is not None and not budget_mb >= 0:
-        raise ValueError(f"budget_mb={budget_mb!r} must be a number >= 0, or None for the default")
-    if not 0 <= int(model_id) <= 255:
-        raise ValueError(f"model_id={model_id!r} is outside 0..255")
-    Header(quant_bits=quant_bits, tokens=1, ctx_size=0, payload_bytes=0).pack()  # validates
-    if ctx_size is not None and not 0 < int(ctx_size) < 2**32:
-        raise ValueError(f"ctx_size={ctx_size!r} must be a positive u32 or None")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}; expected one of {', '.join(LAYOUTS)}")
-    if type(block_tokens) is not int or not 0 < block_tokens < 2**32:
-        raise ValueError(f"block_tokens={block_tokens!r} must be a positive int")
 
 
 class DirLock:

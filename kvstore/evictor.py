@@ -23,6 +23,7 @@ import time
 from kvstore import names, pins, policy
 from kvstore.errors import KVStoreError, PinRefused
 from kvstore.format import Reason, envelope_now
+from kvstore.settings import DEFAULT_HALF_LIFE, DEFAULT_STALE_AFTER_S
 
 # Orphaned blocks (a chain broken by a crash or another tool) are removed
 # under the directory lock; a lookup that sees some tries at most this often.
@@ -43,7 +44,7 @@ def last_activity(e):
 
 
 def plan(entries, orphans, now, budget_bytes, *, max_age_s=None, protect=None, superseded=None,
-         half_life_s=policy.DEFAULT_HALF_LIFE, stale_after_s=policy.DEFAULT_STALE_AFTER_S, current=envelope_now,
+         half_life_s=DEFAULT_HALF_LIFE, stale_after_s=DEFAULT_STALE_AFTER_S, current=envelope_now,
          pinned=frozenset()):
     """The victims of one eviction pass, the first to delete first.
 
@@ -137,9 +138,9 @@ class Evictor:
                 entries = list(d.index.entries.values())
             d.discard_torn()
             now = int(time.time())
-            victims = plan(entries, orphans, now, d.budget_bytes, max_age_s=d.max_age_s,
+            victims = plan(entries, orphans, now, d.budget_bytes, max_age_s=d.settings.max_age_s,
                            protect=protect, superseded=lambda fresh: self.superseded(fresh, protect, incoming_text),
-                           half_life_s=d.options.hit_half_life_s, stale_after_s=d.options.stale_after_s,
+                           half_life_s=d.settings.hit_half_life_s, stale_after_s=d.settings.stale_after_s,
                            pinned=pinned_now(d.path, entries, now))
             for v in victims:
                 if d.delete(v.entry, v.why):
@@ -159,7 +160,7 @@ class Evictor:
         with d.lock:
             d.index.refresh()
             total = d.index.total_bytes()
-        if d.max_age_s is not None or (d.budget_bytes and total > d.budget_bytes):
+        if d.settings.max_age_s is not None or (d.budget_bytes and total > d.budget_bytes):
             self.evict(protect=protect, incoming_text=incoming_text)
 
     def sweep_orphans(self):
@@ -190,7 +191,7 @@ class Evictor:
         # superseded too; they go only once no block continues them.)
         cands = [e for e in entries
                  if e.reason == Reason.CONTINUED and e.sha and e.text_bytes < len(text)
-                 and policy.misfit(incoming, e.model_id, e.ctx_size, e.quant_bits, d.reject_different_quant,
+                 and policy.misfit(incoming, e.model_id, e.ctx_size, e.quant_bits, d.settings.reject_different_quant,
                                    d.codec.abis, d.codec.key_id, e.model_tag) is None]
         return frozenset(e.sha for e in names.named_prefixes(cands, text, d.codec.key_of))
 
@@ -213,8 +214,8 @@ class Evictor:
         """
         d = self.d
         ttl = pins.parse_ttl(ttl_s)
-        if d.options.max_pin_ttl_s is not None:
-            ttl = min(ttl, d.options.max_pin_ttl_s)
+        if d.settings.max_pin_ttl_s is not None:
+            ttl = min(ttl, d.settings.max_pin_ttl_s)
         now = int(time.time())
         with d.dir_lock(fcntl.LOCK_EX):
             entries = self._listed()
@@ -227,12 +228,12 @@ class Evictor:
                                        tenant or (old.tenant if old else ""), old.created if old else now,
                                        entry.tokens, pins.kept([entry.sha], entries)[1])
             _, after = pins.kept(live.values(), entries)
-            limit = int(d.options.max_pinned_share * d.budget_bytes)
+            limit = int(d.settings.max_pinned_share * d.budget_bytes)
             if d.budget_bytes and after > before and after > limit:
                 raise PinRefused("share", f"pinning {entry.tokens} tokens would keep {after} pinned bytes, "
-                                          f"past the pinned share of the budget ({d.options.max_pinned_share:g} "
+                                          f"past the pinned share of the budget ({d.settings.max_pinned_share:g} "
                                           f"of {d.budget_bytes} bytes = {limit})")
-            pins.write_pins(d.path, live, d.durable)
+            pins.write_pins(d.path, live, d.settings.durable)
         return live[entry.sha]
 
     def unpin(self, shas):
@@ -243,7 +244,7 @@ class Evictor:
             live = pins.read_pins(d.path, int(time.time()))
             gone = shas & set(live)
             if gone:
-                pins.write_pins(d.path, {s: p for s, p in live.items() if s not in gone}, d.durable)
+                pins.write_pins(d.path, {s: p for s, p in live.items() if s not in gone}, d.settings.durable)
         return len(gone)
 
     def _listed(self):

@@ -62,7 +62,7 @@ def export_checkpoint(store, entry, path, plain=False):
                     reason=e.reason, ext_flags=ext, model_id=e.model_id, payload_abi=PAYLOAD_ABI_TENSORS,
                     created_at=e.created_at or int(time.time()), last_used=0, model_tag=e.model_tag)
     return publish.write_checkpoint(os.path.abspath(os.fspath(path)), header, ckpt.text_bytes, plan, trailer_raw,
-                                    durable=store.durable)
+                                    durable=store.settings.durable)
 
 
 def import_checkpoint(store, path):
@@ -99,9 +99,9 @@ def import_checkpoint(store, path):
     why = files.verify_file(path, name=names.name_of(text, key).hex() + ".kv")
     if why is not None:
         raise CorruptCheckpoint("import_check", path, why)
-    if e.model_id != store.model_id:
+    if e.model_id != store.settings.model_id:
         raise CorruptCheckpoint("not_importable", path,
-                                f"made by model id {e.model_id}; the store serves model id {store.model_id}")
+                                f"made by model id {e.model_id}; the store serves model id {store.settings.model_id}")
     if (model if e.model_tag else None) != store.model_identity:
         raise CorruptCheckpoint("not_importable", path, f"made by model {model or '(none named)'}; the store "
                                 f"holds model {store.model_identity or '(none named)'}")

@@ -111,7 +111,7 @@ class PromptCache:
     """The request-loop policy over one engine and one KVStore.
 
     Args:
-        store: kvstore.KVStore (its options give min_tokens, cold_max_tokens,
+        store: kvstore.KVStore (its settings give min_tokens, cold_max_tokens,
             the waypoint interval and the boundary rules).
         engine: an Engine.
         prefill_step: tokens per prefill chunk; chunks end at absolute
@@ -129,7 +129,7 @@ class PromptCache:
                         "KVStore(path, model_identity=engine.identity)")
         self.store = store
         self.engine = engine
-        self.options = store.options
+        self.settings = store.settings
         self.prefill_step = int(prefill_step)
         self.async_saves = async_saves
         self.live_tokens: list[int] = []        # the tokens whose state is in the engine
@@ -261,8 +261,8 @@ class PromptCache:
         self._last_store = 0
         tokens = list(self.engine.tokenize(text))
         req = Request("none", tokens, 0, text)
-        anchor = policy.chat_anchor_pos(tokens, self.engine.user_id, self.engine.assistant_id, self.options)
-        req.cold_target = policy.cold_target(len(tokens), anchor, self.options)
+        anchor = policy.chat_anchor_pos(tokens, self.engine.user_id, self.engine.assistant_id, self.settings)
+        req.cold_target = policy.cold_target(len(tokens), anchor, self.settings)
         return req
 
     def _load_into(self):
@@ -335,8 +335,8 @@ class PromptCache:
 
     def _maybe_store(self, req, pos):
         """Stores the first of the policy's targets at pos that stores (kvstore.policy.prefill_stores)."""
-        grid = getattr(self.store, "block_tokens", 0) if getattr(self.store, "layout", "") == "chain" else 0
-        for target in policy.prefill_stores(pos, self.options, req.cold_target, self._last_store, grid):
+        grid = self.settings.block_tokens if self.settings.layout == "chain" else 0
+        for target in policy.prefill_stores(pos, self.settings, req.cold_target, self._last_store, grid):
             if target.kind == policy.SNAPSHOT and not self._snapshots_are_cheap(pos, grid):
                 continue
             if self._store_live(target.reason, req) is not None:
@@ -357,7 +357,7 @@ class PromptCache:
         (kvstore.policy.store_cut: never cut here, so all of it or nothing).
         """
         n = len(self.live_tokens)
-        if not policy.store_cut(n, self.options):
+        if not policy.store_cut(n, self.settings):
             return None
         text = self.live_text
         if req is not None and not req.text.startswith(text):

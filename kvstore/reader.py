@@ -168,7 +168,7 @@ class Reader:
             return d.miss(entry)
         finally:
             os.close(fd)
-        if consume and cur.tokens > d.options.cold_max_tokens:
+        if consume and cur.tokens > d.settings.cold_max_tokens:
             # The live session now owns this state and writes fresh waypoints.
             d.unlink_if_same(entry.path, st)
             d.count(consumed=1)
@@ -205,7 +205,7 @@ class Reader:
             return None
         # The codec's own checks (a sealed file's tags) already vouch for
         # every byte of a file it reads through a view.
-        verify = d.verify and rfd is fd
+        verify = d.settings.verify and rfd is fd
         manifest = payload.read_manifest(rfd, plain)
         check_model(cur, manifest.model, d.model_identity)
         tokens = payload.read_tokens(rfd, plain, manifest, verify)
@@ -290,7 +290,7 @@ class Reader:
             layout = opened.layout()
             check_model(target, layout.model, d.model_identity)
             read = payload.read_chain_mlx if into == "mlx" else payload.read_chain_numpy
-            tokens, tensors = read(layout, d.verify and not sealed)
+            tokens, tensors = read(layout, d.settings.verify and not sealed)
             fd = opened.blocks[-1][0]
             trailer_values = read_trailer(fd, target, target.path)
             # Every block read counts a hit: a block's score then holds
@@ -355,7 +355,7 @@ class Reader:
         if os.path.lexists(entry.path):      # fetched or saved here meanwhile
             return Match.of(entry, query, accept)
         published = []
-        got = self.remote.fetch(entry, lambda e: d.eligible(e, min_tokens), d.budget_bytes, d.durable,
+        got = self.remote.fetch(entry, lambda e: d.eligible(e, min_tokens), d.budget_bytes, d.settings.durable,
                                 fits=lambda e: d.misfit(e) is None, have=self.has_block, published=published)
         if published:
             with d.lock:

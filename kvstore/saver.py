@@ -72,17 +72,17 @@ class Saver:
             raise ValueError(f"text of {len(text)} bytes is longer than 2**32-1")
         n = int(tokens.size)
         if min_tokens is None:
-            min_tokens = d.options.min_tokens
+            min_tokens = d.settings.min_tokens
         if n == 0 or n < min_tokens:
             return self.refuse("min_tokens", tokens=n, min_tokens=min_tokens)
-        ctx = d.ctx_size if ctx is None else int(ctx)
+        ctx = d.settings.ctx_size if ctx is None else int(ctx)
         axes = check_axes(positional, tensors, n)
         # MLX arrays as NumPy views of their memory, evaluated once: a chain's
         # blocks slice them without an MLX op per block and tensor.
         tensors, dtypes = payload.host_tensors(tensors, dtypes)
         values = {trailer_mod.bit_index(k): v for k, v in (trailers or {}).items()}
         trailer_raw, ext = trailer_mod.encode_trailer(values) if values else (b"", 0)
-        if d.layout != "chain":             # (no codecs: nothing is lossy)
+        if d.settings.layout != "chain":             # (no codecs: nothing is lossy)
             return self._save_whole(text, tokens, tensors, meta, Reason(reason), ctx, values, trailer_raw, ext,
                                     axes, text_offsets, dtypes)
         return self._save_chain(text, tokens, tensors, meta, Reason(reason), ctx, values, trailer_raw, ext, axes,
@@ -111,7 +111,7 @@ class Saver:
                 return None
             header = self._header(reason, int(tokens.size), ctx, plan, ext, PAYLOAD_ABI_TENSORS, int(time.time()))
             entry = publish.publish_staged(d.codec.stage(path, header, text, plan, trailer_raw, lookup_tag=tag),
-                                           d.durable)
+                                           d.settings.durable)
         except OSError as e:
             d.count(save_errors=1)
             log.warning("kvstore: save_failed errno=%s error=%s file=%s", e.errno,
@@ -138,8 +138,9 @@ class Saver:
 
     def _header(self, reason, tokens, ctx, plan, ext, abi, now):
         d = self.d
-        return Header(quant_bits=d.quant_bits, tokens=tokens, ctx_size=ctx or 0, payload_bytes=plan.payload_bytes,
-                      reason=reason, ext_flags=ext, model_id=d.model_id, payload_abi=abi, created_at=now,
+        return Header(quant_bits=d.settings.quant_bits, tokens=tokens, ctx_size=ctx or 0,
+                      payload_bytes=plan.payload_bytes,
+                      reason=reason, ext_flags=ext, model_id=d.settings.model_id, payload_abi=abi, created_at=now,
                       last_used=0, model_tag=d.model_tag)
 
     # -- a chain of blocks --------------------------------------------------
@@ -148,7 +149,7 @@ class Saver:
                     dtypes, exact=()):
         """save() in the chain layout: the blocks not stored yet, parent first."""
         d = self.d
-        blocks = chain.plan_blocks(text, tokens, d.block_tokens, text_offsets, d.codec.name_key)
+        blocks = chain.plan_blocks(text, tokens, d.settings.block_tokens, text_offsets, d.codec.name_key)
         last = blocks[-1]
         t0 = time.perf_counter()
         written, nbytes = [], []     # nbytes: of the files this save wrote (not another writer's)
@@ -159,9 +160,10 @@ class Saver:
                 kept, todo, have = self._missing_blocks(blocks, text, tokens, tensors, meta, reason, ctx, values,
                                                         trailer_raw, axes, dtypes, exact)
                 total = sum(PREFIX_SIZE + len(seg) + plan.payload_bytes + len(tr) for _, _, _, seg, plan, tr in todo)
-                if d.budget_bytes and not policy.bytes_fit(have + total, d.budget_bytes) and d.kv_codec != "raw":
+                codec = d.settings.kv_codec
+                if d.budget_bytes and not policy.bytes_fit(have + total, d.budget_bytes) and codec != "raw":
                     # Over the budget raw: what the blocks come to packed decides.
-                    total = sum(PREFIX_SIZE + len(seg) + plan.packed_bytes(d.kv_codec) + len(tr)
+                    total = sum(PREFIX_SIZE + len(seg) + plan.packed_bytes(codec) + len(tr)
                                 for _, _, _, seg, plan, tr in todo)
                 # The whole chain must fit: the blocks it already has stay.
                 if d.budget_bytes and not policy.bytes_fit(have + total, d.budget_bytes):
@@ -239,17 +241,17 @@ class Saver:
         d = self.d
         now = int(time.time())
         staged = []
-        packs = PackAhead(d.kv_codec, [t[4] for t in todo])
+        packs = PackAhead(d.settings.kv_codec, [t[4] for t in todo])
         try:
             for k, (b, restorable, path, seg, plan, tr) in enumerate(todo):
                 abi = forms.abi_of(packs.codecs(k), PAYLOAD_ABI_CHAIN)
                 header = self._header(reason if b.last else Reason.CONTINUED, b.tokens, ctx, plan,
                                       ext if b.last else 0, abi, now)
-                head = pack_chain_head(b.parent_digest, b.token_start, b.text_start, d.block_tokens,
+                head = pack_chain_head(b.parent_digest, b.token_start, b.text_start, d.settings.block_tokens,
                                        b.flags(restorable), b.token_digest, b.parent_token_digest)
                 staged.append((b, restorable, d.codec.stage(path, header, seg, plan, tr, head,
                                                             lookup_tag=b.lookup_tag)))
-                if d.durable:
+                if d.settings.durable:
                     staged[-1][2].sync_soon()
                 raw, stored = plan.tensor_bytes()
                 d.count(kv_raw_bytes=raw, kv_stored_bytes=stored)
@@ -269,15 +271,15 @@ class Saver:
         d = self.d
         # A new name is taken only if still free: of two writers of the
         # same block the first wins.
-        if tmp.publish(d.durable, exclusive=not os.path.lexists(tmp.final), last=last):
+        if tmp.publish(d.settings.durable, exclusive=not os.path.lexists(tmp.final), last=last):
             nbytes.append(tmp.entry.file_size)
             return tmp.entry
         e = d.codec.current(tmp.final)
         if chain.same_block(e, b) and (e.restorable or not restorable):
-            if last and d.durable:
+            if last and d.settings.durable:
                 files.sync_dir(d.path)   # the save's earlier steps, made durable
             return e
-        tmp.publish(d.durable, last=last)    # another file had the name: this block replaces it
+        tmp.publish(d.settings.durable, last=last)    # another file had the name: this block replaces it
         nbytes.append(tmp.entry.file_size)
         return tmp.entry
 
@@ -295,7 +297,7 @@ class Saver:
         """
         d = self.d
         shas = {b.sha for b in blocks}
-        grid = d.block_tokens
+        grid = d.settings.block_tokens
         with d.lock:
             cands = [e for b in blocks if b.parent and b.tokens % grid == 0
                      for e in d.index.kids_in_forest(b.parent)
@@ -346,7 +348,7 @@ class Saver:
                 e = self._rewrite_trailer(fd, e, values)
             if promote:
                 os.pwrite(fd, bytes([int(Reason.AGENT_SESSION)]), 5)
-                if d.durable:
+                if d.settings.durable:
                     files.sync_fd(fd, data_only=True)
                 e = entry_from_fd(fd, os.fstat(fd), e.path)
             with d.lock:
@@ -388,7 +390,7 @@ class Saver:
         for s in sections:
             had |= 1 << s.bit
         os.pwrite(fd, bytes([(int(e.ext_flags) & ~had & 0xFF) | ext]), 6)
-        if self.d.durable:
+        if self.d.settings.durable:
             files.sync_fd(fd)           # the size changed too: not data only
         return entry_from_fd(fd, os.fstat(fd), e.path)
 

@@ -291,9 +291,9 @@ def _why_not(store, e):
         return (f"it was saved by another model (tag {identity.tag_hex(e.model_tag)}), this store holds model "
                 f"{store.model_identity or '(none named)'}")
     if why == "model_id":
-        return f"it was saved by model id {e.model_id}, this store serves model id {store.model_id}"
+        return f"it was saved by model id {e.model_id}, this store serves model id {store.settings.model_id}"
     if why == "ctx_size":
-        return f"it was made with context {e.ctx_size}, larger than this store's {store.ctx_size}"
+        return f"it was made with context {e.ctx_size}, larger than this store's {store.settings.ctx_size}"
     if why == "quant_bits":
         return f"it was made with {e.quant_bits}-bit weights, this store rejects other quants"
     return "it vanished or was corrupt (see the log)"

@@ -28,18 +28,18 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvstore import chain, files, payload, tiers
+from kvstore import files, payload, tiers
 from kvstore import pins as pins_mod
 from kvstore import identity as identity_mod
 from kvstore.codec import make_codec
-from kvstore.directory import LAYOUTS, LOCK_NAME, Directory
+from kvstore.directory import LOCK_NAME, Directory
 from kvstore.divergence import divergence
 from kvstore.errors import PinRefused, StoreClosed
 from kvstore.files import short_name
 from kvstore.evictor import ORPHAN_SWEEP_INTERVAL_S, Evictor
 from kvstore.format import Entry, Reason
 from kvstore.identity import ModelIdentity
-from kvstore.policy import Options
+from kvstore.settings import Settings, settings_of
 from kvstore.divergence import Divergence
 from kvstore.reader import LOAD_TRIES, Checkpoint, Match, Reader
 from kvstore.saver import Saver, as_bytes, token_array
@@ -47,12 +47,9 @@ from kvstore.writer import ProcessWriter
 
 log = logging.getLogger("kvstore")
 
-# The default disk budget: None, derived from the size of the directory's
-# filesystem (kvstore.policy.default_budget_bytes).
-DEFAULT_BUDGET_MB = None
 
-def _setting(name, doc):
-    """A read-only attribute of the store that is its directory's setting."""
+def _of_directory(name, doc):
+    """A read-only attribute of the store that is its directory's."""
     return property(lambda self: getattr(self._dir, name), doc=doc)
 
 
@@ -61,28 +58,12 @@ class KVStore:
 
     Args:
         path: the directory; created 0700 if missing.
-        budget_mb: disk budget for every valid .kv file in the directory,
-            in MiB; 0: unlimited; None (the default): 10 % of the size of
-            the filesystem that holds the directory, at least 4 GiB and at
-            most 64 GiB (stats()["budget_derived"] says which).
-        model_id: header model id of this engine's checkpoints (0..255).
-        quant_bits: quant bits of the model weights (2,3,4,5,6,8 or 16).
-        ctx_size: the engine's context size; checkpoints made with a larger
-            context are never loaded.  None: no limit (header gets 0).
-        reject_different_quant: make quant part of the match.
-        options: kvstore.Options (min_tokens, cold_max_tokens, ...).
-        durable: sync file and directory on save (crash-safe publish): fsync
-            on Linux, F_FULLFSYNC on macOS (kvstore.files.sync_fd).
-        verify: check every payload CRC on load.
-        quarantine: move corrupt files to <dir>/.quarantine instead of deleting.
-        max_age_s: remove checkpoints not used for this long (None: keep).
-        remote: ``s3://bucket/prefix``: share checkpoints through a bucket on
-            any S3-compatible store, a second tier behind this directory
-            (kvstore.remote; needs boto3: ``pip install 'kvstore[s3]'``).
-        remote_options: dict for the remote tier: endpoint_url, region,
-            profile, connect_timeout, read_timeout, refresh_interval_s,
-            upload_queue, ... (kvstore.remote.resolve_options lists them).
-            Credentials come from the standard AWS chain, never from here.
+        settings: a kvstore.Settings (every setting, its default and its
+            check; docs/semantics.md §7 for the policy's); None: the
+            defaults.
+        **changes: settings by name, over settings (``KVStore(path,
+            budget_mb=8192, layout="whole")``); a name that is not a
+            setting is a TypeError naming it.
         model_identity: the exact model this store holds state of: a string
             (kvstore.mlx.model_fingerprint(model), or a name of the exact
             artifact such as its repository and revision) or a
@@ -94,26 +75,6 @@ class KVStore:
             directory and one budget (docs/semantics.md §17).  It also makes
             the remote key prefix.  None (the default): files that name no
             model, as before identities (the raw tensor store).
-        accept_unidentified: with model_identity, also find and load files
-            that name no model (written before identities, or by a store
-            without one): they may be another model's state.
-        layout: "chain" (the default) stores a sequence as a chain of blocks
-            of block_tokens tokens, each token's state written once, every
-            block boundary a hit (payload ABI 17); "whole" writes one ABI 16
-            file per checkpoint.  Both layouts are read whatever this says.
-        block_tokens: the chain grid, in tokens (default 256).
-        kv_codec: "raw" (the default); "lossless": a chain block's float
-            tensors stored as byte planes, table planes where that shrinks
-            them (payload ABI 209); "q8", "q4": quantised group-wise to 8 or
-            4 bits a value, lossy (ABI 145; a restore through the MLX
-            adapter passes the canary with the codec's tolerance).
-            docs/format.md §20; a sealed store packs, then seals.
-        max_write_mb_per_hour: an SSD write budget: a token bucket of this
-            many MiB, refilled at this many MiB an hour, shared by every
-            process using the directory (docs/semantics.md §15).  When it runs
-            low, saves are skipped in order of value (kvstore.policy
-            .write_allowed): waypoints and evict states first, anchors last.
-            None (the default): no budget.
         key: seal every file this store writes (docs/format.md §16): 32
             raw bytes, or the path of a key file (``kvstore key new FILE``;
             mode 0600, 32 bytes).  Text, payload and trailer are encrypted
@@ -121,27 +82,28 @@ class KVStore:
             that fails authentication is treated as corrupt.  Header fields
             (sizes, token counts, times, reason, model id) stay readable.
             None (the default): files are plain; sealed files are foreign.
-        accept_unsealed: with a key, also find and load plain files (by
-            default a keyed store ignores them: anyone who can write to the
-            directory could have planted them).
+        remote: ``s3://bucket/prefix``: share checkpoints through a bucket on
+            any S3-compatible store, a second tier behind this directory
+            (kvstore.remote; needs boto3: ``pip install 'kvstore[s3]'``).
+        remote_options: dict for the remote tier: endpoint_url, region,
+            profile, connect_timeout, read_timeout, refresh_interval_s,
+            upload_queue, ... (kvstore.remote.resolve_options lists them).
+            Credentials come from the standard AWS chain, never from here.
+
+    Raises:
+        kvstore.settings.BadSetting (a ValueError) or TypeError: a setting
+            out of range or of the wrong type, named with its value, before
+            anything touches the directory.
     """
 
-    def __init__(self, path: str | os.PathLike, budget_mb: float | None = DEFAULT_BUDGET_MB, model_id: int = 0,
-                 quant_bits: int = 16, ctx_size: int | None = None, reject_different_quant: bool = False,
-                 options: Options | None = None, durable: bool = True, verify: bool = True,
-                 quarantine: bool = False, max_age_s: float | None = None, remote: str | None = None,
-                 remote_options: Mapping[str, Any] | None = None, model_identity: str | ModelIdentity | None = None,
-                 layout: str = "chain", block_tokens: int = chain.DEFAULT_BLOCK_TOKENS,
-                 max_write_mb_per_hour: float | None = None, key: bytes | str | os.PathLike | None = None,
-                 accept_unsealed: bool = False, accept_unidentified: bool = False, kv_codec: str = "raw") -> None:
+    def __init__(self, path: str | os.PathLike, settings: Settings | None = None, *,
+                 model_identity: str | ModelIdentity | None = None, key: bytes | str | os.PathLike | None = None,
+                 remote: str | None = None, remote_options: Mapping[str, Any] | None = None, **changes: Any) -> None:
+        settings = settings_of(settings, changes)                  # BadSetting, TypeError if bad
         identity = identity_mod.as_identity(model_identity)      # ValueError if bad
-        codec = make_codec(key, identity, accept_unsealed, accept_unidentified)   # BadKey if bad
-        self._dir = Directory(path, codec, identity, budget_mb=budget_mb, model_id=model_id,
-                              quant_bits=quant_bits, ctx_size=ctx_size, reject_different_quant=reject_different_quant,
-                              options=options, durable=durable, verify=verify, quarantine=quarantine,
-                              max_age_s=max_age_s, layout=layout, block_tokens=block_tokens,
-                              max_write_mb_per_hour=max_write_mb_per_hour, accept_unidentified=accept_unidentified,
-                              kv_codec=kv_codec)
+        codec = make_codec(key, identity, settings.accept_unsealed, settings.accept_unidentified)  # BadKey if bad
+        self._dir = Directory(path, codec, identity, settings)
+        self.settings = settings
         self.path = self._dir.path
         self.sealed = key is not None
         self._closed = False
@@ -154,24 +116,13 @@ class KVStore:
         self._reader = Reader(self._dir, self.remote, on_fetched=self._evictor.evict_if_over)
         self._saver = Saver(self._dir, enqueue, after_write=self._evictor.evict_if_over)
 
-    identity = _setting("identity", "The store's kvstore.identity.ModelIdentity, or None.")
-    accept_unidentified = _setting("accept_unidentified", "Lookups also offer files that name no model.")
-    layout = _setting("layout", 'How the store writes: "chain" or "whole".')
-    block_tokens = _setting("block_tokens", "The chain grid, in tokens.")
-    kv_codec = _setting("kv_codec", 'How chain blocks store tensors: "raw", "lossless", "q8" or "q4".')
-    model_id = _setting("model_id", "The header model id of the store's files.")
-    quant_bits = _setting("quant_bits", "The quant bits of the model weights.")
-    ctx_size = _setting("ctx_size", "The engine's context size, or None.")
-    reject_different_quant = _setting("reject_different_quant", "Quant is part of the match.")
-    options = _setting("options", "The kvstore.Options of the store.")
-    durable = _setting("durable", "Saves sync file and directory.")
-    verify = _setting("verify", "Loads check every payload CRC.")
-    quarantine = _setting("quarantine", "Corrupt files are moved aside, not deleted.")
-    max_age_s = _setting("max_age_s", "Checkpoints unused this long are removed (None: kept).")
-    write_budget_bytes = _setting("write_budget_bytes", "The write budget's capacity in bytes, or None.")
-    model_identity = _setting("model_identity", "The identity string of the store's model, or None.")
-    model_tag = _setting("model_tag", "The header model tag of the store's files (0: they name no model).")
-    budget_derived = _setting("budget_derived", "The budget is the default derived from the filesystem's size.")
+    identity = _of_directory("identity", "The store's kvstore.identity.ModelIdentity, or None.")
+    accept_unidentified = _of_directory("accept_unidentified", "Lookups also offer files that name no model "
+                                   "(the setting, with an identity).")
+    write_budget_bytes = _of_directory("write_budget_bytes", "The write budget's capacity in bytes, or None.")
+    model_identity = _of_directory("model_identity", "The identity string of the store's model, or None.")
+    model_tag = _of_directory("model_tag", "The header model tag of the store's files (0: they name no model).")
+    budget_derived = _of_directory("budget_derived", "The budget is the default derived from the filesystem's size.")
 
     @property
     def budget_bytes(self) -> int:
@@ -452,7 +403,7 @@ class KVStore:
 
         Args:
             text: str (UTF-8) or bytes: the whole prefix, as saved.
-            ttl_s: seconds, or "5m" / "1h"; cut to Options.max_pin_ttl_s.
+            ttl_s: seconds, or "5m" / "1h"; cut to Settings.max_pin_ttl_s.
             tenant: the pinning tenant's tag as hex (kvstore serve), or "".
 
         Returns:
@@ -461,7 +412,7 @@ class KVStore:
         Raises:
             ValueError: ttl_s is not a lifetime.
             PinRefused: no checkpoint holds exactly text ("not_stored"), or
-                pinned bytes would pass Options.max_pinned_share of the
+                pinned bytes would pass Settings.max_pinned_share of the
                 budget ("share"); other pins are never removed to make room.
         """
         self._check_open()
@@ -576,5 +527,5 @@ class KVStore:
         self.close()
 
 
-__all__ = ["KVStore", "Checkpoint", "Match", "DEFAULT_BUDGET_MB", "LAYOUTS", "LOCK_NAME",
+__all__ = ["KVStore", "Checkpoint", "Match", "LOCK_NAME",
            "LOAD_TRIES", "ORPHAN_SWEEP_INTERVAL_S"]

@@ -31,7 +31,6 @@ import numpy as np
 
 import kvstore
 from kvstore import KVStore
-from kvstore.policy import Options
 
 # How test processes start: fork (fast, needs nothing importable) on Linux;
 # spawn on macOS, where a fork after MLX has loaded Metal is unsafe (CPython
@@ -48,13 +47,13 @@ SOCKET_PATH_MAX = 104
 S3_BUCKET = "kvtest"
 
 # Most store tests save a handful of tokens: lift the 512-token minimum.
-OPTS = Options(min_tokens=1)
+OPTS = dict(min_tokens=1)
 
 
 # ---- stores and their directories -------------------------------------------------------
 
 def make_store(path, **kw):
-    """A KVStore for tests: min_tokens=1 and no fsync unless asked.
+    """A KVStore for tests: min_tokens=1 (unless settings= is given) and no fsync unless asked.
 
     The layout is the package's default ("chain") unless asked, or unless
     KVSTORE_TEST_LAYOUT names another: CI runs the store's tests once more
@@ -62,7 +61,8 @@ def make_store(path, **kw):
     once more with KVSTORE_TEST_KV_CODEC=lossless (packed chain blocks),
     which a plain chained store (no key) then writes unless asked otherwise.
     """
-    kw.setdefault("options", OPTS)
+    if kw.get("settings") is None:
+        kw.setdefault("min_tokens", 1)
     kw.setdefault("durable", False)
     kw.setdefault("layout", os.environ.get("KVSTORE_TEST_LAYOUT", "chain"))
     if kw.get("key") is None and kw["layout"] == "chain":

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvstore import files, policy
-from kvstore.policy import DEFAULT_BUDGET_MAX_BYTES, DEFAULT_BUDGET_MIN_BYTES, default_budget_bytes
+from kvstore.policy import default_budget_bytes
+from kvstore.settings import DEFAULT_BUDGET_MAX_BYTES, DEFAULT_BUDGET_MIN_BYTES
 
 from kvhelpers import make_store
 

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import kvstore
+from kvstore.settings import Settings
 from kvstore import chain, policy
 from kvstore.format import Reason
 from kvstore.chain import cut_points, plan_blocks
@@ -36,7 +37,6 @@ from kvstore.format import (CHAIN_END, CHAIN_RESTORABLE, NO_PARENT, PAYLOAD_ABI_
                             PAYLOAD_ABI_TENSORS, pack_chain_head)
 from kvstore.index import MTIME_GRANULARITY_NS, DirectoryIndex
 from kvstore.payload import PAYLOAD_HEADER, read_manifest
-from kvstore.policy import Options
 from kvhelpers import index_of, CTX, checkpoint_files, flip, make_store
 
 # ---- sequences whose text and tensors follow from their token ids ------------------------
@@ -242,7 +242,7 @@ def test_blocks_on_disk(store, snapshot):
     last = save(store, seq, snapshot, reason=Reason.SHUTDOWN)
     plan = plan_blocks(seq.text, seq.ids, 64, seq.offsets)
     assert checkpoint_files(store.path) == sorted(b.name for b in plan)
-    abi = PAYLOAD_ABI_CHAIN if store.kv_codec == "raw" else PAYLOAD_ABI_TABLE_CHAIN     # packed: CI's pass
+    abi = PAYLOAD_ABI_CHAIN if store.settings.kv_codec == "raw" else PAYLOAD_ABI_TABLE_CHAIN     # packed: CI's pass
     for b in plan:
         e = kvstore.format.read_entry(os.path.join(store.path, b.name))
         assert (e.payload_abi, e.is_block, e.sha, e.parent) == (abi, True, b.sha, b.parent)
@@ -328,7 +328,7 @@ def test_find_accept_passes_over_blocks(store):
     assert store.find(prompt, accept=lambda e: e.tokens != 256).tokens == 300
 
 
-@pytest.mark.store_args(block_tokens=64, options=Options(min_tokens=100))
+@pytest.mark.store_args(block_tokens=64, min_tokens=100)
 def test_min_tokens_applies_to_blocks(store):
     save(store, BASE[:300], snapshot=False)
     assert store.find(BASE.prompt(64)) is None            # 64 < min_tokens: it only links
@@ -1135,8 +1135,8 @@ def test_whole_save_does_not_cut_a_chain(tmp_path):
 
 
 def test_chains_are_never_consumed(tmp_path):
-    opts = Options(min_tokens=1, cold_max_tokens=10)
-    with make_store(tmp_path / "kv", options=opts, block_tokens=64) as s:
+    opts = Settings(min_tokens=1, cold_max_tokens=10)
+    with make_store(tmp_path / "kv", settings=opts, block_tokens=64) as s:
         seq = BASE[:300]
         save(s, seq, snapshot=False)
         for _ in range(3):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import cli, policy, sessions
+from kvstore import cli, policy, sessions, settings
 from kvstore import files
 from kvstore.errors import CheckpointMissing
 from kvstore.format import Reason, read_entry
@@ -113,7 +113,7 @@ def test_ls_json_has_every_field_ordered_by_eviction_score(cache, cwd):
     entries = [read_entry(os.path.join(d, n)) for n in names(d)]
     # Entries unused for 30 days (the ds4 file here) come last, whatever their score.
     def stale(e):
-        return now - (e.last_used or e.created_at) > policy.DEFAULT_STALE_AFTER_S
+        return now - (e.last_used or e.created_at) > settings.DEFAULT_STALE_AFTER_S
     assert [stale(e) for e in entries].count(True) == 1
     want = sorted(entries, key=lambda e: (stale(e), -policy.eviction_score(e, now), -(e.last_used or e.created_at)))
     assert [r["sha"] for r in rows] == [e.sha for e in want]
@@ -311,7 +311,7 @@ def test_evict_dry_run_deletes_nothing_then_the_real_run_fits(cache, cwd):
     now = int(time.time())
     ranked = [e.sha[:12] for e in sorted(
         (read_entry(os.path.join(d, n)) for n in before),
-        key=lambda e: (now - (e.last_used or e.created_at) <= policy.DEFAULT_STALE_AFTER_S,
+        key=lambda e: (now - (e.last_used or e.created_at) <= settings.DEFAULT_STALE_AFTER_S,
                        policy.eviction_score(e, now)))]
     assert ranked[0] == sha_of(roles["ds4"])[:12]
     assert would == ranked[:len(would)]
@@ -328,7 +328,7 @@ def test_evict_dry_run_names_the_orphans_and_the_real_run_removes_exactly_its_vi
     # kvstore.evictor.plan is behind both: orphaned chain blocks first, then
     # the budget's order.
     d, _ = cache
-    with kvstore.KVStore(d, budget_mb=0, options=kvstore.Options(min_tokens=1), block_tokens=64) as s:
+    with kvstore.KVStore(d, budget_mb=0, min_tokens=1, block_tokens=64) as s:
         ids = np.arange(200, dtype=np.uint32)
         text = "".join(f"w{i} " for i in ids)
         offsets = [0] + [len("".join(f"w{i} " for i in ids[:k + 1])) for k in range(len(ids))]
@@ -443,7 +443,7 @@ def test_usage_errors_are_one_line_exit_2(cache, tmp_path, cwd):
     assert_usage_error(run(cwd, "ls", f), "not a directory")
     assert_usage_error(run(cwd, "stats", str(tmp_path / "missing")), "no such directory")
     assert_usage_error(run(cwd, "verify", str(tmp_path / "missing")), "no such directory")
-    assert_usage_error(run(cwd, "ls", d, "--budget-mb", "1e999"), "invalid size")
+    assert_usage_error(run(cwd, "ls", d, "--budget-mb", "1e999"), "--budget-mb inf is not a finite number")
     assert_usage_error(run(cwd, "session"), "SUBCOMMAND")
     assert_usage_error(run(cwd, "session", "list"), "DIR")
     assert not os.path.exists(tmp_path / "missing")       # nothing creates a directory
@@ -600,7 +600,7 @@ def test_export_and_import_a_chain(chains, cwd, tmp_path):
     d2 = tmp_path / "other"
     p = run(cwd, "import", out, "--dir", d2, "--block-tokens", "32")
     assert p.returncode == 0, p.stderr
-    with kvstore.KVStore(d2, budget_mb=0, options=kvstore.Options(min_tokens=1)) as s:
+    with kvstore.KVStore(d2, budget_mb=0, min_tokens=1) as s:
         blocks = sorted((x.token_start, x.tokens) for x in s.entries())
         assert blocks == [(0, 32), (32, 64), (64, 70)]
         ck = s.load(s.find(r["text_a"] + b"!"))

@@ -102,7 +102,7 @@ def _worker(d, wid, n_ops, seed, out):
             raised["save_async", type(e).__name__] += 1
 
     try:
-        store = KVStore(d, budget_mb=BUDGET_MB, options=OPTS, durable=False)
+        store = KVStore(d, budget_mb=BUDGET_MB, **OPTS, durable=False)
         for i in range(n_ops):
             op = rng.choices(names, weights)[0]
             t = rng.randrange(len(TEXTS))
@@ -213,7 +213,7 @@ def audit(d, results):
         audited["files"] += 1
         audited["hits"] += e.hits
     assert total <= BUDGET_MB * 1024 * 1024, (total, files)
-    with KVStore(d, budget_mb=BUDGET_MB, options=OPTS) as s:
+    with KVStore(d, budget_mb=BUDGET_MB, **OPTS) as s:
         assert sorted(e.name for e in s.entries()) == files
     counts.update({f"{op}_raised_{name}": n for (op, name), n in raised.items()})
     return counts, audited, sum(len(r["ambiguous"]) for r in results)
@@ -253,7 +253,7 @@ def _race_worker(role, d, seconds, seed, out):
     rng = random.Random(seed)
     n = collections.Counter()
     try:
-        store = KVStore(d, options=OPTS, durable=False, budget_mb=0)
+        store = KVStore(d, **OPTS, durable=False, budget_mb=0)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             step(store, d, rng, n)
@@ -275,7 +275,7 @@ def _delete_step(store, d, rng, n):
         elif how == "wipe":
             store.wipe(e)
         elif how == "evict":
-            with KVStore(d, options=OPTS, durable=False, budget_mb=0.01):
+            with KVStore(d, **OPTS, durable=False, budget_mb=0.01):
                 pass                                   # opening evicts to the budget
         # "replace": the next save of this text (another context) renames over it
     except FileNotFoundError:
@@ -335,7 +335,7 @@ def race(tmp_path, seconds):
 
 def _replacement_file(tmp_path, text, seed):
     """The bytes another process would rename over text's file: same name, other data."""
-    with KVStore(tmp_path / "elsewhere", options=OPTS, durable=False) as other:
+    with KVStore(tmp_path / "elsewhere", **OPTS, durable=False) as other:
         e = other.save(text, tokens_for(seed), tensors_for(seed=seed), meta={"t": 0, "seed": seed, "uid": "new"},
                        ctx_size=1024)
         return e.path
@@ -357,7 +357,7 @@ def _run_once_inside(monkeypatch, step):
 def test_hit_counts_on_the_file_loaded_not_on_its_replacement(tmp_path, monkeypatch):
     text = TEXTS[0]
     new_path = _replacement_file(tmp_path, text, seed=2)
-    with KVStore(tmp_path / "kv", options=OPTS, durable=False) as s:
+    with KVStore(tmp_path / "kv", **OPTS, durable=False) as s:
         old = s.save(text, tokens_for(1), tensors_for(seed=1), meta={"t": 0, "seed": 1, "uid": "old"},
                      trailers={3: "a title"})
         found = s.find(text + "?")
@@ -373,7 +373,7 @@ def test_hit_counts_on_the_file_loaded_not_on_its_replacement(tmp_path, monkeypa
 
 def test_save_over_a_file_being_wiped_writes_a_fresh_one(tmp_path, monkeypatch):
     text = TEXTS[1]
-    with KVStore(tmp_path / "kv", options=OPTS, durable=False) as s:
+    with KVStore(tmp_path / "kv", **OPTS, durable=False) as s:
         old = s.save(text, tokens_for(1), tensors_for(seed=1), meta={"t": 1, "seed": 1, "uid": "old"},
                      trailers={3: "first"})
 
@@ -404,7 +404,7 @@ def test_save_whose_file_is_wiped_as_soon_as_visible(tmp_path, monkeypatch):
                 with open(dst, "r+b") as f:
                     f.write(bytes(os.path.getsize(dst)))
         return run
-    with KVStore(tmp_path / "kv", options=OPTS, durable=True) as s:
+    with KVStore(tmp_path / "kv", **OPTS, durable=True) as s:
         # A new file appears by rename (whole layout) or by link (a new chain block).
         monkeypatch.setattr(os, "rename", publish_then_wipe("rename"))
         monkeypatch.setattr(os, "link", publish_then_wipe("link"))

@@ -139,7 +139,7 @@ def _writer(d, progress, base, plan):
     not a pipe, so that a spawned child has it too)."""
     os.umask(0)                      # the store's modes must not depend on it
     w = os.open(progress, os.O_WRONLY | os.O_APPEND)
-    store = KVStore(d, budget_mb=0, options=OPTS, durable=True)
+    store = KVStore(d, budget_mb=0, **OPTS, durable=True)
     for i, (kind, name, text, seed, ctx, title) in enumerate(plan):
         os.write(w, f"begin {i}\n".encode())
         trailers = {3: title} if title else None
@@ -265,7 +265,7 @@ class Rounds:
         in_flight = plan[begun[-1]] if len(begun) > len(done) else None
         if in_flight is not None:
             self.stats["killed_in_" + in_flight[0]] += 1
-        with KVStore(d, budget_mb=0, options=OPTS, durable=True) as s:
+        with KVStore(d, budget_mb=0, **OPTS, durable=True) as s:
             left = [n for n in os.listdir(d) if ".tmp." in n]
             assert left == [], left                       # removed on open: the writer is dead
             names = set(n for n in os.listdir(d) if n.endswith(".kv"))
@@ -316,7 +316,7 @@ def _where(calls):
 
 
 def measure_save(d, base):
-    with KVStore(d, budget_mb=0, options=OPTS, durable=True) as s:
+    with KVStore(d, budget_mb=0, **OPTS, durable=True) as s:
         times = []
         for seed in (10**6, 10**6 + 1, 10**6 + 2):
             t0 = time.perf_counter()
@@ -367,7 +367,7 @@ small_tensors = functools.partial(make_tensors, 512, 3, shape=(8, "n"), dtypes=(
 
 
 def _updater(d, counter):
-    store = KVStore(d, options=OPTS, durable=False)
+    store = KVStore(d, **OPTS, durable=False)
     i = 0
     while True:
         i += 1
@@ -388,7 +388,7 @@ def _updater(d, counter):
 def run_header_kills(tmp_path, kills, seed):
     rng = random.Random(seed)
     d = str(tmp_path / "kv")
-    with KVStore(d, options=OPTS, durable=False) as s:
+    with KVStore(d, **OPTS, durable=False) as s:
         e = s.save(SMALL_TEXT, [1, 2, 3], small_tensors(), trailers={3: "first"})
     hits = 0
     for _ in range(kills):
@@ -404,7 +404,7 @@ def run_header_kills(tmp_path, kills, seed):
         assert cur.hits >= hits and cur.tokens == 3
         hits = cur.hits
         assert verify_file(e.path) is None
-        with KVStore(d, options=OPTS, durable=False) as s:
+        with KVStore(d, **OPTS, durable=False) as s:
             ck = s.load(s.find(SMALL_TEXT + "!"), consume=False)
             assert ck is not None and np.array_equal(ck.tensors["k"], small_tensors()["k"])
             title = ck.trailers.get(3)

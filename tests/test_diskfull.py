@@ -34,7 +34,7 @@ CHILD = r"""
 import json, logging, resource, signal, sys
 import numpy as np
 import kvstore
-from kvstore import KVStore, Options, payload
+from kvstore import KVStore, Settings, payload
 
 cfg = json.loads(sys.argv[1])
 d = cfg["dir"]
@@ -61,7 +61,7 @@ TENSORS = make_tensors(seed=1, shape=((8, 700), (3, 1000), (0, 4)), dtypes=("flo
                        names=("k", "v", "empty"))
 
 out = {"cases": []}
-store = KVStore(d, options=Options(min_tokens=1), durable=True, budget_mb=0)
+store = KVStore(d, min_tokens=1, durable=True, budget_mb=0)
 old = store.find(cfg["old_text"] + "!")
 text = "a new prompt " + "t" * 3000
 trailers = {0: {"call_%d" % i: "x" * 200 for i in range(20)}, 3: "title"}
@@ -112,8 +112,8 @@ print(json.dumps(out))
 
 
 def _prepare(d):
-    from kvstore import KVStore, Options
-    with KVStore(d, options=Options(min_tokens=1), durable=False, budget_mb=0) as s:
+    from kvstore import KVStore
+    with KVStore(d, min_tokens=1, durable=False, budget_mb=0) as s:
         s.save("an old prompt", np.arange(5), {"k": np.ones(16, np.float32)}, trailers={3: "old title"})
 
 
@@ -190,7 +190,7 @@ def test_full_tmpfs_every_stage(tmpfs, tmp_path):
     import logging
 
     import kvstore
-    from kvstore import KVStore, Options, payload
+    from kvstore import KVStore, payload
 
     d = os.path.join(tmpfs, "kv")
     _prepare(d)
@@ -225,7 +225,7 @@ def test_full_tmpfs_every_stage(tmpfs, tmp_path):
                "v": np.arange(9000, dtype=np.uint32)}
     text = "a new prompt " + "t" * 6000
     try:
-        with KVStore(d, options=Options(min_tokens=1), durable=True, budget_mb=0) as s:
+        with KVStore(d, min_tokens=1, durable=True, budget_mb=0) as s:
             plan = payload.Plan(len(text), np.arange(50), tensors, None)
             size = plan.payload_start + plan.payload_bytes
             cases = []
@@ -262,7 +262,7 @@ def test_full_tmpfs_every_stage(tmpfs, tmp_path):
             os.truncate(filler, 0)
         # A store opened on the full disk serves hits too.
         room(0)
-        with KVStore(d, options=Options(min_tokens=1), durable=True, budget_mb=0) as s:
+        with KVStore(d, min_tokens=1, durable=True, budget_mb=0) as s:
             assert s.load(s.find("an old prompt!")) is not None
             assert kvstore.format.read_entry(path).hits == hits + 1
     finally:

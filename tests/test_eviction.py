@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import Options
+from kvstore import Settings
 from kvstore import store as store_mod
 from kvhelpers import CTX, checkpoint_files, make_store
 
-HALF_LIFE = Options().hit_half_life_s
+HALF_LIFE = Settings().hit_half_life_s
 R = kvstore.format.Reason
 TENSORS = {"k": np.arange(4096, dtype=np.float32)}      # every test file: 16 KiB of data
 

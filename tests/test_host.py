@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from kvstore import Options, host
+from kvstore import host
 from kvstore.payload import chains
 from kvhelpers import make_store
 
@@ -339,7 +339,7 @@ def test_a_cold_chain_load_asks_for_every_block_whole_and_loads_the_same(tmp_pat
     monkeypatch.setattr(host, "prefetch", ask)
     rng = np.random.default_rng(1)
     k = rng.standard_normal((1, 2, 64, 8)).astype(np.float32)
-    with make_store(tmp_path / "kv", layout="chain", block_tokens=16, options=Options(min_tokens=1)) as s:
+    with make_store(tmp_path / "kv", layout="chain", block_tokens=16, min_tokens=1) as s:
         e = s.save(b"p" * 64, list(range(64)), {"k": k}, positional={"k": 2}, text_offsets=lambda i: i)
         assert e is not None
         ck = s.load(s.find(b"p" * 64), into=into)

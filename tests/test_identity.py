@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import files, names, policy, registry
+from kvstore import files, names, policy, registry, settings
 from kvstore.format import HEADER_SIZE, read_entry
 from kvstore.identity import ModelIdentity
 
@@ -212,7 +212,7 @@ def test_one_budget_covers_every_model_and_stale_files_go_first(tmp_path):
     # The budget counted A's files too: one had to go, and the stale anchor
     # went before B's fresh waypoint, which scores lower.
     assert ea.sha not in kept and eb.sha in kept and len(kept) == 2
-    assert policy.DEFAULT_STALE_AFTER_S == 30 * 86400
+    assert settings.DEFAULT_STALE_AFTER_S == 30 * 86400
 
 
 def test_the_registry_names_the_models_that_use_a_directory(tmp_path):

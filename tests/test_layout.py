@@ -27,10 +27,10 @@ LAYERS = [
     # counters; the background writer.
     ["kvstore.format", "kvstore.names", "kvstore.sources", "kvstore.temps", "kvstore.counters", "kvstore.writer"],
     # Model identities, tenants' tags, the index snapshot, the journal, the
-    # lookup forest, the payload, the pure rules, the trailers (kvstore's and
-    # ds4's).
+    # lookup forest, the payload, a store's settings, the pure rules, the
+    # trailers (kvstore's and ds4's).
     ["kvstore.identity", "kvstore.tenants", "kvstore.index_snapshot", "kvstore.journal", "kvstore.forest",
-     "kvstore.payload", "kvstore.policy", "kvstore.ds4", "kvstore.trailers"],
+     "kvstore.payload", "kvstore.settings", "kvstore.policy", "kvstore.ds4", "kvstore.trailers"],
     # The lookup index.
     ["kvstore.index"],
     # Writing and checking files; chains of blocks.

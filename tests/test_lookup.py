@@ -14,7 +14,6 @@ import pytest
 
 import kvstore
 from kvstore import index as index_mod
-from kvstore import Options
 from kvhelpers import index_of, CTX, make_store, make_tensors
 
 
@@ -170,13 +169,13 @@ def test_min_tokens_filter(tmp_path):
         put(w, b"short", ntokens=5)
         put(w, b"short and long", ntokens=20)
         put(w, b"short and long, then short again", ntokens=9)
-    with make_store(d, options=Options(min_tokens=10)) as r:
+    with make_store(d, min_tokens=10) as r:
         assert found_text(r, b"short and long, then short again!") == b"short and long"
         assert r.find(b"short but not long") is None
         assert len(r.entries()) == 3
-    with make_store(d, options=Options(min_tokens=20)) as r:
+    with make_store(d, min_tokens=20) as r:
         assert r.find(b"short and long") is not None            # >= min_tokens counts
-    with make_store(d, options=Options(min_tokens=21)) as r:
+    with make_store(d, min_tokens=21) as r:
         assert r.find(b"short and long") is None
 
 

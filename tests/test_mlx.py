@@ -38,6 +38,7 @@ import backend  # noqa: E402
 
 import kvstore  # noqa: E402
 from kvstore import policy  # noqa: E402
+from kvstore.settings import Settings  # noqa: E402
 import kvstore.mlx  # noqa: E402
 from kvstore.mlx import MLXEngine, save_prompt_cache  # noqa: E402
 from kvstore.prompt_cache import PromptCache  # noqa: E402
@@ -55,7 +56,7 @@ MODEL = dict(seed=0, layers=2, hidden=64, heads=2, kv_heads=1, head_dim=16)
 # that chats of a few hundred tokens cross several boundaries.
 BIG_STEP = 2048
 STEP = 64
-SMALL = kvstore.Options(min_tokens=64, cold_max_tokens=30000, continued_interval_tokens=256,
+SMALL = Settings(min_tokens=64, cold_max_tokens=30000, continued_interval_tokens=256,
                         boundary_trim_tokens=8, boundary_align_tokens=64)
 GEN_TOKENS = 8
 
@@ -141,7 +142,7 @@ def whole_chars(data):
 
 def test_disk_hit_at_an_aligned_boundary_equals_a_cold_prefill(tok, model, prose, tmp_path):
     n = 3 * BIG_STEP + 700
-    opts = kvstore.Options(min_tokens=512)
+    opts = Settings(min_tokens=512)
     # A prompt whose token 6144 starts a new word, so that tokenizing the text
     # after the checkpoint alone gives the same ids as the whole prompt (test 2
     # covers the other case).
@@ -160,7 +161,7 @@ def test_disk_hit_at_an_aligned_boundary_equals_a_cold_prefill(tok, model, prose
 
     # Cold: prefill everything, store the cold checkpoint at store_len.
     cold = RecordingEngine(model, tok)
-    with model_store(tmp_path / "kv", model, options=opts) as store:
+    with model_store(tmp_path / "kv", model, settings=opts) as store:
         pc = PromptCache(store, cold, prefill_step=BIG_STEP)
         cold_out, rep = cold.generate(pc, prompt, max_tokens=32)
         assert rep["source"] == "none" and rep["reused_tokens"] == 0 and rep["prefilled_tokens"] == n
@@ -170,7 +171,7 @@ def test_disk_hit_at_an_aligned_boundary_equals_a_cold_prefill(tok, model, prose
 
     # A new process: new KVStore on the same directory, fresh engine.
     hit = RecordingEngine(model, tok)
-    with model_store(tmp_path / "kv", model, options=opts) as store:
+    with model_store(tmp_path / "kv", model, settings=opts) as store:
         pc = PromptCache(store, hit, prefill_step=BIG_STEP)
         hit_out, rep = hit.generate(pc, prompt, max_tokens=32)
         assert rep["source"] == "disk" and rep["reused_tokens"] == cut
@@ -212,7 +213,7 @@ def test_stored_boundary_inside_a_merged_token(tok, model, prose, tmp_path, save
     c = drift_cut(tok, p, 300)
     prefix, suffix = p[:c], p[c:]
     prefix_tokens = tok.encode(prefix)
-    with model_store(tmp_path / "kv", model, options=SMALL) as store:
+    with model_store(tmp_path / "kv", model, settings=SMALL) as store:
         if saved_by == "prompt_cache":
             # A session that prefilled exactly the prefix and stopped (the store
             # on close: its text is the prefix, its tokens prefix_tokens).
@@ -231,7 +232,7 @@ def test_stored_boundary_inside_a_merged_token(tok, model, prose, tmp_path, save
             assert save_prompt_cache(store, prefix, prefix_tokens, cache, model) is not None
 
     engine = MLXEngine(model, tok)
-    with model_store(tmp_path / "kv", model, options=SMALL) as store:
+    with model_store(tmp_path / "kv", model, settings=SMALL) as store:
         pc = PromptCache(store, engine, prefill_step=STEP)
         req = pc.begin(p)
         assert req.source == "disk" and req.reused == len(prefix_tokens)
@@ -261,7 +262,7 @@ def multi_byte_text(prose, start, words):
 def test_multi_byte_characters_are_never_cut(tok, model, prose, tmp_path, caplog):
     # Waypoints every 64 tokens; multi-byte characters split into byte tokens,
     # so some of those frontiers fall inside a character.
-    opts = kvstore.Options(min_tokens=64, continued_interval_tokens=64, boundary_trim_tokens=8,
+    opts = Settings(min_tokens=64, continued_interval_tokens=64, boundary_trim_tokens=8,
                            boundary_align_tokens=64)
     q = text_of_tokens(tok, multi_byte_text(prose, 9000, 3), 600)
     tokens = tok.encode(q)
@@ -273,7 +274,7 @@ def test_multi_byte_characters_are_never_cut(tok, model, prose, tmp_path, caplog
     assert whole and cut, "the prompt must put some boundaries inside characters"
 
     caplog.set_level(logging.INFO, logger="kvstore")
-    with model_store(tmp_path / "kv", model, options=opts) as store:
+    with model_store(tmp_path / "kv", model, settings=opts) as store:
         pc = PromptCache(store, MLXEngine(model, tok), prefill_step=STEP)
         pc.prefill(pc.begin(q))
         assert sorted(e.tokens for e in store.entries()) == whole
@@ -290,7 +291,7 @@ def test_multi_byte_characters_are_never_cut(tok, model, prose, tmp_path, caplog
     # text: a disk hit at the longest checkpoint, suffix tokenized on its own.
     q2 = q + "€😀 " + multi_byte_text(prose, 20000, 2)[:300]
     engine = MLXEngine(model, tok)
-    with model_store(tmp_path / "kv", model, options=opts) as store:
+    with model_store(tmp_path / "kv", model, settings=opts) as store:
         pc = PromptCache(store, engine, prefill_step=STEP)
         req = pc.begin(q2)
         k = max(whole)
@@ -348,7 +349,7 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
 
     engine = RecordingEngine(model, tok, user_marker="<|user|>", assistant_marker="<|assistant|>")
     assert (engine.user_id, engine.assistant_id) == (tok.user_id, tok.assistant_id)
-    store = model_store(tmp_path / "kv", model, options=SMALL)
+    store = model_store(tmp_path / "kv", model, settings=SMALL)
     pc = PromptCache(store, engine, prefill_step=STEP)
 
     def expected_stores(start, end, last, cold_target):
@@ -421,12 +422,12 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
     # In a chain, an evict state is a tail that goes once its user's sequence
     # fills the block it lay in (a grid-aligned store past it, docs/format.md
     # §14); a whole-file checkpoint is no tail and stays.
-    grid = store.block_tokens
+    grid = store.settings.block_tokens
     replaced = [(o, e) for o, e in zip(owners, evicted)
                 if any(t % grid == 0 and t >= (e[1] // grid + 1) * grid
                        for n, r in reports.items() if n[0] == o for _, t in r["stored"])]
     assert replaced == [("B", ("evict", 541))]
-    if store.layout != "chain":
+    if store.settings.layout != "chain":
         replaced = []
     kept = [e for o, e in zip(owners, evicted) if (o, e) not in replaced]
     expected_all = [s for r in reports.values() for s in r["stored"]] + kept + [("shutdown", len(live))]
@@ -440,7 +441,7 @@ def test_chat_policy_two_users(tok, model, prose, tmp_path):
     # chunks are the same: the cold request, and the disk hit at the anchor
     # (the anchor is a chunk end of the cold request that stored it).
     for name, prompt in script[:1] + script[2:3]:
-        with model_store(tmp_path / f"none-{name}", model, options=SMALL, budget_mb=1e-6) as nothing:
+        with model_store(tmp_path / f"none-{name}", model, settings=SMALL, budget_mb=1e-6) as nothing:
             ref = RecordingEngine(model, tok)
             ref_out, ref_rep = ref.generate(PromptCache(nothing, ref, prefill_step=STEP), prompt,
                                             max_tokens=GEN_TOKENS)
@@ -470,13 +471,13 @@ def test_model_directory_end_to_end(tok, tmp_path):
     anchor = policy.chat_anchor_pos(ids, built_tok.user_id, built_tok.assistant_id, SMALL)
     assert anchor > 0
 
-    with model_store(tmp_path / "kv", loaded, options=SMALL) as store:
+    with model_store(tmp_path / "kv", loaded, settings=SMALL) as store:
         pc = PromptCache(store, engine, prefill_step=STEP)
         out1, rep1 = engine.generate(pc, first, max_tokens=GEN_TOKENS)
         assert rep1["source"] == "none" and ("cold", anchor) in rep1["stored"]
 
     engine2 = RecordingEngine(loaded, wrapper, **engine_kw)
-    with model_store(tmp_path / "kv", loaded, options=SMALL) as store:
+    with model_store(tmp_path / "kv", loaded, settings=SMALL) as store:
         pc = PromptCache(store, engine2, prefill_step=STEP)
         out2, rep2 = engine2.generate(pc, second, max_tokens=GEN_TOKENS)
         assert rep2["source"] == "disk" and rep2["reused_tokens"] == anchor
@@ -485,7 +486,7 @@ def test_model_directory_end_to_end(tok, tmp_path):
 
     # The loaded model is the one built in code: a no-store run of the built
     # model with the test tokenizer gives the same logits at every step.
-    with model_store(tmp_path / "none", built, options=SMALL, budget_mb=1e-6) as nothing:
+    with model_store(tmp_path / "none", built, settings=SMALL, budget_mb=1e-6) as nothing:
         ref = RecordingEngine(built, built_tok)
         ref_out, _ = ref.generate(PromptCache(nothing, ref, prefill_step=STEP), second, max_tokens=GEN_TOKENS)
     assert ref_out == out2
@@ -497,17 +498,17 @@ def test_a_sealed_store_restores_bit_exact(tok, tmp_path):
     # decode after a sealed disk hit equals a cold prefill's, logit for logit.
     pytest.importorskip("cryptography")
     model = mlx_model.make_model(seed=0, layers=2, hidden=64, heads=2, kv_heads=1, head_dim=16)
-    opts = kvstore.Options(min_tokens=64, boundary_trim_tokens=8, boundary_align_tokens=64)
+    opts = Settings(min_tokens=64, boundary_trim_tokens=8, boundary_align_tokens=64)
     prompt = mlx_model.text_of_tokens(tok, mlx_model.prose(("json", "argparse")), 300)
     assert prompt is not None
 
     cold = RecordingEngine(model, tok)
-    with model_store(tmp_path / "kv", model, options=opts, key=bytes(range(32)), block_tokens=64) as store:
+    with model_store(tmp_path / "kv", model, settings=opts, key=bytes(range(32)), block_tokens=64) as store:
         cold_out, rep = cold.generate(PromptCache(store, cold, prefill_step=64), prompt, max_tokens=6)
         assert rep["stored"]
     assert all(read_entry(tmp_path / "kv" / n).sealed for n in checkpoint_files(tmp_path / "kv"))
     hit = RecordingEngine(model, tok)
-    with model_store(tmp_path / "kv", model, options=opts, key=bytes(range(32)), block_tokens=64) as store:
+    with model_store(tmp_path / "kv", model, settings=opts, key=bytes(range(32)), block_tokens=64) as store:
         hit_out, rep = hit.generate(PromptCache(store, hit, prefill_step=64), prompt, max_tokens=6)
         assert rep["source"] == "disk" and rep["reused_tokens"] > 0
     assert hit_out == cold_out
@@ -517,7 +518,7 @@ def test_a_sealed_store_restores_bit_exact(tok, tmp_path):
         assert same(a, b)
     # Without the key the same directory is a cold start.
     plain = RecordingEngine(model, tok)
-    with model_store(tmp_path / "kv", model, options=opts, block_tokens=64) as store:
+    with model_store(tmp_path / "kv", model, settings=opts, block_tokens=64) as store:
         _, rep = plain.generate(PromptCache(store, plain, prefill_step=64), prompt, max_tokens=2)
         assert rep["source"] == "none"
 
@@ -531,7 +532,7 @@ def cold_output(model, tok, prompt, tmp_path, name):
     """(greedy tokens, logits of every decode step) of a run that restores
     nothing (a store of its own, empty)."""
     engine = RecordingEngine(model, tok)
-    with model_store(tmp_path / f"cold-{name}", model, options=SMALL) as store:
+    with model_store(tmp_path / f"cold-{name}", model, settings=SMALL) as store:
         out, rep = engine.generate(PromptCache(store, engine, prefill_step=STEP), prompt, max_tokens=GEN_TOKENS)
     assert rep["source"] == "none"
     return out, engine.logits[-len(out):]
@@ -549,27 +550,27 @@ def test_two_models_that_differ_only_in_weights_share_a_directory(tok, model, pr
     # then each comes back and gets its own.
     for name, m in (("a", model), ("b", other), ("a", model), ("b", other)):
         engine = RecordingEngine(m, tok)
-        with model_store(d, m, options=SMALL) as store:
+        with model_store(d, m, settings=SMALL) as store:
             out, rep = engine.generate(PromptCache(store, engine, prefill_step=STEP), prompt, max_tokens=GEN_TOKENS)
         assert out == want[name][0], name
         assert same_steps(engine.logits[-len(out):], want[name][1]), name
         sources.append(rep["source"])
     assert sources == ["none", "none", "disk", "disk"]
-    with kvstore.KVStore(d, options=SMALL) as s:
+    with kvstore.KVStore(d, settings=SMALL) as s:
         tags = {e.model_tag for e in s.entries()}
     assert tags == {MLXEngine(model, tok).identity.tag, MLXEngine(other, tok).identity.tag}
 
 
 def test_prompt_cache_and_load_prompt_cache_refuse_another_models_store(tok, model, tmp_path):
     other = mlx_model.make_model(**OTHER)
-    with model_store(tmp_path / "kv", other, options=SMALL) as store:
+    with model_store(tmp_path / "kv", other, settings=SMALL) as store:
         with pytest.raises(ValueError, match="holds the state of model"):
             PromptCache(store, MLXEngine(model, tok))
         with pytest.raises(ValueError, match="holds the state of model"):
             kvstore.mlx.load_prompt_cache(store, "anything", model)
         with pytest.raises(ValueError, match="holds the state of model"):
             kvstore.mlx.save_prompt_cache(store, "abc", [1, 2, 3], mlx_model.make_cache(model), model)
-    with kvstore.KVStore(tmp_path / "anonymous", options=SMALL) as store:      # the quick start, no identity
+    with kvstore.KVStore(tmp_path / "anonymous", settings=SMALL) as store:      # the quick start, no identity
         with pytest.raises(ValueError, match="model_identity=engine.identity"):
             PromptCache(store, MLXEngine(model, tok))
         with pytest.raises(ValueError, match="holds the state of model"):
@@ -587,10 +588,10 @@ def test_a_forged_state_becomes_a_cold_start_for_prompt_cache(tok, model, prose,
     forged = mlx_model.make_cache(other)
     mlx_model.prefill(other, forged, ids[:256], step=STEP)
     d = tmp_path / "kv"
-    with model_store(d, model, options=SMALL) as store:
+    with model_store(d, model, settings=SMALL) as store:
         assert save_prompt_cache(store, tok.token_bytes(ids[:256]), ids[:256], forged, model) is not None
     engine = RecordingEngine(model, tok)
-    with model_store(d, model, options=SMALL) as store:
+    with model_store(d, model, settings=SMALL) as store:
         out, rep = engine.generate(PromptCache(store, engine, prefill_step=STEP), prompt, max_tokens=GEN_TOKENS)
         assert rep["source"] == "none" and rep["canary"] == "failed" and rep["reused_tokens"] == 0
         assert out == want and same_steps(engine.logits[-len(out):], want_logits)
@@ -599,7 +600,7 @@ def test_a_forged_state_becomes_a_cold_start_for_prompt_cache(tok, model, prose,
         assert os.listdir(d / ".quarantine")
     # The honest state the cold run stored passes and is used.
     engine = RecordingEngine(model, tok)
-    with model_store(d, model, options=SMALL) as store:
+    with model_store(d, model, settings=SMALL) as store:
         out, rep = engine.generate(PromptCache(store, engine, prefill_step=STEP), prompt, max_tokens=GEN_TOKENS)
         assert rep["source"] == "disk" and rep["canary"] == "tail" and out == want
         assert same_steps(engine.logits[-len(out):], want_logits)

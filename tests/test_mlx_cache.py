@@ -417,7 +417,7 @@ def test_tensors_must_be_mlx():
 
 @pytest.mark.parametrize("quarantine", [False, True])
 def test_unknown_class_in_file_is_a_miss_and_removed(tmp_path, quarantine):
-    store = kvstore.KVStore(tmp_path / "kv", options=kvstore.Options(min_tokens=1), quarantine=quarantine)
+    store = kvstore.KVStore(tmp_path / "kv", min_tokens=1, quarantine=quarantine)
     tensors, meta = _kv_meta()
     meta["layers"][0]["class"] = "Exploit"
     entry = store.save(b"prompt text", list(range(6)), tensors, meta=meta)

@@ -87,7 +87,7 @@ def test_packed_chain_is_smaller_and_loads_bit_exact(tmp_path, into):
     with make_store(raw, block_tokens=BLOCK, kv_codec="raw") as s:
         save(s)
     with make_store(packed, block_tokens=BLOCK, kv_codec="lossless") as s:
-        assert s.kv_codec == "lossless"
+        assert s.settings.kv_codec == "lossless"
         text, tensors, e = save(s)
         assert e.payload_abi == PAYLOAD_ABI_TABLE_CHAIN
         assert {x.payload_abi for x in s.entries()} == {PAYLOAD_ABI_TABLE_CHAIN}
@@ -223,9 +223,9 @@ def test_a_packed_manifest_under_abi_17_is_corrupt(tmp_path):
 
 
 def test_bad_settings_are_refused_naming_the_value(tmp_path):
-    with pytest.raises(ValueError, match="kv_codec='zip'; expected one of raw, lossless, q8, q4"):
+    with pytest.raises(ValueError, match="kv_codec='zip' is not one of raw, lossless, q8, q4"):
         make_store(tmp_path / "a", kv_codec="zip")
-    with pytest.raises(ValueError, match="kv_codec='q8' with layout='whole'"):
+    with pytest.raises(ValueError, match="kv_codec='q8' needs layout='chain', not 'whole'"):
         make_store(tmp_path / "b", kv_codec="q8", layout="whole")
 
 

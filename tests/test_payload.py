@@ -439,11 +439,11 @@ def test_threaded_mlx_loads_run_no_python_inside_mlx(tmp_path, monkeypatch, mlx_
     for store, text in _save_both_layouts(tmp_path, tensors, n):
         seen = _reader_threads(monkeypatch)
         ck = store.load(store.find(text), into="mlx")
-        assert ck is not None and ck.entry.is_block == (store.layout == "chain")
-        assert seen <= {threading.get_ident()}, store.layout
+        assert ck is not None and ck.entry.is_block == (store.settings.layout == "chain")
+        assert seen <= {threading.get_ident()}, store.settings.layout
         for k, a in tensors.items():
             assert isinstance(ck.tensors[k], mx.array)
-            assert np.array_equal(np.array(ck.tensors[k]).view(np.uint8), a.view(np.uint8)), (store.layout, k)
+            assert np.array_equal(np.array(ck.tensors[k]).view(np.uint8), a.view(np.uint8)), (store.settings.layout, k)
         store.close()
 
 
@@ -456,7 +456,7 @@ def test_default_mlx_loads_let_mx_load_read(tmp_path, monkeypatch):
         seen = _reader_threads(monkeypatch)
         ck = store.load(store.find(text), into="mlx")
         assert ck is not None and np.array_equal(np.array(ck.tensors["k"]), tensors["k"])
-        assert seen - {threading.get_ident()}, store.layout
+        assert seen - {threading.get_ident()}, store.settings.layout
         store.close()
 
 
@@ -525,7 +525,6 @@ def test_strided_views_are_written_as_runs_and_read_back_exact(tmp_path, monkeyp
     import kvstore
     from kvstore import sources
     from kvstore.payload import plan
-    from kvstore.policy import Options
     written = []
     real = plan.pwrite_pieces
 
@@ -543,7 +542,7 @@ def test_strided_views_are_written_as_runs_and_read_back_exact(tmp_path, monkeyp
     monkeypatch.setattr(sources.FdSource, "pwrite_blocks", spy_blocks)
     tensors = {**kv_slices(), "plain": sample("int32", (7, 5))}
     key = os.urandom(32) if sealed else None
-    with kvstore.KVStore(tmp_path / "s", options=Options(min_tokens=1), layout="whole", key=key) as store:
+    with kvstore.KVStore(tmp_path / "s", min_tokens=1, layout="whole", key=key) as store:
         e = store.save("strided text", [1, 2, 3], tensors)
         assert e is not None and store.verify_file(e.path) is None
         ck = store.load(store.find("strided text and more"), into="numpy")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import Options, PinRefused, pins
+from kvstore import Settings, PinRefused, pins
 from kvhelpers import checkpoint_files, make_store
 
 TENSORS = {"k": np.arange(4096, dtype=np.float32)}      # 16 KiB of data a file
@@ -23,7 +23,7 @@ def save_whole(store, text):
 
 
 def whole_store(path, budget_mb=0, **opts):
-    return make_store(path, budget_mb=budget_mb, layout="whole", options=Options(min_tokens=1, **opts))
+    return make_store(path, budget_mb=budget_mb, layout="whole", min_tokens=1, **opts)
 
 
 def file_size(tmp_path):
@@ -77,7 +77,7 @@ def test_a_pin_keeps_the_chain_blocks_before_it(tmp_path):
     text = b"".join(f"t{i:03d} ".encode() for i in range(16))            # 16 tokens, 5 bytes each
     offsets = [5 * i for i in range(17)]
     kv = np.arange(16 * 64, dtype=np.float32).reshape(1, 1, 16, 64)
-    with make_store(d, budget_mb=0, layout="chain", block_tokens=4, options=Options(min_tokens=1)) as s:
+    with make_store(d, budget_mb=0, layout="chain", block_tokens=4, min_tokens=1) as s:
         leaf = s.save(text, np.arange(16, dtype=np.uint32), {"k": kv}, positional={"k": 2}, text_offsets=offsets)
         blocks = {e.sha: e for e in s.entries()}
         assert len(blocks) == 4 and leaf.is_block
@@ -85,7 +85,7 @@ def test_a_pin_keeps_the_chain_blocks_before_it(tmp_path):
         assert p.bytes == sum(e.file_size for e in blocks.values())
         size = max(e.file_size for e in blocks.values())
     # Over a budget of one block, with other files to choose from: none of the chain goes.
-    with make_store(d, budget_mb=mb(size), layout="whole", options=Options(min_tokens=1)) as s:
+    with make_store(d, budget_mb=mb(size), layout="whole", min_tokens=1) as s:
         for i in range(3):
             save_whole(s, f"another {i}")
         assert set(blocks) <= present(s)
@@ -179,12 +179,12 @@ def test_refused_pins_name_what_is_wrong(tmp_path):
 def test_options_refuse_bad_pin_settings():
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="max_pinned_share"):
-            Options(max_pinned_share=bad)
+            Settings(max_pinned_share=bad)
     for bad in (0, -1, float("inf")):
         with pytest.raises(ValueError, match="max_pin_ttl_s"):
-            Options(max_pin_ttl_s=bad)
+            Settings(max_pin_ttl_s=bad)
     with pytest.raises(TypeError, match="max_pinned_share"):
-        Options(max_pinned_share="half")
+        Settings(max_pinned_share="half")
 
 
 def test_wipe_and_unpin_lift_pins(tmp_path):

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from kvstore import policy
 from kvstore.format import Entry, ExtFlag, Reason
-from kvstore.policy import DEFAULT_OPTIONS, Options
+from kvstore.settings import DEFAULT_HALF_LIFE, DEFAULT_SETTINGS, Settings
 
 # --- ds4, ported literally ---------------------------------------------------
 
@@ -260,18 +260,18 @@ def spec_supersedes(entry_text, entry, incoming):
                  or entry.quant_bits == incoming.quant_bits))
 
 
-HALF_LIFE = policy.DEFAULT_HALF_LIFE
+HALF_LIFE = DEFAULT_HALF_LIFE
 
 small_counts = st.integers(min_value=0, max_value=1 << 20)
 options_strategy = st.builds(
-    Options,
+    Settings,
     min_tokens=small_counts,
     cold_max_tokens=small_counts,
     continued_interval_tokens=st.integers(min_value=0, max_value=1 << 30),
     boundary_trim_tokens=small_counts,
     boundary_align_tokens=st.integers(min_value=1, max_value=1 << 20),
 )
-options_or_default = st.one_of(st.just(DEFAULT_OPTIONS), options_strategy)
+options_or_default = st.one_of(st.just(DEFAULT_SETTINGS), options_strategy)
 token_counts = st.integers(min_value=0, max_value=INT_MAX)
 
 
@@ -280,23 +280,23 @@ token_counts = st.integers(min_value=0, max_value=INT_MAX)
 def test_ds4_store_len_cases():
     assert policy.store_len(11011) == 10240
     assert policy.store_len(1695) == 1695
-    o = Options(boundary_trim_tokens=0, boundary_align_tokens=1000)
+    o = Settings(boundary_trim_tokens=0, boundary_align_tokens=1000)
     assert policy.store_len(3500, o) == 3000
     # ds4's alignment 0 ("none") is alignment 1 here
-    assert policy.store_len(3500, Options(boundary_trim_tokens=0, boundary_align_tokens=1)) == 3500
+    assert policy.store_len(3500, Settings(boundary_trim_tokens=0, boundary_align_tokens=1)) == 3500
 
 
 def test_ds4_chat_anchor_cases():
     user, assistant = 9001, 9002
     codex = [1, 2, user, 3, 4, user, 5, assistant]
     claude = [1, 2, 3, 4, user, 5, assistant]
-    assert policy.chat_anchor_pos(codex, user, assistant, Options(min_tokens=4)) == 5
-    assert policy.chat_anchor_pos(claude, user, assistant, Options(min_tokens=4)) == 4
+    assert policy.chat_anchor_pos(codex, user, assistant, Settings(min_tokens=4)) == 5
+    assert policy.chat_anchor_pos(claude, user, assistant, Settings(min_tokens=4)) == 4
     multiturn = [1, 2, user, 3, assistant, 4, user, 5, assistant]
-    assert policy.chat_anchor_pos(multiturn, user, assistant, Options(min_tokens=2)) == 2
-    assert policy.chat_anchor_pos(multiturn, user, assistant, Options(min_tokens=3)) == -1
-    assert policy.chat_anchor_pos(multiturn, -1, assistant, Options(min_tokens=2)) == -1
-    assert policy.chat_anchor_pos(multiturn, user, -1, Options(min_tokens=2)) == -1
+    assert policy.chat_anchor_pos(multiturn, user, assistant, Settings(min_tokens=2)) == 2
+    assert policy.chat_anchor_pos(multiturn, user, assistant, Settings(min_tokens=3)) == -1
+    assert policy.chat_anchor_pos(multiturn, -1, assistant, Settings(min_tokens=2)) == -1
+    assert policy.chat_anchor_pos(multiturn, user, -1, Settings(min_tokens=2)) == -1
 
 
 def test_ds4_continued_cases():
@@ -308,15 +308,16 @@ def test_ds4_continued_cases():
     assert policy.continued_store_target(20480, 10240) == 20480
 
 
-# --- Options -----------------------------------------------------------------
+# --- Settings ----------------------------------------------------------------
 
 def test_defaults_are_ds4s():
-    o = Options()
+    o = Settings()
     assert (o.min_tokens, o.cold_max_tokens, o.continued_interval_tokens,
             o.boundary_trim_tokens, o.boundary_align_tokens) == (512, 30000, 10000, 32, 2048)
     assert o.hit_half_life_s == 6 * 3600 == DS4_HIT_HALF_LIFE_SECONDS
-    assert DEFAULT_OPTIONS == o
-    assert dataclasses.astuple(Ds4Opt()) == dataclasses.astuple(o)[:5]
+    assert DEFAULT_SETTINGS == o
+    assert dataclasses.astuple(Ds4Opt()) == (o.min_tokens, o.cold_max_tokens, o.continued_interval_tokens,
+                                             o.boundary_trim_tokens, o.boundary_align_tokens)
 
 
 def test_ds4_score_constants():
@@ -328,35 +329,35 @@ def test_ds4_score_constants():
 
 def test_options_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        DEFAULT_OPTIONS.min_tokens = 1
+        DEFAULT_SETTINGS.min_tokens = 1
 
 
 @pytest.mark.parametrize("field", ["min_tokens", "cold_max_tokens", "continued_interval_tokens",
                                    "boundary_trim_tokens", "boundary_align_tokens"])
 def test_options_refuse_negative_counts(field):
     with pytest.raises(ValueError, match=rf"{field}=-3\b"):
-        Options(**{field: -3})
+        Settings(**{field: -3})
 
 
 def test_options_refuse_zero_alignment():
     with pytest.raises(ValueError, match=r"boundary_align_tokens=0"):
-        Options(boundary_align_tokens=0)
+        Settings(boundary_align_tokens=0)
 
 
 @pytest.mark.parametrize("half_life", [0, -1, -0.5, float("nan")])
 def test_options_refuse_bad_half_life(half_life):
     with pytest.raises(ValueError, match=r"hit_half_life_s="):
-        Options(hit_half_life_s=half_life)
+        Settings(hit_half_life_s=half_life)
 
 
 @pytest.mark.parametrize("value", [1.5, "512", None, True])
 def test_options_refuse_non_integers(value):
     with pytest.raises(TypeError, match=r"min_tokens="):
-        Options(min_tokens=value)
+        Settings(min_tokens=value)
 
 
 def test_options_accept_zero_counts_and_numpy_ints():
-    o = Options(min_tokens=np.int64(0), boundary_trim_tokens=0, continued_interval_tokens=0,
+    o = Settings(min_tokens=np.int64(0), boundary_trim_tokens=0, continued_interval_tokens=0,
                 boundary_align_tokens=np.uint32(1), hit_half_life_s=0.5)
     assert o.min_tokens == 0 and type(o.min_tokens) is int
     assert o.boundary_align_tokens == 1 and type(o.boundary_align_tokens) is int
@@ -379,11 +380,11 @@ def test_options_accept_zero_counts_and_numpy_ints():
 ])
 def test_store_len_examples(tokens, expected):
     assert policy.store_len(tokens) == expected
-    assert ds4_store_len(ds4_kc(DEFAULT_OPTIONS), tokens) == expected
+    assert ds4_store_len(ds4_kc(DEFAULT_SETTINGS), tokens) == expected
 
 
 def test_store_len_small_alignment_keeps_min():
-    o = Options(min_tokens=512, boundary_trim_tokens=32, boundary_align_tokens=256)
+    o = Settings(min_tokens=512, boundary_trim_tokens=32, boundary_align_tokens=256)
     assert policy.store_len(1000, o) == 768
     assert policy.store_len(800, o) == 768
     assert policy.store_len(799, o) == 512
@@ -441,7 +442,7 @@ def test_chat_anchor_examples(ids, expected):
     assert policy.chat_anchor_pos(tuple(ids), USER, ASSISTANT) == expected
     for dtype in (np.uint32, np.int64, np.int32, np.uint16):
         assert policy.chat_anchor_pos(np.array(ids, dtype=dtype), USER, ASSISTANT) == expected
-    assert ds4_chat_anchor_pos(ds4_kc(DEFAULT_OPTIONS), ids, USER, ASSISTANT) == expected
+    assert ds4_chat_anchor_pos(ds4_kc(DEFAULT_SETTINGS), ids, USER, ASSISTANT) == expected
 
 
 @pytest.mark.parametrize("user, assistant", [(-1, ASSISTANT), (USER, -1), (-5, -5)])
@@ -468,13 +469,13 @@ def test_chat_anchor_ids_outside_the_dtype():
     assert policy.chat_anchor_pos(ids, 70_000, ASSISTANT) == -1
     assert policy.chat_anchor_pos(ids, USER, 70_000) == 700
     assert policy.chat_anchor_pos(ids, USER, 2**70) == 700
-    assert ds4_chat_anchor_pos(ds4_kc(DEFAULT_OPTIONS), list(ids), USER, 70_000) == 700
+    assert ds4_chat_anchor_pos(ds4_kc(DEFAULT_SETTINGS), list(ids), USER, 70_000) == 700
 
 
 def test_chat_anchor_respects_min_tokens_option():
     ids = chat(1000, users=[100], assistants=[800])
-    assert policy.chat_anchor_pos(ids, USER, ASSISTANT, Options(min_tokens=100)) == 100
-    assert policy.chat_anchor_pos(ids, USER, ASSISTANT, Options(min_tokens=101)) == -1
+    assert policy.chat_anchor_pos(ids, USER, ASSISTANT, Settings(min_tokens=100)) == 100
+    assert policy.chat_anchor_pos(ids, USER, ASSISTANT, Settings(min_tokens=101)) == -1
 
 
 marker_prompts = st.lists(st.sampled_from([0, 1, 2, USER, ASSISTANT]), max_size=300)
@@ -485,7 +486,7 @@ marker_prompts = st.lists(st.sampled_from([0, 1, 2, USER, ASSISTANT]), max_size=
                         (USER, 12345)]))
 def test_chat_anchor_matches_ds4(ids, min_tokens, markers):
     user, assistant = markers
-    options = Options(min_tokens=min_tokens)
+    options = Settings(min_tokens=min_tokens)
     expected = ds4_chat_anchor_pos(ds4_kc(options), ids, user, assistant)
     assert policy.chat_anchor_pos(ids, user, assistant, options) == expected
     assert policy.chat_anchor_pos(np.array(ids, dtype=np.uint32), user, assistant,
@@ -513,7 +514,7 @@ def test_chat_anchor_is_fast_on_numpy():
 
 def test_continued_step_default_is_10240():
     assert policy.continued_step() == 10240
-    assert ds4_continued_step(ds4_kc(DEFAULT_OPTIONS)) == 10240
+    assert ds4_continued_step(ds4_kc(DEFAULT_SETTINGS)) == 10240
 
 
 @pytest.mark.parametrize("interval, align, expected", [
@@ -521,13 +522,13 @@ def test_continued_step_default_is_10240():
     (4096, 4096, 4096), (7, 1, 7), (0, 2048, 0),
 ])
 def test_continued_step_examples(interval, align, expected):
-    o = Options(continued_interval_tokens=interval, boundary_align_tokens=align)
+    o = Settings(continued_interval_tokens=interval, boundary_align_tokens=align)
     assert policy.continued_step(o) == expected
 
 
 @given(st.integers(min_value=0, max_value=1 << 30), st.integers(min_value=1, max_value=1 << 20))
 def test_continued_step_matches_ds4(interval, align):
-    o = Options(continued_interval_tokens=interval, boundary_align_tokens=align)
+    o = Settings(continued_interval_tokens=interval, boundary_align_tokens=align)
     assert policy.continued_step(o) == ds4_continued_step(ds4_kc(o))
 
 
@@ -544,16 +545,16 @@ def test_continued_step_matches_ds4(interval, align):
 ])
 def test_continued_store_target_examples(live, last, expected):
     assert policy.continued_store_target(live, last) == expected
-    assert ds4_continued_store_target(ds4_kc(DEFAULT_OPTIONS, last), live) == expected
+    assert ds4_continued_store_target(ds4_kc(DEFAULT_SETTINGS, last), live) == expected
 
 
 def test_continued_store_target_off_when_interval_zero():
-    o = Options(continued_interval_tokens=0)
+    o = Settings(continued_interval_tokens=0)
     assert policy.continued_store_target(10240, 0, o) == 0
 
 
 def test_continued_store_target_needs_min_tokens():
-    o = Options(min_tokens=4096, continued_interval_tokens=1024, boundary_align_tokens=1024)
+    o = Settings(min_tokens=4096, continued_interval_tokens=1024, boundary_align_tokens=1024)
     assert policy.continued_store_target(3072, 0, o) == 0
     assert policy.continued_store_target(4096, 0, o) == 4096
 

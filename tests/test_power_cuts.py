@@ -41,7 +41,6 @@ from kvstore.errors import CorruptCheckpoint
 from kvstore.exchange import export_checkpoint, import_checkpoint
 from kvstore.format import is_checkpoint_name, read_entry
 from kvstore.index import TORN_REASONS
-from kvstore.policy import Options
 from kvhelpers import S3_BUCKET
 from powerfs import fuse_unavailable, mounted
 from test_chain import Seq, kv_of, rows_of
@@ -56,11 +55,11 @@ F_FULLFSYNC = 51                  # <sys/fcntl.h> on macOS
 BLOCK = 64                        # tokens per chain block: several blocks per save, small files
 POS = {"k": 2, "p": 0}
 KEY = bytes(range(32))
-OPTS = Options(min_tokens=1)
+OPTS = dict(min_tokens=1)
 
 
 def open_store(path, **kw):
-    kw.setdefault("options", OPTS)
+    kw.setdefault("min_tokens", 1)
     kw.setdefault("block_tokens", BLOCK)
     kw.setdefault("durable", True)
     return KVStore(path, **kw)

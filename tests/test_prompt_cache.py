@@ -10,18 +10,19 @@ import numpy as np
 import pytest
 
 import kvstore
+from kvstore.settings import Settings
 from kvstore import policy
 from kvstore.prompt_cache import PromptCache
 from kvhelpers import ToyEngine, stored
 
 USER, ASSISTANT = 1, 2
 
-OPTS = kvstore.Options(min_tokens=64, cold_max_tokens=5000, continued_interval_tokens=200,
+OPTS = Settings(min_tokens=64, cold_max_tokens=5000, continued_interval_tokens=200,
                        boundary_trim_tokens=8, boundary_align_tokens=64)
 STEP = 64          # prefill step == alignment, as ds4 uses 2048 for both
 
 # The store fixture (conftest.py), with this file's options and a 64 MB budget.
-pytestmark = pytest.mark.store_args(options=OPTS, budget_mb=64)
+pytestmark = pytest.mark.store_args(settings=OPTS, budget_mb=64)
 
 
 def chat(system, *turns):
@@ -127,7 +128,7 @@ def test_disk_hit_builds_the_effective_prompt_from_stored_tokens(store, tmp_path
 
     # A new process (new PromptCache, new engine, same directory).
     engine2 = ToyEngine()
-    with kvstore.KVStore(tmp_path / "kv", options=OPTS, budget_mb=64) as store2:
+    with kvstore.KVStore(tmp_path / "kv", settings=OPTS, budget_mb=64) as store2:
         pc2 = PromptCache(store2, engine2, prefill_step=STEP)
         second = chat(system, b"a different question", b"x")
         req = pc2.begin(second)
@@ -205,9 +206,9 @@ def test_shutdown_stores_the_live_session(store):
 
 
 def test_prompt_over_cold_max_tokens_gets_no_cold_store(tmp_path):
-    opts = kvstore.Options(min_tokens=64, cold_max_tokens=500, continued_interval_tokens=100_000,
+    opts = dict(min_tokens=64, cold_max_tokens=500, continued_interval_tokens=100_000,
                            boundary_trim_tokens=8, boundary_align_tokens=64)
-    with kvstore.KVStore(tmp_path / "kv", options=opts) as s:
+    with kvstore.KVStore(tmp_path / "kv", **opts) as s:
         pc = PromptCache(s, ToyEngine(), prefill_step=STEP)
         req = pc.begin(text(800, 18))
         assert req.cold_target == 0

@@ -207,16 +207,16 @@ def test_a_sealed_store_packs_before_it_encrypts(tmp_path, codec):
     import kvstore
     key = os.urandom(32)
     with kvstore.KVStore(tmp_path / "raw", key=key, block_tokens=BLOCK, durable=False,
-                         options=kvstore.Options(min_tokens=1)) as s:
+                         min_tokens=1) as s:
         save(s)
     with kvstore.KVStore(tmp_path / "s", key=key, block_tokens=BLOCK, durable=False, kv_codec=codec,
-                         options=kvstore.Options(min_tokens=1)) as s:
+                         min_tokens=1) as s:
         text, tensors, e = save(s)
         inner = PAYLOAD_ABI_TABLE_CHAIN if codec == "lossless" else PAYLOAD_ABI_LOSSY_CHAIN
         assert e.payload_abi == inner + 32
         assert s.stats()["kv_ratio"] < 0.8
     assert dir_bytes(tmp_path / "s") < 0.8 * dir_bytes(tmp_path / "raw")
-    with kvstore.KVStore(tmp_path / "s", key=key, durable=False, options=kvstore.Options(min_tokens=1)) as s:
+    with kvstore.KVStore(tmp_path / "s", key=key, durable=False, min_tokens=1) as s:
         ck = s.load(s.find(text))
         assert ck is not None and ck.tokens.size == TOKENS and ck.lossy == ("" if codec == "lossless" else codec)
         for name in ("k", "v"):

@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import KVStore, Options, sessions
+from kvstore import KVStore, sessions
 from kvstore.files import QUARANTINE_DIR, verify_file, wipe_file
 from kvstore.store import LOCK_NAME
 
@@ -66,7 +66,7 @@ def test_every_path_the_store_creates_is_private(tmp_path, umask):
     old = os.umask(umask)
     try:
         d = tmp_path / "deep" / "kv"
-        with KVStore(d, options=OPTS, quarantine=True, budget_mb=0.05) as s:
+        with KVStore(d, **OPTS, quarantine=True, budget_mb=0.05) as s:
             s.save("plain", [1, 2], make_tensors())
             s.save_async("async", [1, 2], make_tensors(seed=1)).result()
             s.save("plain", [1, 2], make_tensors(), trailers={3: "retitled"})     # kept, rewritten
@@ -197,7 +197,7 @@ def test_planted_lock_symlink_is_not_followed(tmp_path):
     target = tmp_path / "lock-target"
     os.symlink(target, d / LOCK_NAME)
     with pytest.raises(kvstore.errors.UnsafePath):                       # a KVStoreError, not a bare OSError
-        KVStore(d, options=OPTS)
+        KVStore(d, **OPTS)
     assert not target.exists()
 
 
@@ -206,7 +206,7 @@ def test_store_path_that_is_a_symlink_is_refused(tmp_path):
     real.mkdir(mode=0o700)
     os.symlink(real, tmp_path / "link")
     with pytest.raises(kvstore.errors.UnsafePath):
-        KVStore(tmp_path / "link", options=OPTS)
+        KVStore(tmp_path / "link", **OPTS)
 
 
 # ---- names ---------------------------------------------------------------------------
@@ -305,7 +305,7 @@ def test_no_prompt_text_anywhere(tmp_path, caplog, capfd):
             return None
 
     d = tmp_path / "kv"
-    with make_store(d, options=Options(min_tokens=2, cold_max_tokens=40), budget_mb=0.25,
+    with make_store(d, min_tokens=2, cold_max_tokens=40, budget_mb=0.25,
                     quarantine=True) as s:
         attempt(s.save, PROMPTS[0], [1], make_tensors())                            # refused: min_tokens
         attempt(s.save, PROMPTS[0], [1, 2], {"x": np.zeros(1 << 20, np.uint8)})    # refused: budget

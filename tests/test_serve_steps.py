@@ -114,7 +114,7 @@ gate = os.environ["KVSTORE_TEST_GATE"]
 import mlx_lm.generate
 import kvstore.store
 from kvstore.serve import tier
-from kvstore.chain import DEFAULT_BLOCK_TOKENS
+from kvstore.settings import DEFAULT_BLOCK_TOKENS
 G = sys.modules["mlx_lm.generate"]
 hold = []
 _insert = tier.TieredPromptCache.insert_cache

@@ -10,7 +10,6 @@ import kvstore
 from kvstore import sessions
 from kvstore.errors import AmbiguousSession, KVStoreError, SessionNotFound
 from kvstore.format import ExtFlag, Reason, read_entry
-from kvstore.policy import Options
 
 from kvhelpers import colliding_texts, flip, make_store, make_tensors
 
@@ -43,7 +42,7 @@ def test_save_stores_session_with_title_and_system_checkpoint(store):
 
 
 def test_sessions_ignore_min_tokens_system_checkpoints_do_not(tmp_path):
-    s = make_store(tmp_path / "kv", options=Options())          # min_tokens 512
+    s = make_store(tmp_path / "kv", min_tokens=512)
     e = sessions.save(s, "short session", np.arange(20), tensors(20), title="tiny",
                       system_text="short", system_tokens=np.arange(5), system_tensors=tensors(5))
     assert e is not None and e.tokens == 20
@@ -72,7 +71,7 @@ def test_list_is_sessions_only_newest_first(store):
 
 
 def test_switch_loads_by_prefix_counts_a_hit_and_keeps_the_file(tmp_path):
-    s = make_store(tmp_path / "kv", options=Options(min_tokens=1, cold_max_tokens=10))
+    s = make_store(tmp_path / "kv", min_tokens=1, cold_max_tokens=10)
     t = tensors(50, 7)
     e = sessions.save(s, "a long session", np.arange(50), t, meta={"cache": ["KVCache"]}, title="long")
     for prefix in (e.sha[:4], e.sha[:9].upper(), e.sha):

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import Options
 from kvstore import trailers as trailer_mod
 from kvstore.store import KVStore
 from kvhelpers import OPTS, checkpoint_files, flip, make_store, make_tensors
@@ -44,7 +43,7 @@ def messages(caplog):
 
 def test_refuses_too_few_tokens(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvstore")
-    with make_store(tmp_path / "kv", options=Options(min_tokens=8)) as s:
+    with make_store(tmp_path / "kv", min_tokens=8) as s:
         assert s.save("short prompt", list(range(7)), small_tensors()) is None
         assert s.save("empty tokens", [], small_tensors()) is None
         assert s.stats()["refused"] == 2 and s.stats()["saves"] == 0
@@ -208,7 +207,7 @@ def test_effective_prompt_parts(store):
 def test_long_checkpoint_is_consumed_after_load(tmp_path):
     # Whole files only: a chain is never consumed (its blocks are the
     # parents of what the live session stores next; tests/test_chain.py).
-    with make_store(tmp_path / "kv", options=Options(min_tokens=1, cold_max_tokens=10), layout="whole") as s:
+    with make_store(tmp_path / "kv", min_tokens=1, cold_max_tokens=10, layout="whole") as s:
         long_e = s.save("long one", list(range(11)), small_tensors())
         edge_e = s.save("edge one", list(range(10)), small_tensors())
         assert s.load(s.find("long one!")) is not None and os.path.exists(long_e.path)    # asked nothing
@@ -299,7 +298,7 @@ def test_try_submit_never_waits_for_a_full_writer(tmp_path):
 
 
 def test_save_async_refusal_and_error_come_through_the_future(tmp_path):
-    with make_store(tmp_path / "kv", options=Options(min_tokens=5)) as s:
+    with make_store(tmp_path / "kv", min_tokens=5) as s:
         assert s.save_async("few", [1, 2], small_tensors()).result(timeout=30) is None
         with pytest.raises(ValueError):
             s.save_async("bad meta", list(range(9)), small_tensors(), meta={"x": {1}}).result(timeout=30)
@@ -312,7 +311,7 @@ def _async_batch(s, n, prefix):
 
 
 def test_flush_waits_for_queued_saves(tmp_path):
-    with KVStore(tmp_path / "kv", options=OPTS, durable=True) as s:
+    with KVStore(tmp_path / "kv", **OPTS, durable=True) as s:
         futs = _async_batch(s, 6, "flush")
         s.flush()
         assert all(f.done() for f in futs)
@@ -322,7 +321,7 @@ def test_flush_waits_for_queued_saves(tmp_path):
 
 
 def test_close_waits_for_queued_saves(tmp_path):
-    s = KVStore(tmp_path / "kv", options=OPTS, durable=True)
+    s = KVStore(tmp_path / "kv", **OPTS, durable=True)
     futs = _async_batch(s, 6, "close")
     s.close()
     assert all(f.done() and f.result() is not None for f in futs)
@@ -367,7 +366,7 @@ def test_stats_counters(tmp_path):
 def test_modes_whatever_the_umask(tmp_path, umask):
     old = os.umask(umask)
     try:
-        with KVStore(tmp_path / "a" / "kv", options=OPTS, quarantine=True) as s:
+        with KVStore(tmp_path / "a" / "kv", **OPTS, quarantine=True) as s:
             e = s.save("perm", [1, 2], small_tensors())
             e2 = s.save("perm2", [1, 2], small_tensors())
             flip(e2.path, e2.file_size - 1, 0x40)            # corrupt: goes to .quarantine
@@ -496,7 +495,7 @@ def test_no_prompt_text_in_logs(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvstore")
     secrets = [SECRET, "hunter2-password-in-prompt", "tool-result-SECRET-77"]
     d = tmp_path / "kv"
-    with make_store(d, options=Options(min_tokens=2, cold_max_tokens=5), budget_mb=0.05,
+    with make_store(d, min_tokens=2, cold_max_tokens=5, budget_mb=0.05,
                     quarantine=True) as s:
         s.save(secrets[0], [1], small_tensors())                         # refused: min_tokens
         s.save(secrets[0], [1, 2], {"x": np.zeros(1 << 20, np.uint8)})  # refused: budget
@@ -539,7 +538,7 @@ def test_store_works_in_a_forked_child_after_parallel_io(tmp_path):
     import multiprocessing as mp
 
     big = {"k": np.arange(3 << 20, dtype=np.float32)}          # 12 MiB: sliced over the pool
-    with kvstore.KVStore(tmp_path / "s", options=kvstore.Options(min_tokens=1)) as store:
+    with kvstore.KVStore(tmp_path / "s", min_tokens=1) as store:
         store.save("parent text", np.arange(4), big)
         assert store.load(store.find("parent text")) is not None
         store.save_async("parent async", np.arange(4), big).result()

@@ -20,11 +20,12 @@ import pytest
 
 from kvstore import policy
 from kvstore.format import Reason
-from kvstore.policy import ANCHOR, BLOCKS, SNAPSHOT, WAYPOINT, Options
+from kvstore.policy import ANCHOR, BLOCKS, SNAPSHOT, WAYPOINT
+from kvstore.settings import Settings
 from kvstore.prompt_cache import PromptCache, Request
 from kvhelpers import ToyEngine
 
-OPTS = Options(min_tokens=64, cold_max_tokens=1000, continued_interval_tokens=200, boundary_trim_tokens=8,
+OPTS = Settings(min_tokens=64, cold_max_tokens=1000, continued_interval_tokens=200, boundary_trim_tokens=8,
                boundary_align_tokens=64)          # waypoints every 256 tokens
 STEP = 64                                         # PromptCache's prefill chunk
 USER, ASSISTANT = 1, 2
@@ -205,10 +206,7 @@ class Recorder:
     """A store that records the stores attempted of it; those of refused reasons fail."""
 
     def __init__(self, layout="whole", block_tokens=256, refuse=()):
-        self.options = OPTS
-        self.layout = layout
-        self.block_tokens = block_tokens
-        self.ctx_size = 100_000
+        self.settings = OPTS.replace(layout=layout, block_tokens=block_tokens, ctx_size=100_000)
         self.model_identity = None
         self.path = "recorder"
         self.refuse = refuse
@@ -330,7 +328,7 @@ def serve_tier(situation):
     chain = isinstance(s, Finished)
     store = Recorder("chain" if chain else "whole", s.block_tokens if chain else 256, getattr(s, "refuse", ()))
     provider = types.SimpleNamespace(tokenizer=Tokenizer(), model=None, draft_model=None)
-    tier = TieredPromptCache(lambda identity: store, provider, "m", OPTS, max_size=100)
+    tier = TieredPromptCache(lambda spec: store, provider, "m", store.settings, max_size=100)
     tier.store = store
     if isinstance(s, Prefill):
         ids = list(range(100, 100 + s.pos))

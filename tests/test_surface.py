@@ -167,7 +167,7 @@ def test_the_top_level_is_small():
     import kvstore
     names = public_names(kvstore)
     assert len(names) <= 12, names
-    assert {"KVStore", "Options", "Match", "Checkpoint", "PromptCache", "KVStoreError"} <= set(names)
+    assert {"KVStore", "Settings", "Match", "Checkpoint", "PromptCache", "KVStoreError"} <= set(names)
     # The format's helpers live in kvstore.format, every error in kvstore.errors.
     import kvstore.errors
     import kvstore.format
@@ -199,6 +199,36 @@ def test_a_models_quant_bits_and_context_are_read_in_one_place():
     assert spec.quant_bits({}) == 16 and spec.quant_bits({"quantization": {"bits": 7}}) == 16
     assert spec.ctx_size({"max_position_embeddings": 4096}) == 4096
     assert spec.ctx_size(types.SimpleNamespace()) == spec.DEFAULT_CTX_SIZE
+
+
+def test_a_model_spec_is_built_once_and_the_engine_uses_it():
+    """ModelSpec: the identity, quant bits, context and KV kinds of a model,
+    the same whether the engine or a server (with its config.json) builds it."""
+    import types
+    import pytest
+    pytest.importorskip("mlx_lm")
+    import mlx.nn as nn
+    from kvstore.demo import model as demo_model
+    from kvstore.mlx import MLXEngine, model_fingerprint
+    from kvstore.mlx.spec import ModelSpec
+    model = demo_model.make_model(seed=1, layers=2, hidden=64, heads=2, kv_heads=1)
+    spec = ModelSpec.of(model)
+    assert spec.identity.fingerprint == model_fingerprint(model)
+    assert spec.quant_bits == 16 and spec.kv_kinds == ("KVCache", "KVCache")
+    assert spec.ctx_size == (model.args.max_position_embeddings or 32768)
+    assert spec.store_settings() == {"quant_bits": 16, "ctx_size": spec.ctx_size}
+    tokenizer = types.SimpleNamespace(encode=lambda s: list(s.encode()), decode=lambda ids: bytes(ids).decode())
+    engine = MLXEngine(model, tokenizer)
+    assert engine.spec == spec and (engine.quant_bits, engine.ctx_size) == (16, spec.ctx_size)
+    # A server's config.json is read first; a draft model joins the identity.
+    config = {"max_position_embeddings": 4096, "quantization": {"bits": 8, "group_size": 64}}
+    assert ModelSpec.of(model, config=config).store_settings() == {"quant_bits": 8, "ctx_size": 4096}
+    other = demo_model.make_model(seed=2, layers=2, hidden=64, heads=2, kv_heads=1)
+    assert ModelSpec.of(model, draft=other).identity.fingerprint != spec.identity.fingerprint
+    assert ModelSpec.of(model, max_kv_size=64).identity.fingerprint != spec.identity.fingerprint
+    # A quantised model says its bits where no config does.
+    nn.quantize(model, group_size=32, bits=4)
+    assert ModelSpec.of(model).quant_bits == 4
 
 
 def test_the_public_api_type_checks():

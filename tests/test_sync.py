@@ -19,7 +19,6 @@ import pytest
 import kvstore
 from kvstore import files
 from kvstore.format import read_entry
-from kvstore.policy import Options
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -128,7 +127,7 @@ def test_a_durable_save_syncs_file_and_directory_through_sync_fd(tmp_path, monke
         return real(fd, data_only, primitive)
     monkeypatch.setattr(files, "sync_fd", spy)
     ts = {"k": np.arange(64, dtype=np.float16)}
-    with kvstore.KVStore(tmp_path / "d", options=Options(min_tokens=1)) as store:
+    with kvstore.KVStore(tmp_path / "d", min_tokens=1) as store:
         e = store.save("durable text", [1, 2, 3], ts)
         assert store.stats()["sync"] == files.SYNC_PRIMITIVE
     # The directory made for the store (in its parent), the new file, then the directory.
@@ -136,7 +135,7 @@ def test_a_durable_save_syncs_file_and_directory_through_sync_fd(tmp_path, monke
     if os.path.exists("/proc/self/fd"):
         assert calls[0] == tmp_path.name and calls[1].startswith(e.name + ".tmp.") and calls[2] == "d"
     calls.clear()
-    with kvstore.KVStore(tmp_path / "n", options=Options(min_tokens=1), durable=False) as store:
+    with kvstore.KVStore(tmp_path / "n", min_tokens=1, durable=False) as store:
         store.save("not durable", [1, 2, 3], ts)
         assert store.stats()["sync"] == "none"
     assert calls == []
@@ -203,8 +202,8 @@ def test_a_durable_chained_save_syncs_blocks_while_writing_and_links_them_in_ord
     text = b"".join(f"t{i} ".encode() for i in ids)
     offsets = [0] + [sum(len(f"t{j} ") for j in range(i + 1)) for i in range(ids.size)]
     kv = {"k": np.repeat(ids[None, None, :, None], 8, axis=3).astype(np.float16)}
-    with kvstore.KVStore(d, options=Options(min_tokens=1), block_tokens=4) as store:
-        assert store.layout == "chain" and store.durable
+    with kvstore.KVStore(d, min_tokens=1, block_tokens=4) as store:
+        assert store.settings.layout == "chain" and store.settings.durable
         monkeypatch.setattr(files, "sync_fd", spy_sync)
         monkeypatch.setattr(publish.os, "link", spy_link)
         monkeypatch.setattr(publish.os, "rename", spy_rename)
@@ -281,7 +280,7 @@ def test_a_durable_chained_save_on_macos_orders_its_steps_and_flushes_once(tmp_p
     text = b"".join(f"t{i} ".encode() for i in ids)
     offsets = [0] + [sum(len(f"t{j} ") for j in range(i + 1)) for i in range(ids.size)]
     kv = {"k": np.repeat(ids[None, None, :, None], 8, axis=3).astype(np.float16)}
-    with kvstore.KVStore(d, options=Options(min_tokens=1), block_tokens=4) as store:
+    with kvstore.KVStore(d, min_tokens=1, block_tokens=4) as store:
         monkeypatch.setattr(files, "SYNC_PRIMITIVE", "F_FULLFSYNC")
         monkeypatch.setattr(files, "STEP_PRIMITIVE", "F_BARRIERFSYNC")
         monkeypatch.setattr(fcntl, "fcntl", fake_fcntl)

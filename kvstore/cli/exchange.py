@@ -8,8 +8,7 @@ words the outcome.
 import os
 import sys
 
-from kvstore import registry
-from kvstore.chain import DEFAULT_BLOCK_TOKENS
+from kvstore import registry, settings
 from kvstore.cli import keys, text
 from kvstore.cli.local import directory, match, open_store
 from kvstore.cli.text import PROG, UsageError
@@ -18,7 +17,10 @@ from kvstore.exchange import export_checkpoint, file_model, import_checkpoint
 from kvstore.files import checkpoint_names, describe_error
 from kvstore.format import open_checkpoint, read_entry
 from kvstore.payload import read_manifest
-from kvstore.store import LAYOUTS, KVStore
+from kvstore.store import KVStore
+
+# The store settings `kvstore import` takes as options (kvstore.settings makes them).
+IMPORT_SETTINGS = ("layout", "block_tokens", "budget_mb")
 
 
 def model_of_file(d, e, sealer):
@@ -79,8 +81,10 @@ def cmd_export(args):
 def cmd_import(args):
     if not os.path.isfile(args.file):
         raise UsageError(f"{args.file}: no such file")
-    if args.block_tokens < 1:
-        raise UsageError(f"--block-tokens {args.block_tokens} must be >= 1")
+    try:
+        chosen = settings.from_arguments(args, IMPORT_SETTINGS)
+    except settings.BadSetting as e:
+        raise UsageError(str(e)) from None
     try:
         e = read_entry(args.file)
     except CorruptCheckpoint as err:
@@ -90,8 +94,7 @@ def cmd_import(args):
         key = keys.key_file(args)
         if key is not None:
             keys.sealer(args)
-        store = KVStore(args.dir, budget_mb=args.budget_mb, model_id=e.model_id, quant_bits=e.quant_bits,
-                        layout=args.layout, block_tokens=args.block_tokens, key=key,
+        store = KVStore(args.dir, chosen, model_id=e.model_id, quant_bits=e.quant_bits, key=key,
                         model_identity=file_model(args.file) if e.model_tag else None)
     except UnsafePath:
         raise UsageError(f"{args.dir}: not a directory (kvstore never follows symlinks)") from None
@@ -125,9 +128,6 @@ def add_parsers(sub):
     s = sub.add_parser("import", help="store a .kv file (from export) in a cache directory")
     s.add_argument("file", metavar="FILE")
     s.add_argument("--dir", required=True, help="the cache directory (created if missing)")
-    s.add_argument("--layout", choices=LAYOUTS, default="chain", help="how to store it (default: chain)")
-    s.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
-                   help=f"chain grid (default {DEFAULT_BLOCK_TOKENS})")
-    s.add_argument("--budget-mb", type=text.megabytes, default=None, help=text.budget_help("disk budget in MiB"))
+    settings.add_arguments(s, IMPORT_SETTINGS)
     keys.add_key_argument(s)
     s.set_defaults(func=cmd_import)

@@ -20,6 +20,8 @@ from kvstore.files import BrokenChain, ancestors, scan_directory
 from kvstore.directory import budget_bytes_for
 from kvstore.errors import KVStoreError
 from kvstore.payload import read_manifest
+from kvstore import settings
+from kvstore.settings import DEFAULT_STALE_AFTER_S
 
 # The columns of the sequence table that hold numbers (right-aligned).
 NUMBER_COLUMNS = ("TOKENS", "BLOCKS", "HITS", "CTX", "QUANT", "SIZE")
@@ -27,7 +29,7 @@ NUMBER_COLUMNS = ("TOKENS", "BLOCKS", "HITS", "CTX", "QUANT", "SIZE")
 
 def rank(entries, now):
     """(score, entry), the best kept first: eviction's own order, reversed (the next victim last)."""
-    order = policy.eviction_order(entries, now, stale_after_s=policy.DEFAULT_STALE_AFTER_S)
+    order = policy.eviction_order(entries, now, stale_after_s=DEFAULT_STALE_AFTER_S)
     return [(policy.eviction_score(e, now), e) for e in reversed(order)]
 
 
@@ -203,7 +205,7 @@ def cmd_ls(args):
         print(sequence_table(ranked, chains, titles, models, now, any(e.is_block for e in entries)))
     else:
         print(f"no checkpoints in {d}")
-    print_totals(entries, seqs, bad, sealer, *budget_bytes_for(d, args.budget_mb))
+    print_totals(entries, seqs, bad, sealer, *budget_bytes_for(d, text.budget_mb(args)))
     return 0
 
 
@@ -212,8 +214,8 @@ def add_parsers(sub):
     s = sub.add_parser("ls", help="list checkpoints, best kept first (or a bucket's, with --remote)")
     s.add_argument("dir", metavar="DIR", nargs="?")
     s.add_argument("--json", action="store_true", help="a JSON list of objects")
-    s.add_argument("--budget-mb", type=text.megabytes, default=None,
-                   help=text.budget_help("budget shown against the total, in MiB"))
+    settings.add_arguments(s, ["budget_mb"],
+                           doc={"budget_mb": text.budget_help("budget shown against the total, in MiB")})
     s.add_argument("--blocks", action="store_true", help="one row per chain block (parent, range), not per sequence")
     remote.add_arguments(s)
     keys.add_key_argument(s)

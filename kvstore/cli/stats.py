@@ -12,7 +12,7 @@ import math
 import os
 import time
 
-from kvstore import counters, files, registry
+from kvstore import counters, files, registry, settings
 from kvstore.cli import text
 from kvstore.cli.local import directory
 from kvstore.files import scan_directory
@@ -97,7 +97,7 @@ def cmd_stats(args):
     d = directory(args.dir)
     entries, bad = scan_directory(d)
     now = int(time.time())
-    out = summary(d, entries, bad, *budget_bytes_for(d, args.budget_mb))
+    out = summary(d, entries, bad, *budget_bytes_for(d, text.budget_mb(args)))
     if args.json:
         print(json.dumps(dict(out, directory=json_counters(out["directory"])), indent=2))
         return 0
@@ -112,5 +112,5 @@ def add_parsers(sub):
     s = sub.add_parser("stats", help="totals: entries, bytes, reasons, hits, ages; the directory's cumulative counters")
     s.add_argument("dir", metavar="DIR")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--budget-mb", type=text.megabytes, default=None, help=text.budget_help("disk budget in MiB"))
+    settings.add_arguments(s, ["budget_mb"], doc={"budget_mb": text.budget_help("disk budget in MiB")})
     s.set_defaults(func=cmd_stats)

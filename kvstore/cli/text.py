@@ -12,7 +12,7 @@ import sys
 import time
 import unicodedata
 
-from kvstore import ds4, policy
+from kvstore import ds4, settings
 from kvstore.format import ExtFlag, Reason
 
 PROG = "kvstore"
@@ -147,14 +147,26 @@ def pairs(rows, indent=""):
 
 
 def budget_help(what, where="DIR"):
-    """An argparse help text of a --budget-mb option: what, then the default in words."""
-    return f"{what} (default: {policy.default_budget_text(where)}; 0: none)".replace("%", "%%")
+    """The help text of a --budget-mb option (kvstore.settings.add_arguments): what, then the default in words."""
+    return f"{what} (default: {settings.default_budget_text(where)}; 0: none)"
+
+
+def budget_mb(args):
+    """The --budget-mb a command was given (None: the default), checked as the store checks it.
+
+    Raises:
+        UsageError: naming the option and its value.
+    """
+    try:
+        return settings.from_arguments(args, ["budget_mb"]).budget_mb
+    except settings.BadSetting as e:
+        raise UsageError(str(e)) from None
 
 
 def budget_line(total, budget, derived=False):
     if not budget:
         return f"{size(total)} (no budget)"
-    how = f", the default: {policy.default_budget_text('the store')}" if derived else ""
+    how = f", the default: {settings.default_budget_text('the store')}" if derived else ""
     return f"{size(total)} of {size(budget)} budget ({100.0 * total / budget:.1f}%{how})"
 
 

@@ -34,8 +34,7 @@ GENERATE_TOKENS = 8
 # The store policy of a real server (ds4's defaults) but for the alignment:
 # the demo's turns are a few hundred tokens, so waypoints every 1024 tokens
 # on a 256-token grid show the mechanism without a 10,000-token prompt.
-DEMO_OPTIONS = dict(min_tokens=256, cold_max_tokens=30000, continued_interval_tokens=1024,
-                    boundary_trim_tokens=32, boundary_align_tokens=256)
+DEMO_SETTINGS = dict(min_tokens=256, continued_interval_tokens=1024, boundary_align_tokens=256)
 PREFILL_STEP = 256
 
 SYSTEM_PROMPT = """You are Harbor, an operations agent for a small logistics company. You plan
@@ -166,7 +165,7 @@ def run_phase(phase, directory, model_path, workdir, progress=None):
     chat = Chat(model_path, workdir)
     engine = MLXEngine(chat.model, chat.tokenizer, **chat.markers)
     # The store holds this model's states (its fingerprint names every file).
-    store = kvstore.KVStore(directory, options=kvstore.Options(**DEMO_OPTIONS), model_identity=engine.identity)
+    store = kvstore.KVStore(directory, model_identity=engine.identity, **DEMO_SETTINGS)
     server = kvstore.PromptCache(store, engine, prefill_step=PREFILL_STEP)
     rows = []
     if phase == 1:
@@ -212,7 +211,7 @@ def summary(rows, directory):
     hits = [r for r in rows if r["source"] != "none"]
     cold = [r["ttft_ms"] for r in rows if r["source"] == "none"]
     warm = [r["ttft_ms"] for r in hits]
-    with kvstore.KVStore(directory, options=kvstore.Options(**DEMO_OPTIONS)) as store:
+    with kvstore.KVStore(directory, **DEMO_SETTINGS) as store:
         entries = store.entries()
         counted = store.counters()
     by_reason = {}

@@ -15,10 +15,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from kvstore.identity import ModelIdentity
-from kvstore.mlx import canary, spec
+from kvstore.mlx import canary
 from kvstore.mlx.codecs import cache_state, quantized_names, tensors_to_cache
-from kvstore.mlx.fingerprint import model_fingerprint, model_label
+from kvstore.mlx.spec import ModelSpec
 from kvstore.mlx.mlxlm import hf_tokenizer
 
 __all__ = ["MLXEngine", "token_bytes_function", "text_offsets_function", "bytes_to_unicode"]
@@ -134,18 +133,16 @@ class MLXEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
-        args = getattr(model, "args", None)
-        self.quant_bits = quant_bits if quant_bits is not None else spec.quant_bits(args)
-        self.ctx_size = int(ctx_size or spec.ctx_size(args))
+        # What a store needs of the model, read once (kvstore.mlx.spec): its
+        # checkpoints name it, and only its own are restored (docs/semantics.md §17).
+        self.spec = ModelSpec.of(model, max_kv_size, quant_bits=quant_bits, ctx_size=ctx_size or None)
+        self.identity, self.quant_bits, self.ctx_size = self.spec.identity, self.spec.quant_bits, self.spec.ctx_size
         self.user_id = self._marker_id(user_marker, "user_id")
         self.assistant_id = self._marker_id(assistant_marker, "assistant_id")
         self.max_kv_size = max_kv_size
         self.token_bytes = token_bytes_function(tokenizer)
         self.text_offsets = text_offsets_function(self.token_bytes)
         self.cache = make_prompt_cache(model, max_kv_size)
-        # The exact model (weights, config, cache): its checkpoints name it,
-        # and only its own are restored (docs/semantics.md §17).
-        self.identity = ModelIdentity(model_fingerprint(model, max_kv_size), model_label(model))
         self.eos_ids = self._eos_ids()
         self._no_specials = _accepts_special_flag(tokenizer)
 

@@ -36,7 +36,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-__all__ = ["model_fingerprint", "model_label", "SAMPLES", "WINDOW"]
+__all__ = ["model_fingerprint", "model_label", "quantization", "cache_kinds", "SAMPLES", "WINDOW"]
 
 # Bytes sampled per tensor: SAMPLES windows of WINDOW bytes.  8 x 64 bytes
 # covers a few hundred weights of every tensor, far more than it takes to
@@ -70,7 +70,8 @@ def _sample(a):
     return mx.take(flat, mx.array(idx))
 
 
-def _quantization(model):
+def quantization(model):
+    """[[module, its class, bits, group size, mode]] of every quantised layer of model, sorted."""
     out = []
     for name, module in model.named_modules():
         bits = getattr(module, "bits", None)
@@ -80,7 +81,8 @@ def _quantization(model):
     return sorted(out)
 
 
-def _cache_kinds(model, max_kv_size):
+def cache_kinds(model, max_kv_size=None):
+    """[[cache class, its int fields]] of each layer's KV cache as model makes it."""
     out = []
     for c in make_prompt_cache(model, max_kv_size):
         fields = {k: getattr(c, k) for k in ("max_size", "keep", "chunk_size", "step", "bits", "group_size")
@@ -115,8 +117,8 @@ def model_fingerprint(model: Any, max_kv_size: int | None = None, options: Mappi
         raw = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode()
         h.update(len(raw).to_bytes(8, "little") + raw)
 
-    put({"version": _VERSION, "config": _config(model), "quantization": _quantization(model),
-         "cache": _cache_kinds(model, max_kv_size), "max_kv_size": max_kv_size, "options": options or {}})
+    put({"version": _VERSION, "config": _config(model), "quantization": quantization(model),
+         "cache": cache_kinds(model, max_kv_size), "max_kv_size": max_kv_size, "options": options or {}})
     params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
     samples = [_sample(a) for _, a in params]
     mx.eval(samples)

@@ -13,33 +13,24 @@ upstream commit ec6a82a, which added the anchor factor and the superseded
 waypoint scale).  Where kvstore departs from ds4 the function says so in a
 comment (docs/semantics.md §7 and §8 are the rules as implemented).
 
-Modules: options (Options and the defaults), store (what to store, where and
-why), eviction (scores and the victim order), budget (the disk and write
-budgets, and misfit: which checkpoints an engine can load).
+Modules: store (what to store, where and why), eviction (scores and the
+victim order), budget (the disk and write budgets, and misfit: which
+checkpoints an engine can load).  The policy's knobs and their defaults are
+fields of kvstore.settings.Settings, which every function here takes.
 """
 
-from kvstore.policy.budget import (BUDGET_SLACK_PERCENT, DEFAULT_BUDGET_MAX_BYTES, DEFAULT_BUDGET_MIN_BYTES,
-                                   DEFAULT_BUDGET_SHARE, WRITE_BUDGET_FLOORS, bytes_fit, default_budget_bytes,
-                                   default_budget_text, file_size_fits, misfit, over_half_budget, write_allowed,
+from kvstore.policy.budget import (BUDGET_SLACK_PERCENT, WRITE_BUDGET_FLOORS, bytes_fit, default_budget_bytes,
+                                   file_size_fits, misfit, over_half_budget, write_allowed,
                                    write_budget_floor)
 from kvstore.policy.eviction import (ANCHOR_SCORE_FACTOR, MIN_EFFECTIVE_HITS, SUPERSEDED_HIT_FACTOR,
                                      SUPERSEDED_MIN_FACTOR, effective_hits, eviction_order, eviction_score,
                                      is_anchor, pick_victim, select_victims)
-from kvstore.policy.options import (DEFAULT_BOUNDARY_ALIGN_TOKENS, DEFAULT_BOUNDARY_TRIM_TOKENS,
-                                    DEFAULT_COLD_MAX_TOKENS, DEFAULT_CONTINUED_INTERVAL_TOKENS, DEFAULT_HALF_LIFE,
-                                    DEFAULT_MAX_PINNED_SHARE, DEFAULT_MIN_TOKENS, DEFAULT_OPTIONS,
-                                    DEFAULT_STALE_AFTER_S, Options, check_count)
 from kvstore.policy.store import (ANCHOR, BLOCKS, LEAVING, PIN, SNAPSHOT, WAYPOINT, StoreTarget, chat_anchor_pos,
                                   cold_target, continued_step, continued_store_target, finished_stores,
                                   finished_tail, last_store_after, leaving_stores, pin_target, prefill_stores,
                                   snapshot_every_block, store_cut, store_len)
 
 __all__ = [
-    # options
-    "Options", "DEFAULT_OPTIONS", "DEFAULT_MIN_TOKENS", "DEFAULT_COLD_MAX_TOKENS", "DEFAULT_CONTINUED_INTERVAL_TOKENS",
-    "DEFAULT_BOUNDARY_TRIM_TOKENS", "DEFAULT_BOUNDARY_ALIGN_TOKENS", "DEFAULT_HALF_LIFE", "DEFAULT_STALE_AFTER_S",
-    "DEFAULT_MAX_PINNED_SHARE",
-    "check_count",
     # store
     "store_len", "chat_anchor_pos", "continued_step", "continued_store_target", "snapshot_every_block",
     "StoreTarget", "ANCHOR", "WAYPOINT", "SNAPSHOT", "BLOCKS", "LEAVING", "PIN", "pin_target", "cold_target",
@@ -49,8 +40,7 @@ __all__ = [
     "MIN_EFFECTIVE_HITS", "ANCHOR_SCORE_FACTOR", "SUPERSEDED_MIN_FACTOR", "SUPERSEDED_HIT_FACTOR", "is_anchor",
     "effective_hits", "eviction_score", "eviction_order", "select_victims", "pick_victim",
     # budget
-    "BUDGET_SLACK_PERCENT", "DEFAULT_BUDGET_SHARE", "DEFAULT_BUDGET_MIN_BYTES", "DEFAULT_BUDGET_MAX_BYTES",
-    "default_budget_bytes", "default_budget_text", "over_half_budget", "file_size_fits", "bytes_fit",
+    "BUDGET_SLACK_PERCENT", "default_budget_bytes", "over_half_budget", "file_size_fits", "bytes_fit",
     "WRITE_BUDGET_FLOORS", "write_budget_floor",
     "write_allowed", "misfit",
 ]

@@ -6,31 +6,17 @@ Pure functions: the caller passes the sizes, levels and header fields.
 """
 
 from kvstore.format import LOADABLE_ABIS, PREFIX_SIZE, Reason
-from kvstore.policy.options import check_count
+from kvstore.settings import (DEFAULT_BUDGET_MAX_BYTES, DEFAULT_BUDGET_MIN_BYTES, DEFAULT_BUDGET_SHARE,
+                              check_count)
 
 # Headroom reserved on top of a file's exact size when checking it against the
 # budget, so that accounting surprises cannot produce a file the next budget
 # pass deletes at once (ds4 kv_cache_budget_required: 1%, rounded up).
 BUDGET_SLACK_PERCENT = 1
 
-# The default disk budget, when none is set: this share of the filesystem
-# that holds the directory, within these bounds.  ds4's fixed 4 GiB holds
-# one 30,000-token session of an 8B model (128-144 KiB of KV a token) or
-# none; a share of the disk grows with the machine, and the bounds keep a
-# small disk useful and a large one from filling with checkpoints.
-DEFAULT_BUDGET_SHARE = 0.10
-DEFAULT_BUDGET_MIN_BYTES = 4 << 30
-DEFAULT_BUDGET_MAX_BYTES = 64 << 30
-
 # Sizes in the envelope are u64 (docs/format.md §2); ds4 refuses a file whose
 # size does not fit, and so do we.
 _U64_MAX = 2**64 - 1
-
-
-def default_budget_text(where="the directory"):
-    """How the default budget is chosen, in words (help texts, kvstore stats)."""
-    return (f"{DEFAULT_BUDGET_SHARE:.0%} of the filesystem holding {where}, at least "
-            f"{DEFAULT_BUDGET_MIN_BYTES >> 30} GiB, at most {DEFAULT_BUDGET_MAX_BYTES >> 30} GiB")
 
 
 def default_budget_bytes(filesystem_bytes):

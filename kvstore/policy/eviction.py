@@ -11,7 +11,7 @@ import heapq
 import math
 
 from kvstore.format import Reason
-from kvstore.policy.options import DEFAULT_HALF_LIFE
+from kvstore.settings import DEFAULT_HALF_LIFE
 
 # Decayed hit counts below this are noise and count as zero
 # (KV_CACHE_MIN_EFFECTIVE_HITS).
@@ -147,7 +147,7 @@ def eviction_order(entries, now, superseded=frozenset(), protected=frozenset(),
         superseded: shas of continued waypoints the incoming store supersedes.
         protected: shas (or file names) to keep while others remain.
         half_life_s: hit half-life in seconds.
-        stale_after_s: Options.stale_after_s (None: no stale rule).
+        stale_after_s: Settings.stale_after_s (None: no stale rule).
 
     Returns:
         list of the entries.

@@ -25,9 +25,10 @@ import dataclasses
 import numpy as np
 
 from kvstore.format import Reason
-from kvstore.policy.options import DEFAULT_OPTIONS, check_count
+from kvstore.settings import DEFAULT_SETTINGS, check_count
 
-def store_len(tokens, options=DEFAULT_OPTIONS):
+
+def store_len(tokens, settings=DEFAULT_SETTINGS):
     """How many tokens of a live prefix to store.
 
     Trim ``boundary_trim_tokens`` off the end (the tokenizer may still merge
@@ -38,7 +39,7 @@ def store_len(tokens, options=DEFAULT_OPTIONS):
 
     Args:
         tokens: length of the live prefix.
-        options: the store policy.
+        settings: the store's kvstore.Settings (its policy fields).
 
     Returns:
         the number of tokens to store (``tokens`` itself when no cut applies).
@@ -47,20 +48,20 @@ def store_len(tokens, options=DEFAULT_OPTIONS):
         ValueError: tokens is negative.
     """
     check_count("tokens", tokens)
-    trim = options.boundary_trim_tokens
-    align = options.boundary_align_tokens
+    trim = settings.boundary_trim_tokens
+    align = settings.boundary_align_tokens
     # Only a prefix longer than min + trim can be trimmed and still be
     # worth storing (ds4 checks this first, and so keeps its int math
     # away from negative remainders).
-    if tokens > options.min_tokens + trim:
+    if tokens > settings.min_tokens + trim:
         stable = tokens - trim
         stable -= stable % align
-        if stable >= options.min_tokens:
+        if stable >= settings.min_tokens:
             return stable
     return tokens
 
 
-def chat_anchor_pos(token_ids, user_id, assistant_id, options=DEFAULT_OPTIONS):
+def chat_anchor_pos(token_ids, user_id, assistant_id, settings=DEFAULT_SETTINGS):
     """Where to cut a cold checkpoint so that independent sessions share it.
 
     The stable part of a rendered chat is everything before the user message
@@ -74,7 +75,7 @@ def chat_anchor_pos(token_ids, user_id, assistant_id, options=DEFAULT_OPTIONS):
             or a 1-D numpy array (searched without a Python loop).
         user_id: the user-turn marker token; negative when the model has none.
         assistant_id: the assistant-turn marker token; negative when none.
-        options: the store policy (``min_tokens``).
+        settings: the store's kvstore.Settings (its policy fields) (``min_tokens``).
 
     Returns:
         the index of that user marker (so the checkpoint holds the tokens
@@ -87,7 +88,7 @@ def chat_anchor_pos(token_ids, user_id, assistant_id, options=DEFAULT_OPTIONS):
                                                       assistant_id)
     else:
         last_user = _last_user_before_assistant(token_ids, user_id, assistant_id)
-    return last_user if last_user >= options.min_tokens else -1
+    return last_user if last_user >= settings.min_tokens else -1
 
 
 def _last_user_before_assistant(token_ids, user_id, assistant_id):
@@ -125,27 +126,27 @@ def _last_user_before_assistant_array(array, user_id, assistant_id):
     return int(users[-1]) if users.size else -1
 
 
-def continued_step(options=DEFAULT_OPTIONS):
+def continued_step(settings=DEFAULT_SETTINGS):
     """Spacing of continued waypoints: the interval rounded up to the alignment.
 
     Rounding up keeps every waypoint on a prefill-chunk boundary; with the
     defaults 10000 becomes 10240.
 
     Args:
-        options: the store policy.
+        settings: the store's kvstore.Settings (its policy fields).
 
     Returns:
         the step in tokens, or 0 when continued waypoints are off
         (``continued_interval_tokens`` is 0).
     """
-    interval = options.continued_interval_tokens
+    interval = settings.continued_interval_tokens
     if interval <= 0:
         return 0
-    align = options.boundary_align_tokens
+    align = settings.boundary_align_tokens
     return -(-interval // align) * align
 
 
-def continued_store_target(live_tokens, last_store_tokens, options=DEFAULT_OPTIONS):
+def continued_store_target(live_tokens, last_store_tokens, settings=DEFAULT_SETTINGS):
     """Whether a long prefill that has reached ``live_tokens`` stores a waypoint now.
 
     A waypoint is written when the live length is an exact multiple of
@@ -157,7 +158,7 @@ def continued_store_target(live_tokens, last_store_tokens, options=DEFAULT_OPTIO
         live_tokens: tokens prefilled so far.
         last_store_tokens: length of the longest checkpoint stored for this
             live session so far (0 when none).
-        options: the store policy.
+        settings: the store's kvstore.Settings (its policy fields).
 
     Returns:
         the number of tokens to store (``live_tokens``), or 0 for none.
@@ -167,10 +168,10 @@ def continued_store_target(live_tokens, last_store_tokens, options=DEFAULT_OPTIO
     """
     check_count("live_tokens", live_tokens)
     check_count("last_store_tokens", last_store_tokens)
-    step = continued_step(options)
+    step = continued_step(settings)
     if step <= 0:
         return 0
-    if live_tokens < options.min_tokens:
+    if live_tokens < settings.min_tokens:
         return 0
     if live_tokens % step != 0:
         return 0
@@ -233,7 +234,7 @@ class StoreTarget:
     grid: int = 0
 
 
-def cold_target(prompt_tokens, anchor, options=DEFAULT_OPTIONS):
+def cold_target(prompt_tokens, anchor, settings=DEFAULT_SETTINGS):
     """Where a cold request stores its cold checkpoint (docs/semantics.md §7).
 
     At the anchor when there is one, else at the store length of the whole
@@ -244,18 +245,18 @@ def cold_target(prompt_tokens, anchor, options=DEFAULT_OPTIONS):
     Args:
         prompt_tokens: the prompt's length in tokens.
         anchor: :func:`chat_anchor_pos` of the prompt (<= 0: no anchor).
-        options: the store policy.
+        settings: the store's kvstore.Settings (its policy fields).
 
     Returns:
         the target in tokens (the prefill stops there; under ``min_tokens``
         nothing is stored at it), or 0 for none.
     """
-    if not 0 < prompt_tokens <= options.cold_max_tokens:
+    if not 0 < prompt_tokens <= settings.cold_max_tokens:
         return 0
-    return anchor if anchor > 0 else store_len(prompt_tokens, options)
+    return anchor if anchor > 0 else store_len(prompt_tokens, settings)
 
 
-def prefill_stores(pos, options=DEFAULT_OPTIONS, cold_target=0, last_store=0, block_tokens=0):
+def prefill_stores(pos, settings=DEFAULT_SETTINGS, cold_target=0, last_store=0, block_tokens=0):
     """What to store when a prefill has reached pos tokens, best first.
 
     The caller stores the first target it can and stops there: a cold
@@ -272,7 +273,7 @@ def prefill_stores(pos, options=DEFAULT_OPTIONS, cold_target=0, last_store=0, bl
 
     Args:
         pos: the tokens prefilled so far.
-        options: the store policy.
+        settings: the store's kvstore.Settings (its policy fields).
         cold_target: the request's cold target (0: none).
         last_store: the session's last stored count (:func:`last_store_after`).
         block_tokens: the chain grid of a chained store that takes block
@@ -282,11 +283,11 @@ def prefill_stores(pos, options=DEFAULT_OPTIONS, cold_target=0, last_store=0, bl
         list of StoreTarget.
     """
     out = []
-    if cold_target and pos == cold_target and pos >= options.min_tokens:
+    if cold_target and pos == cold_target and pos >= settings.min_tokens:
         out.append(StoreTarget(Reason.COLD, ANCHOR))
-    if continued_store_target(pos, last_store, options):
+    if continued_store_target(pos, last_store, settings):
         out.append(StoreTarget(Reason.CONTINUED, WAYPOINT))
-    elif block_tokens and pos % block_tokens == 0 and pos >= options.min_tokens:
+    elif block_tokens and pos % block_tokens == 0 and pos >= settings.min_tokens:
         out.append(StoreTarget(Reason.CONTINUED, SNAPSHOT))
     return out
 
@@ -354,7 +355,7 @@ def leaving_stores(reason, n, prompt_tokens=0):
     return [StoreTarget(Reason(reason), LEAVING, prefer=finished_tail(n, prompt_tokens))]
 
 
-def store_cut(n, options=DEFAULT_OPTIONS, positional=True, prefer=None, grid=0, limit=None):
+def store_cut(n, settings=DEFAULT_SETTINGS, positional=True, prefer=None, grid=0, limit=None):
     """How many tokens of an n-token state to store; 0 when nothing is worth a file.
 
     A positional state (every tensor one row per token) can be cut
@@ -364,7 +365,7 @@ def store_cut(n, options=DEFAULT_OPTIONS, positional=True, prefer=None, grid=0, 
 
     Args:
         n: the tokens the state holds.
-        options: the store policy.
+        settings: the store's kvstore.Settings (its policy fields).
         positional: the state can be cut anywhere.
         prefer: a preferred cut (StoreTarget.prefer).
         grid: store whole multiples of this only (StoreTarget.grid).
@@ -386,4 +387,4 @@ def store_cut(n, options=DEFAULT_OPTIONS, positional=True, prefer=None, grid=0, 
         cut = min(cut, max(limit, 0))
     if cut < n and not positional:
         return 0
-    return cut if cut >= options.min_tokens else 0
+    return cut if cut >= settings.min_tokens else 0

@@ -31,16 +31,17 @@ def open_tier(url, store, options=None):
     """The RemoteTier behind a KVStore (registered for ``s3://`` URLs)."""
     if store.model_identity is None:
         log.warning("kvstore: remote_model_identity_unset model_id=%d (every model with this id "
-                    "shares one key prefix; pass model_identity=)", store.model_id)
+                    "shares one key prefix; pass model_identity=)", store.settings.model_id)
     # A chained store shares blocks (payload ABI 17), a whole one ABI 16 files:
     # two namespaces, since neither can continue the other's objects.  A
     # sealed store's objects (48, 49: docs/format.md §16) are two more: they
     # are uploaded as they are on disk, and authenticated before a fetch
     # publishes them, so hosts sharing a key accept only what they sealed.
-    abi = PAYLOAD_ABI_CHAIN if store.layout == "chain" else PAYLOAD_ABI_TENSORS
+    abi = PAYLOAD_ABI_CHAIN if store.settings.layout == "chain" else PAYLOAD_ABI_TENSORS
     if store.sealed:
         abi += SEALED_ABI_OFFSET
-    fp = key_fingerprint(store.model_id, store.quant_bits, store.reject_different_quant, store.model_identity,
+    s = store.settings
+    fp = key_fingerprint(s.model_id, s.quant_bits, s.reject_different_quant, store.model_identity,
                          payload_abi=abi)
     return RemoteTier(url, store.path, fp, options, check=store.verify_file)
 

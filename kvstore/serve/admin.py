@@ -278,7 +278,7 @@ class Admin:
         # The leaves' hits as their headers say now: they rank the sequences.
         leaves = hits_now([leaf for leaf, _ in seqs])
         seqs = [(leaf, files[:-1] + [leaf]) for leaf, (_, files) in zip(leaves, seqs)]
-        half_life = store.options.hit_half_life_s
+        half_life = store.settings.hit_half_life_s
         ram = None
         if self.tier is not None:
             ram = {"entries": len(self.tier), "bytes": int(self.tier.nbytes)}
@@ -289,8 +289,9 @@ class Admin:
             "pinned_bytes": pins_mod.kept(live, by_sha)[1],
             "pins": [pin_view(p, now) for p in live],
             "models": registry.summarize(entries, registry.read_registry(store.path)),
-            "model_tag": tag_hex(store.model_tag), "layout": store.layout, "block_tokens": store.block_tokens,
-            "kv_codec": store.kv_codec, "kv_ratio": store.stats()["kv_ratio"],
+            "model_tag": tag_hex(store.model_tag), "layout": store.settings.layout,
+            "block_tokens": store.settings.block_tokens,
+            "kv_codec": store.settings.kv_codec, "kv_ratio": store.stats()["kv_ratio"],
             "by_reason": by_reason(entries),
             "ram": ram,
             "activity": self.activity.snapshot() if self.activity is not None else None,

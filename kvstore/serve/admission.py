@@ -21,7 +21,7 @@ import collections
 import threading
 
 from kvstore import _native
-from kvstore.chain import DEFAULT_BLOCK_TOKENS
+from kvstore.settings import DEFAULT_BLOCK_TOKENS
 
 # Admission counts prompt prefixes at multiples of this many tokens.
 ADMISSION_GRID = DEFAULT_BLOCK_TOKENS

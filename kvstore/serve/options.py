@@ -8,21 +8,30 @@ or mlx-lm.  Every other option goes to mlx_lm.server's own parser.
 import argparse
 import os
 
-from kvstore import host, remote
-from kvstore.chain import DEFAULT_BLOCK_TOKENS
-from kvstore.payload.forms import KV_CODECS
-from kvstore.policy import DEFAULT_STALE_AFTER_S, default_budget_text
+from kvstore import host, remote, settings
 from kvstore.serve import admin as admin_mod
 from kvstore.serve import pinning
 from kvstore.serve.drain import DEFAULT_DRAIN_TIMEOUT_S
 from kvstore.serve.warm import add_arguments as add_warm_arguments
-from kvstore.store import LAYOUTS
 
 # Where checkpoints go when --cache-dir is not given: one directory, and one
 # budget, for every model served from this machine; each file names its
 # model (docs/semantics.md §17), so models never load each other's state.
 # ~/.cache/kvstore/serve; on macOS ~/Library/Caches/kvstore/serve (kvstore.host).
 DEFAULT_CACHE_ROOT = os.path.join(host.default_cache_root(), "serve")
+
+# The store settings kvstore serve takes as options (kvstore.settings makes
+# them, flag, type, default and help), and where its defaults or its words
+# differ from a library store's.
+STORE_SETTINGS = ("budget_mb", "stale_after_s", "min_tokens", "continued_interval_tokens", "layout",
+                  "block_tokens", "kv_codec", "max_write_mb_per_hour", "max_pinned_share", "max_pin_ttl_s")
+SERVE_DEFAULTS = settings.Settings(max_pin_ttl_s=pinning.DEFAULT_MAX_PIN_TTL_S)
+SERVE_DOC = {
+    "max_pinned_share": "the share of --budget-mb that prefixes pinned by cache_control may keep; a pin past "
+                        "it is refused (409), never granted by unpinning others (0: no pins)",
+    "max_pin_ttl_s": "the longest lifetime a pin is granted, in seconds or with a unit (90s, 5m, 1h, 2d); a "
+                     "longer cache_control ttl is cut to it",
+}
 
 
 def build_parser():
@@ -36,32 +45,9 @@ def build_parser():
     p.add_argument("--model", help="the mlx-lm model directory (required)")
     p.add_argument("--cache-dir", help="checkpoint directory, shared by every model (each file names its "
                    f"model; default: {DEFAULT_CACHE_ROOT})")
-    p.add_argument("--budget-mb", type=float, default=None,
-                   help="disk budget of the directory, all models together, in MiB (default: "
-                        f"{default_budget_text('it')}; 0: none)".replace("%", "%%"))
-    p.add_argument("--stale-after-days", type=float, default=DEFAULT_STALE_AFTER_S / 86400,
-                   help="checkpoints nobody has used for this many days go first when the directory is over "
-                        f"its budget, whatever their model (default {DEFAULT_STALE_AFTER_S // 86400}; 0: never)")
-    p.add_argument("--min-tokens", type=int, default=None,
-                   help="shortest prefix worth a checkpoint (default 512)")
-    p.add_argument("--waypoint-tokens", type=int, default=None,
-                   help="store a `continued` checkpoint every this many prompt tokens, rounded up "
-                        "to 2048 (default 10000; 0: none)")
-    p.add_argument("--layout", choices=LAYOUTS, default="chain",
-                   help="chain: blocks of --block-tokens, every token's KV written once and a hit at every "
-                        "block boundary (default); whole: one file per checkpoint")
-    p.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
-                   help=f"tokens per block of a chain (default {DEFAULT_BLOCK_TOKENS})")
-    p.add_argument("--kv-codec", choices=KV_CODECS, default="raw",
-                   help="raw: a chain block's KV as it is (default); lossless: its float tensors as byte planes, "
-                        "4-bit table planes where that shrinks them; q8, q4: quantised to 8 or 4 bits a value, group-wise "
-                        "(lossy: every restore then passes the canary with the codec's tolerance); "
-                        "docs/format.md §20; with --cache-key-file, packed before sealed")
+    settings.add_arguments(p, STORE_SETTINGS, SERVE_DEFAULTS, doc=SERVE_DOC)
     p.add_argument("--disk-kv-bits", type=int, choices=(8, 4), default=None,
                    help="the same as --kv-codec q8 or q4")
-    p.add_argument("--max-write-mb-per-hour", type=float, default=None,
-                   help="SSD write budget in MiB per hour: when it runs low, stores are skipped in order "
-                        "of value (waypoints and evict states first, anchors last); default: none")
     p.add_argument("--admit-after", type=int, default=1,
                    help="store a prefix only once this many requests have used it (default 1: at first use)")
     p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -84,31 +70,25 @@ def build_parser():
 def check(opts):
     """None when the parsed options hold together, else the message of the
     first that does not (naming the option and its value).  Folds
-    --disk-kv-bits into opts.kv_codec."""
+    --disk-kv-bits into opts.kv_codec and sets opts.settings, the store's
+    kvstore.Settings."""
     if not opts.model:
         return "--model PATH is required"
     local = os.path.isabs(opts.model) or opts.model.startswith((".", "~"))
     if local and not os.path.isdir(os.path.expanduser(opts.model)):
         # (Anything else may be a hub repository id, which mlx-lm resolves.)
         return f"--model {opts.model}: no such model directory"
-    for name in ("block_tokens", "admit_after"):
-        value = getattr(opts, name)
-        if value < 1:
-            return f"--{name.replace('_', '-')} {value} must be >= 1"
-    if opts.max_write_mb_per_hour is not None and not opts.max_write_mb_per_hour > 0:
-        return f"--max-write-mb-per-hour {opts.max_write_mb_per_hour} must be > 0"
-    if not 0 <= opts.max_pinned_share <= 1:
-        return f"--max-pinned-share {opts.max_pinned_share} must be between 0 and 1"
-    for name in ("budget_mb", "min_tokens", "waypoint_tokens", "stale_after_days", "drain_timeout"):
-        value = getattr(opts, name)
-        if value is not None and value < 0:
-            return f"--{name.replace('_', '-')} {value} must be >= 0"
+    if opts.admit_after < 1:
+        return f"--admit-after {opts.admit_after} must be >= 1"
+    if opts.drain_timeout < 0:
+        return f"--drain-timeout {opts.drain_timeout} must be >= 0"
     if opts.disk_kv_bits is not None:
         codec = f"q{opts.disk_kv_bits}"
-        if opts.kv_codec not in ("raw", codec):
+        if opts.kv_codec not in (None, "raw", codec):
             return f"--disk-kv-bits {opts.disk_kv_bits} with --kv-codec {opts.kv_codec}: choose one"
         opts.kv_codec = codec
-    if opts.kv_codec != "raw" and opts.layout != "chain":
-        return (f"--kv-codec {opts.kv_codec} with --layout {opts.layout}: packed and quantised "
-                "tensors are chain blocks'")
+    try:
+        opts.settings = settings.from_arguments(opts, STORE_SETTINGS, SERVE_DEFAULTS)
+    except settings.BadSetting as e:
+        return str(e)
     return None

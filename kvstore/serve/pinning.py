@@ -16,14 +16,12 @@ with the same chat template, without a generation prompt, and taking the
 tokens it shares with the whole prompt.
 """
 
-import argparse
 import dataclasses
 import logging
 import time
 
 from kvstore import pins, policy
 from kvstore.errors import PinRefused
-from kvstore.policy import DEFAULT_MAX_PINNED_SHARE
 
 log = logging.getLogger("kvstore")
 
@@ -136,12 +134,12 @@ class Pinner:
 
     Args:
         store: the KVStore the pins are in.
-        options: its Options (min_tokens: the shortest prefix a pin may ask for).
+        settings: its kvstore.Settings (min_tokens: the shortest prefix a pin may ask for).
         metrics: a kvstore.serve.metrics.Metrics, or None.
     """
 
-    def __init__(self, store, options, metrics=None):
-        self.store, self.options, self.metrics = store, options, metrics
+    def __init__(self, store, settings, metrics=None):
+        self.store, self.settings, self.metrics = store, settings, metrics
 
     def judge(self, prompt, ticket, key_of):
         """Judges a request's breakpoints, once each one's length in tokens
@@ -160,12 +158,12 @@ class Pinner:
             BadPin: the request's answer.
         """
         for p in ticket.pins:
-            if not policy.store_cut(p.tokens, self.options) and p.origin == "retention":
+            if not policy.store_cut(p.tokens, self.settings) and p.origin == "retention":
                 p.state = "not_stored"            # too short to keep: not the client's error
                 continue
-            if not policy.store_cut(p.tokens, self.options):
+            if not policy.store_cut(p.tokens, self.settings):
                 raise BadPin(f"messages[{p.message}]: the prefix that ends there is {p.tokens} tokens, shorter "
-                             f"than the {self.options.min_tokens} tokens a checkpoint needs (--min-tokens)")
+                             f"than the {self.settings.min_tokens} tokens a checkpoint needs (--min-tokens)")
             p.state = "queued"
             tenant = p.tenant_of(ticket.tenant)
             self.grant(p, key_of(prompt[:p.tokens], tenant), tenant, upfront=True)
@@ -196,34 +194,14 @@ class Pinner:
 
 
 def add_arguments(p):
-    """`kvstore serve`'s pin options: --max-pinned-share, --global-system-prompt and --max-pin-ttl."""
-    p.add_argument("--max-pinned-share", type=float, default=DEFAULT_MAX_PINNED_SHARE,
-                   help="the share of --budget-mb that prefixes pinned by cache_control may keep; a pin past it "
-                        f"is refused (409), never granted by unpinning others (default {DEFAULT_MAX_PINNED_SHARE:g}; "
-                        "0: no pins)")
+    """`kvstore serve`'s pin option --global-system-prompt (the pin limits are store settings)."""
     p.add_argument("--global-system-prompt", action="store_true",
                    help="share every request's system message across tenants: the prefix through it is stored "
                         "and found without the cache_salt (a 5m breakpoint, or the client's, made global); the "
                         "rest stays salted. Per breakpoint: cache_control {\"type\": \"ephemeral\", "
                         "\"scope\": \"global\"}")
-    p.add_argument("--max-pin-ttl", type=duration, default=DEFAULT_MAX_PIN_TTL_S, metavar="SECONDS",
-                   help="the longest lifetime a pin is granted, in seconds or with a unit (90s, 5m, 1h, 2d); a "
-                        f"longer cache_control ttl is cut to it (default {DEFAULT_MAX_PIN_TTL_S // 60}m)")
-
-
-def duration(text):
-    """Seconds of a duration option: a number of seconds, or one with a unit s, m, h or d."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    scale = units.get(text[-1:], 1)
-    try:
-        value = float(text[:-1] if text[-1:] in units else text) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (seconds, or 90s, 5m, 1h, 2d)") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive duration")
-    return value
 
 
 __all__ = ["BadPin", "PinRequest", "Pinner", "breakpoints", "global_system", "GLOBAL_SCOPE",
-           "add_arguments", "duration", "MAX_BREAKPOINTS",
+           "add_arguments", "MAX_BREAKPOINTS",
            "DEFAULT_TTL", "DEFAULT_MAX_PIN_TTL_S"]

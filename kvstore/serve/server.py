@@ -17,10 +17,8 @@ from mlx_lm import server as mlx_server
 
 from kvstore import payload, remote, seal
 # SUPPORTED_MLX_LM (kvstore.serve shows it): an mlx-lm release outside it fails the import of kvstore.mlx.
-from kvstore.mlx import spec
 from kvstore.mlx import SUPPORTED_MLX_LM  # noqa: F401
 from kvstore.identity import tag_hex
-from kvstore.policy import Options
 from kvstore.serve import admin as admin_mod
 from kvstore.serve import options
 from kvstore.serve.options import DEFAULT_CACHE_ROOT
@@ -48,16 +46,6 @@ def _config(path):
         return {}
 
 
-def _store_options(opts):
-    """The store's Options from the command line (an option not given keeps its default)."""
-    return Options(**{k: v for k, v in (("min_tokens", opts.min_tokens),
-                                         ("continued_interval_tokens", opts.waypoint_tokens),
-                                         ("stale_after_s", opts.stale_after_days * 86400 or None),
-                                         ("max_pinned_share", opts.max_pinned_share),
-                                         ("max_pin_ttl_s", opts.max_pin_ttl))
-                      if v is not None})
-
-
 def _cache_options(cli):
     """The mlx_lm.server options that are part of the model's identity (CACHE_OPTIONS)."""
     # Without kv_bits the group size and start change nothing: the
@@ -77,17 +65,15 @@ def _server_metrics(store):
     return None
 
 
-def _open_store(cache_dir, opts, config, options, identity):
+def _open_store(cache_dir, opts, spec):
     """The KVStore of one model's checkpoints under cache_dir.
 
     Called on the generation thread, once the model has loaded: its
     identity names the store's files (docs/semantics.md §17).
     """
-    store = KVStore(cache_dir, budget_mb=opts.budget_mb, model_identity=identity,
-                    quant_bits=spec.quant_bits(config), ctx_size=spec.ctx_size(config),
-                    options=options, layout=opts.layout, block_tokens=opts.block_tokens, kv_codec=opts.kv_codec,
-                    max_write_mb_per_hour=opts.max_write_mb_per_hour,
-                    key=opts.cache_key_file, **remote.store_kwargs(opts))
+    identity = spec.identity
+    store = KVStore(cache_dir, opts.settings, model_identity=identity, key=opts.cache_key_file,
+                    **spec.store_settings(), **remote.store_kwargs(opts))
     if store.remote is not None:
         # The bucket's index before the first request (later refreshes
         # run in the background); a remote that is down costs one
@@ -107,20 +93,20 @@ class _Server:
         path = cli.model
         config = _config(path) if os.path.isdir(path) else {}
         self.cache_dir = cache_dir = opts.cache_dir or os.path.expanduser(DEFAULT_CACHE_ROOT)
-        options = _store_options(opts)
         # Loads and saves run beside the generation thread: at a lower CPU
         # priority they take the time decoding leaves (docs/semantics.md §7).
         payload.set_io_priority(LOAD_NICE)
         # The HTTP threads load into MLX while the generation thread runs it:
         # no MLX task may call back into Python (kvstore.payload.set_mlx_threaded).
         payload.set_mlx_threaded(True)
-        open_store = functools.partial(_open_store, cache_dir, opts, config, options)
+        open_store = functools.partial(_open_store, cache_dir, opts)
         self.warm_file = getattr(opts, "warm", None)        # a checked kvstore.serve.warm.WarmFile (main)
         if self.warm_file is not None:
             open_store = checked_open(open_store, self.warm_file)
         model_key = (path, cli.adapter_path, cli.draft_model)
         self.metrics = _server_metrics(lambda: self.tier.store)
-        self.tier = TieredPromptCache(open_store, model_provider, model_key, options, _cache_options(cli),
+        self.tier = TieredPromptCache(open_store, model_provider, model_key, opts.settings, _cache_options(cli),
+                                      config=config,
                                       label=os.path.basename(os.path.normpath(path)),
                                       max_size=cli.prompt_cache_size, metrics=self.metrics,
                                       admit_after=opts.admit_after)

@@ -38,7 +38,6 @@ stored already.
 """
 
 import collections
-import hashlib
 import itertools
 import logging
 import threading
@@ -48,13 +47,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvstore import policy
-from kvstore.chain import DEFAULT_BLOCK_TOKENS, slice_along
+from kvstore.chain import slice_along
+from kvstore.settings import DEFAULT_BLOCK_TOKENS
 from kvstore.format import Reason
-from kvstore.identity import ModelIdentity
-from kvstore.mlx import canary, model_fingerprint
+from kvstore.mlx import canary
 from kvstore.mlx.codecs import cache_from_checkpoint, checked_state, quantized_names, same_layout
 from kvstore.mlx.engine import text_offsets_function, token_bytes_function
-from kvstore.mlx.fingerprint import model_label
+from kvstore.mlx.spec import ModelSpec
 from kvstore.mlx.mlxlm import ReportingPromptCache
 from kvstore import tenants
 from kvstore.serve.admission import Ledger
@@ -97,22 +96,23 @@ class TieredPromptCache(ReportingPromptCache):
     """mlx-lm's RAM prompt cache with a kvstore directory behind it.
 
     Args:
-        open_store: a callable ModelIdentity -> the KVStore of that model's
-            checkpoints (called once, by open()).
+        open_store: a callable kvstore.mlx.spec.ModelSpec -> the KVStore of
+            that model's checkpoints (called once, by open()).
         provider: mlx-lm's ModelProvider (the tokenizer and model come from it).
         model_key: the provider's key of the model the store belongs to;
             requests for other models use RAM only.
-        options: the store's kvstore.Options (what to store, when).
+        settings: the store's kvstore.Settings (what to store, when).
         cache_options: the server's options that change the KV cache (kv
             bits, max KV size...): part of the model's identity.
         label: a name for the model in kvstore ls and stats.
+        config: the model directory's config.json (a dict), where the server read one (kvstore.mlx.spec).
         max_size, max_bytes: mlx-lm's LRU limits.
         metrics: a kvstore.serve.metrics.Metrics, or None.
         admit_after: store a prefix once this many requests have used it.
     """
 
-    def __init__(self, open_store, provider, model_key, options, cache_options=None, label="", max_size=10,
-                 max_bytes=1 << 63, metrics=None, admit_after=1):
+    def __init__(self, open_store, provider, model_key, settings, cache_options=None, label="", max_size=10,
+                 max_bytes=1 << 63, metrics=None, admit_after=1, config=None):
         super().__init__(max_size, max_bytes)
         self._open_store = open_store
         self.store = None                        # open() opens it once the model has loaded
@@ -122,8 +122,9 @@ class TieredPromptCache(ReportingPromptCache):
         self.model_key = model_key
         self.cache_options = dict(cache_options or {})
         self.label = label
-        self.options = options
-        self.waypoint_step = policy.continued_step(self.options)
+        self.config = config
+        self.settings = settings
+        self.waypoint_step = policy.continued_step(self.settings)
         self.metrics = metrics
         self.admit_after = admit_after
         self._lock = threading.RLock()           # mlx-lm's trie and LRU, and the tables below
@@ -147,13 +148,11 @@ class TieredPromptCache(ReportingPromptCache):
         The identity covers the model (and a draft model, whose cache rides
         along) with the server's KV cache options.
         """
-        model, draft = self.provider.model, self.provider.draft_model
-        fingerprint = model_fingerprint(model, options=self.cache_options)
-        if draft is not None:
-            fingerprint = hashlib.sha256(
-                f"{fingerprint}+draft:{model_fingerprint(draft, options=self.cache_options)}".encode()).hexdigest()
-        self.store = self._open_store(ModelIdentity(fingerprint, self.label or model_label(model)))
-        self.pinner = Pinner(self.store, self.options, self.metrics)
+        self.spec = ModelSpec.of(self.provider.model, options=self.cache_options, draft=self.provider.draft_model,
+                                 config=self.config, label=self.label or None)
+        self.store = self._open_store(self.spec)
+        self.settings = self.store.settings      # the server's, with the model's quant bits and context
+        self.pinner = Pinner(self.store, self.settings, self.metrics)
         self.ready.set()
         return self.store
 
@@ -228,7 +227,7 @@ class TieredPromptCache(ReportingPromptCache):
         # Keep at least one token to prefill: the server needs its logits.
         # A RAM hit within MIN_DISK_GAIN of that is not worth a load: the
         # disk could save only those tokens' prefill.
-        if len(tokens) - 1 - ram < min(MIN_DISK_GAIN, self.store.block_tokens):
+        if len(tokens) - 1 - ram < min(MIN_DISK_GAIN, self.settings.block_tokens):
             return False
         if found is None:
             return True
@@ -402,9 +401,9 @@ class TieredPromptCache(ReportingPromptCache):
         whole blocks in a chained store.
         """
         if cache_type == "assistant":
-            return policy.finished_stores(self.store.block_tokens if self.store.layout == "chain" else 0)
+            return policy.finished_stores(self.settings.block_tokens if self.settings.layout == "chain" else 0)
         anchor = len(tokens) if cache_type == "system" else 0
-        return policy.prefill_stores(len(tokens), self.options, cold_target=anchor)
+        return policy.prefill_stores(len(tokens), self.settings, cold_target=anchor)
 
     # -- pins (kvstore.serve.pinning, docs/semantics.md §19) -----------------------
 
@@ -501,11 +500,11 @@ class TieredPromptCache(ReportingPromptCache):
         why = target.kind if pin is not None else reason.name.lower()
         try:
             n = cache[0].offset if cache and hasattr(cache[0], "offset") else len(tokens)
-            if n > len(tokens) or not policy.store_cut(n, self.options):
+            if n > len(tokens) or not policy.store_cut(n, self.settings):
                 return None
             tensors, meta, positional = checked_state(cache, n)
             all_positional = len(positional) == len(tensors)
-            cut = policy.store_cut(n, self.options, all_positional, prefer=target.prefer, grid=target.grid)
+            cut = policy.store_cut(n, self.settings, all_positional, prefer=target.prefer, grid=target.grid)
             if pin is not None:
                 # Exactly the pinned prefix, whatever admission says.
                 if cut != pin.tokens:
@@ -548,7 +547,7 @@ class TieredPromptCache(ReportingPromptCache):
             return 0, None
         admitted = self.ledger.admitted(tokens[:cut], tenant, key)
         if admitted < cut:
-            admitted = policy.store_cut(cut, self.options, all_positional, limit=admitted)
+            admitted = policy.store_cut(cut, self.settings, all_positional, limit=admitted)
             if not admitted:
                 log.info("kvstore: store_skipped reason=%s why=admission tokens=%d", why, cut)
                 if self.metrics is not None:
@@ -563,7 +562,7 @@ class TieredPromptCache(ReportingPromptCache):
         try:
             # A text stored already is kept as it is (KVStore.save reads its
             # header and writes nothing), chain blocks stored already too.
-            entry = self.store.save(key, tokens, tensors, meta=meta, reason=reason, ctx_size=self.store.ctx_size,
+            entry = self.store.save(key, tokens, tensors, meta=meta, reason=reason, ctx_size=self.settings.ctx_size,
                                     positional=positional, text_offsets=self.key_offsets(tokens, tenant, len(key)),
                                     dtypes=dtypes or None, exact=quantized_names(meta))
             if entry is not None:

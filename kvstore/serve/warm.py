@@ -130,15 +130,15 @@ class WarmFile:
 
 
 def checked_open(open_store, warm_file):
-    """open_store (ModelIdentity -> KVStore) that first checks the warm file's model.
+    """open_store (kvstore.mlx.spec.ModelSpec -> KVStore) that first checks the warm file's model.
 
     The tier opens its store on the generation thread once the model has
     loaded, before it serves anything: a refused model stops the generation
     thread there (the server then exits with status 2, see WarmFile.refusal).
     """
-    def open_checked(identity):
-        warm_file.check_model(identity)
-        return open_store(identity)
+    def open_checked(spec):
+        warm_file.check_model(spec.identity)
+        return open_store(spec)
     return open_checked
 
 
@@ -381,9 +381,9 @@ class Warmer:
         prompt to count as stored: what a restarted server reuses of it (up
         to its last whole block; with whole files, a store length)."""
         store = self.tier.store
-        if store.layout == "chain":
-            return (n - 1) // store.block_tokens * store.block_tokens
-        return policy.store_len(n - 1, store.options)
+        if store.settings.layout == "chain":
+            return (n - 1) // store.settings.block_tokens * store.settings.block_tokens
+        return policy.store_len(n - 1, store.settings)
 
     def _stored_bytes(self, tokens):
         """The key bytes of the longest stored prefix a request for the prompt
@@ -401,7 +401,8 @@ class Warmer:
         """
         store = self.tier.store
         n = self._target(len(tokens))
-        expect = store.layout == "chain" and self.tier.admit_after <= 1 and policy.store_cut(n, store.options) > 0
+        expect = (store.settings.layout == "chain" and self.tier.admit_after <= 1
+                  and policy.store_cut(n, store.settings) > 0)
         deadline = time.monotonic() + SETTLE_S
         while True:
             store.flush()

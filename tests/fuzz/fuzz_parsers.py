@@ -83,11 +83,11 @@ class Target:
     def __init__(self, base=None):
         base = base or ("/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None)
         self.dir = tempfile.mkdtemp(prefix="kvstore-fuzz-", dir=base)
-        opts = kvstore.Options(min_tokens=1, cold_max_tokens=2**32 - 1)
+        opts = dict(min_tokens=1, cold_max_tokens=2**32 - 1)
         # The whole-file layout (ABI 16): the parsers under test are the
         # envelope's, the payload's and the trailer's; tests/test_chain.py
         # damages chain blocks.
-        self.store = kvstore.KVStore(os.path.join(self.dir, "kv"), options=opts, durable=False,
+        self.store = kvstore.KVStore(os.path.join(self.dir, "kv"), **opts, durable=False,
                                      budget_mb=0, layout="whole")
         e = self.store.save(ORIGINAL_TEXT, ORIGINAL_TOKENS, original_tensors(), meta={"engine": "fuzz"},
                             trailers={0: {"call_1": "{\"tool\": 1}"}, 3: "a title"})
@@ -236,7 +236,7 @@ def _check_path(target, path, blob, text, expect_original):
         return "not_eligible"
     if manifest is None:
         assert verdict is not None
-    if entry.model_id != target.store.model_id:
+    if entry.model_id != target.store.settings.model_id:
         return "not_eligible"
     # Straight to load, as find() would hand it over (the lookup itself is
     # test_lookup.py's): the prompt continues the stored text.
