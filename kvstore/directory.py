@@ -252,7 +252,7 @@ class Directory:
         with self.lock:
             self.index.refresh()
             out = dict(self.stats)
-            # What this process's chain saves stored of their tensors' bytes (kv_codec).
+            # What this process's saves stored of their tensors' bytes (kv_codec).
             out["kv_ratio"] = out["kv_stored_bytes"] / out["kv_raw_bytes"] if out["kv_raw_bytes"] else None
             out["entries"] = len(self.index.entries)
             out["bytes"] = self.index.total_bytes()

@@ -55,7 +55,13 @@ PAYLOAD_ABI_ZSTD_CHAIN = PAYLOAD_ABI_CHAIN + 64                      # 81, retir
 # quantised ones sees a foreign ABI too, never a row it cannot read.
 LOSSY_ABI_OFFSET = 128
 PAYLOAD_ABI_LOSSY_CHAIN = PAYLOAD_ABI_CHAIN + LOSSY_ABI_OFFSET       # 145
-PACKED_ABIS = frozenset({PAYLOAD_ABI_TABLE_CHAIN, PAYLOAD_ABI_LOSSY_CHAIN})
+# A whole file (ABI 16) packs and quantises its tensors the same way: 208, 144.
+PAYLOAD_ABI_TABLE_TENSORS = PAYLOAD_ABI_TENSORS + TABLE_ABI_OFFSET   # 208
+PAYLOAD_ABI_LOSSY_TENSORS = PAYLOAD_ABI_TENSORS + LOSSY_ABI_OFFSET   # 144
+PACKED_BLOCK_ABIS = frozenset({PAYLOAD_ABI_TABLE_CHAIN, PAYLOAD_ABI_LOSSY_CHAIN})
+PACKED_WHOLE_ABIS = frozenset({PAYLOAD_ABI_TABLE_TENSORS, PAYLOAD_ABI_LOSSY_TENSORS})
+PACKED_ABIS = PACKED_BLOCK_ABIS | PACKED_WHOLE_ABIS
+LOSSY_ABIS = frozenset({PAYLOAD_ABI_LOSSY_CHAIN, PAYLOAD_ABI_LOSSY_TENSORS})
 LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS, PAYLOAD_ABI_CHAIN}) | PACKED_ABIS
 
 # Sealed checkpoints (docs/format.md §16): the same two layouts encrypted and
@@ -65,11 +71,13 @@ LOADABLE_ABIS = frozenset({PAYLOAD_ABI_TENSORS, PAYLOAD_ABI_CHAIN}) | PACKED_ABI
 SEALED_ABI_OFFSET = 32
 PAYLOAD_ABI_SEALED = PAYLOAD_ABI_TENSORS + SEALED_ABI_OFFSET        # 48
 PAYLOAD_ABI_SEALED_CHAIN = PAYLOAD_ABI_CHAIN + SEALED_ABI_OFFSET    # 49
-# A sealed block whose inner payload is packed or quantised (§20): 241, 177.
-SEALED_BLOCK_ABIS = frozenset({PAYLOAD_ABI_SEALED_CHAIN} | {a + SEALED_ABI_OFFSET for a in PACKED_ABIS})
-SEALED_ABIS = frozenset({PAYLOAD_ABI_SEALED}) | SEALED_BLOCK_ABIS
+# A sealed block whose inner payload is packed or quantised (§20): 241, 177;
+# a sealed whole file of either: 240, 176.
+SEALED_BLOCK_ABIS = frozenset({PAYLOAD_ABI_SEALED_CHAIN} | {a + SEALED_ABI_OFFSET for a in PACKED_BLOCK_ABIS})
+SEALED_WHOLE_ABIS = frozenset({PAYLOAD_ABI_SEALED} | {a + SEALED_ABI_OFFSET for a in PACKED_WHOLE_ABIS})
+SEALED_ABIS = SEALED_WHOLE_ABIS | SEALED_BLOCK_ABIS
 # The ABIs of a chain's blocks: plain, sealed, packed and quantised.
-BLOCK_ABIS = frozenset({PAYLOAD_ABI_CHAIN}) | PACKED_ABIS | SEALED_BLOCK_ABIS
+BLOCK_ABIS = frozenset({PAYLOAD_ABI_CHAIN}) | PACKED_BLOCK_ABIS | SEALED_BLOCK_ABIS
 
 # The clear seal head of a sealed file, at offset 52 (64 bytes):
 #   0  "KVSL"   4  u8 version 1   5  u8 log2 of the chunk size   6  u16 0
@@ -307,7 +315,7 @@ class Entry:
     @property
     def lossy(self):
         """Its tensors may be stored quantised (docs/format.md §20)."""
-        return self.payload_abi == PAYLOAD_ABI_LOSSY_CHAIN
+        return self.payload_abi in LOSSY_ABIS
 
     @property
     def restorable(self):
@@ -454,7 +462,7 @@ def entry_from_fd(fd, st, path):
     if h.payload_abi in SEALED_ABIS:
         chain = parse_seal_heads(head, h, text_len, st.st_size, path)
         text_len += chain.get("text_start", 0)
-    elif h.payload_abi == PAYLOAD_ABI_CHAIN or h.payload_abi in PACKED_ABIS:
+    elif h.payload_abi == PAYLOAD_ABI_CHAIN or h.payload_abi in PACKED_BLOCK_ABIS:
         at = PREFIX_SIZE + text_len
         if h.payload_bytes < CHAIN_HEAD_SIZE:
             raise CorruptCheckpoint("bad_payload", path, "block payload shorter than its chain header")

@@ -145,7 +145,7 @@ class Reader:
         return self.d.miss(entry)
 
     def _load_whole(self, entry, into, min_tokens, consume, t0):
-        """load() of an ABI 16 file."""
+        """load() of a whole file (ABI 16, or 208 or 144 with packed tensors)."""
         d = self.d
         opened = self._open(entry)
         if opened is None:
@@ -180,11 +180,14 @@ class Reader:
         return Checkpoint(entry=dataclasses.replace(cur, hits=hits), tokens=tokens, tensors=tensors,
                           meta=manifest.meta, text_bytes=text, trailers=trailer_values,
                           positional=dict(manifest.axes), cuts=dict(manifest.cuts),
-                          dtypes={t[0]: t[1] for t in manifest.tensors})
+                          dtypes={t[0]: t[1] for t in manifest.tensors},
+                          lossy=forms.lossiest({form.codec for _, form in manifest.packed.values()}))
 
     def _read_whole(self, fd, st, cur, entry, into):
-        """(text, manifest, tokens, tensors, trailer values) of an open ABI 16
-        file, or None when its text is not the prompt's.
+        """(text, manifest, tokens, tensors, trailer values) of an open whole
+        file, or None when its text is not the prompt's.  A file with packed
+        tensors (ABI 208, 144) is read as a chain of one block is: each
+        packed tensor's stored bytes checked, then unpacked into its array.
 
         Raises:
             CorruptCheckpoint: the file is damaged.
@@ -208,9 +211,13 @@ class Reader:
         verify = d.settings.verify and rfd is fd
         manifest = payload.read_manifest(rfd, plain)
         check_model(cur, manifest.model, d.model_identity)
-        tokens = payload.read_tokens(rfd, plain, manifest, verify)
-        read = payload.read_tensors_mlx if into == "mlx" else payload.read_tensors_numpy
-        tensors = read(rfd, plain, manifest, verify)
+        if manifest.packed:
+            read = payload.read_chain_mlx if into == "mlx" else payload.read_chain_numpy
+            tokens, tensors = read(payload.ChainLayout([(rfd, plain)]), verify)
+        else:
+            tokens = payload.read_tokens(rfd, plain, manifest, verify)
+            read = payload.read_tensors_mlx if into == "mlx" else payload.read_tensors_numpy
+            tensors = read(rfd, plain, manifest, verify)
         return text, manifest, tokens, tensors, read_trailer(rfd, plain, cur.path)
 
     def _load_chain(self, entry, into, min_tokens, t0, tries=LOAD_TRIES):

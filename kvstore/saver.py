@@ -1,6 +1,7 @@
 """The saver: store a checkpoint, writing only what the directory lacks (docs/semantics.md §6, §15; docs/format.md §10, §14).
 
-A whole save writes one ABI 16 file; a chained save cuts the state into
+A whole save writes one file (ABI 16, or 208 or 144 with the store's
+kv_codec, docs/format.md §20); a chained save cuts the state into
 blocks and writes only the blocks not stored yet, parent first, each
 published by the one publish sequence (kvstore.publish), within the disk
 budget and the directory's write budget: all the blocks are written first,
@@ -82,22 +83,28 @@ class Saver:
         tensors, dtypes = payload.host_tensors(tensors, dtypes)
         values = {trailer_mod.bit_index(k): v for k, v in (trailers or {}).items()}
         trailer_raw, ext = trailer_mod.encode_trailer(values) if values else (b"", 0)
-        if d.settings.layout != "chain":             # (no codecs: nothing is lossy)
+        if d.settings.layout != "chain":
             return self._save_whole(text, tokens, tensors, meta, Reason(reason), ctx, values, trailer_raw, ext,
-                                    axes, text_offsets, dtypes)
+                                    axes, text_offsets, dtypes, exact)
         return self._save_chain(text, tokens, tensors, meta, Reason(reason), ctx, values, trailer_raw, ext, axes,
                                 text_offsets, dtypes, exact)
 
     # -- a whole file -------------------------------------------------------
 
     def _save_whole(self, text, tokens, tensors, meta, reason, ctx, values, trailer_raw, ext, axes, text_offsets,
-                    dtypes):
-        """save() in the whole layout: one ABI 16 file."""
+                    dtypes, exact=()):
+        """save() in the whole layout: one file, ABI 16 (208 or 144 with tensors packed)."""
         d = self.d
-        plan = payload.Plan(len(text), tokens, tensors, meta, axes=axes, dtypes=dtypes, model=d.model_identity)
+        plan = payload.Plan(len(text), tokens, tensors, meta, axes=axes, dtypes=dtypes, model=d.model_identity,
+                            exact=exact)
+        codec, codecs = d.settings.kv_codec, None
         if d.budget_bytes and not policy.file_size_fits(len(text), plan.payload_bytes, len(trailer_raw),
                                                         d.budget_bytes):
-            return self.refuse("budget", bytes=PREFIX_SIZE + len(text) + plan.payload_bytes, budget=d.budget_bytes)
+            # The budget counts stored bytes: one over it raw may fit packed.
+            codecs = plan.pack(codec) if codec != "raw" else set()
+            if not policy.file_size_fits(len(text), plan.payload_bytes, len(trailer_raw), d.budget_bytes):
+                return self.refuse("budget", bytes=PREFIX_SIZE + len(text) + plan.payload_bytes,
+                                   budget=d.budget_bytes)
         (digest,), (tag,) = names.names_of(text, [len(text)], d.codec.name_key)
         name = digest.hex() + ".kv"
         path = os.path.join(d.path, name)
@@ -107,9 +114,12 @@ class Saver:
             if kept is not None:
                 self.enqueue(kept)
                 return kept
+            if codecs is None:
+                codecs = plan.pack(codec) if codec != "raw" else set()
             if self.over_write_budget(reason, PREFIX_SIZE + len(text) + plan.payload_bytes + len(trailer_raw)):
                 return None
-            header = self._header(reason, int(tokens.size), ctx, plan, ext, PAYLOAD_ABI_TENSORS, int(time.time()))
+            header = self._header(reason, int(tokens.size), ctx, plan, ext,
+                                  forms.abi_of(codecs, PAYLOAD_ABI_TENSORS), int(time.time()))
             entry = publish.publish_staged(d.codec.stage(path, header, text, plan, trailer_raw, lookup_tag=tag),
                                            d.settings.durable)
         except OSError as e:
@@ -120,7 +130,8 @@ class Saver:
         dt = time.perf_counter() - t0
         with d.lock:
             d.index.add(entry)
-        d.count(saves=1, bytes_written=entry.file_size, save_seconds=dt)
+        raw, stored = plan.tensor_bytes()
+        d.count(saves=1, bytes_written=entry.file_size, save_seconds=dt, kv_raw_bytes=raw, kv_stored_bytes=stored)
         log.info("kvstore: saved reason=%s tokens=%d text=%d bytes=%d save_ms=%.1f file=%s",
                  reason.name.lower(), tokens.size, len(text), entry.file_size, dt * 1e3, short_name(name))
         self.enqueue(entry)          # never blocks: a background thread uploads

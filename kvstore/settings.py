@@ -281,7 +281,7 @@ class Settings:
     block_tokens: int = _setting(DEFAULT_BLOCK_TOKENS, _at_least_one, "tokens per block of a chain",
                                  flag="--block-tokens", type=int, metavar="N")
     kv_codec: str = _setting(
-        "raw", _one_of(KV_CODECS), "raw: a chain block's KV as it is; lossless: its float tensors as byte planes, "
+        "raw", _one_of(KV_CODECS), "raw: a file's KV as it is; lossless: its float tensors as byte planes, "
         "4-bit table planes where that shrinks them; q8, q4: quantised to 8 or 4 bits a value, group-wise (lossy: "
         "every restore then passes the canary with the codec's tolerance); docs/format.md §20; with a key, "
         "packed before sealed", flag="--kv-codec", choices=KV_CODECS)
@@ -329,9 +329,6 @@ class Settings:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
-        if self.kv_codec != "raw" and self.layout != "chain":
-            raise BadSetting("kv_codec", self.kv_codec, f"needs layout='chain', not {self.layout!r}: packed and "
-                             "quantised tensors are chain blocks' (docs/format.md §20)")
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with changes (each checked; an unknown name is a TypeError naming it)."""

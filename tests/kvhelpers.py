@@ -58,14 +58,14 @@ def make_store(path, **kw):
     The layout is the package's default ("chain") unless asked, or unless
     KVSTORE_TEST_LAYOUT names another: CI runs the store's tests once more
     with KVSTORE_TEST_LAYOUT=whole, so both layouts keep every promise; and
-    once more with KVSTORE_TEST_KV_CODEC=lossless (packed chain blocks),
-    which a plain chained store (no key) then writes unless asked otherwise.
+    once more with KVSTORE_TEST_KV_CODEC=lossless (packed blocks), which a
+    plain store (no key) then writes unless asked otherwise.
     """
     if kw.get("settings") is None:
         kw.setdefault("min_tokens", 1)
     kw.setdefault("durable", False)
     kw.setdefault("layout", os.environ.get("KVSTORE_TEST_LAYOUT", "chain"))
-    if kw.get("key") is None and kw["layout"] == "chain":
+    if kw.get("key") is None:
         kw.setdefault("kv_codec", os.environ.get("KVSTORE_TEST_KV_CODEC", "raw"))
     return KVStore(path, **kw)
 

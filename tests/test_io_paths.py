@@ -316,13 +316,13 @@ def test_io_threads_run_at_the_niceness_asked_for(tmp_path):
         f.write(b"x" * 10)
     try:
         payload.set_io_priority(min(19, base + 7))
-        assert payload._get_pool().submit(nice_of_this_thread).result() == min(19, base + 7)
+        assert payload.io_pool().submit(nice_of_this_thread).result() == min(19, base + 7)
         if isinstance(host._prefetch, host.ReadThrough):             # the read-ahead's threads too
             assert read_ahead_nice(tmp) == min(19, base + 7)
     finally:
         payload.set_io_priority(0)
     # Replaced threads start afresh at the process's own niceness.
-    assert payload._get_pool().submit(nice_of_this_thread).result() == base
+    assert payload.io_pool().submit(nice_of_this_thread).result() == base
     if isinstance(host._prefetch, host.ReadThrough):
         assert read_ahead_nice(tmp) == base
     with pytest.raises(ValueError, match="20"):

@@ -774,10 +774,12 @@ def assert_same_state(original, restored):
 
 
 def model_store(path, model, **kw):
-    """A store of model's state (its fingerprint), min_tokens=1, no fsync."""
+    """A store of model's state (its fingerprint), min_tokens=1, no fsync;
+    the layout and codec of CI's passes (kvhelpers.make_store)."""
     if kw.get("settings") is None:
         kw.setdefault("min_tokens", 1)
-    if kw.get("key") is None:       # CI's packed pass (kvhelpers.make_store)
+        kw.setdefault("layout", os.environ.get("KVSTORE_TEST_LAYOUT", "chain"))
+    if kw.get("key") is None:
         kw.setdefault("kv_codec", os.environ.get("KVSTORE_TEST_KV_CODEC", "raw"))
     return kvstore.KVStore(path, durable=False, model_identity=kvmlx.model_fingerprint(model), **kw)
 

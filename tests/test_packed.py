@@ -150,7 +150,8 @@ def older_build(monkeypatch, packed=()):
     loadable, blocks = frozenset({16, 17, *packed}), frozenset({17, 49, *packed})
     monkeypatch.setattr(format, "LOADABLE_ABIS", loadable)
     monkeypatch.setattr(format, "BLOCK_ABIS", blocks)
-    monkeypatch.setattr(format, "PACKED_ABIS", frozenset(packed))     # no chain head read for the others
+    monkeypatch.setattr(format, "PACKED_ABIS", frozenset(packed))
+    monkeypatch.setattr(format, "PACKED_BLOCK_ABIS", frozenset(packed))     # no chain head read for the others
     monkeypatch.setattr(index, "LOADABLE_ABIS", loadable)
     monkeypatch.setattr(index_snapshot, "BLOCK_ABIS", tuple(sorted(blocks)))
     monkeypatch.setattr(codec.PlainCodec, "abis", loadable)
@@ -225,8 +226,6 @@ def test_a_packed_manifest_under_abi_17_is_corrupt(tmp_path):
 def test_bad_settings_are_refused_naming_the_value(tmp_path):
     with pytest.raises(ValueError, match="kv_codec='zip' is not one of raw, lossless, q8, q4"):
         make_store(tmp_path / "a", kv_codec="zip")
-    with pytest.raises(ValueError, match="kv_codec='q8' needs layout='chain', not 'whole'"):
-        make_store(tmp_path / "b", kv_codec="q8", layout="whole")
 
 
 def test_a_chain_over_the_budget_raw_but_not_packed_is_kept(tmp_path):

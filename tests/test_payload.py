@@ -357,13 +357,13 @@ def _force_route(monkeypatch, route):
         return load(fd, entry, tensors, lo, hi, verify, defer=defer)
     monkeypatch.setattr(mlx_io, "load_blob", spy)
     if route == "address_mismatch":
-        queue = payload._VirtualBlob._queue_all
+        queue = payload.VirtualBlob._queue_all
 
         def moved(self, mv):                 # as if MLX had copied out of the buffer it handed over
             n = queue(self, mv)
             self.address += 4096
             return n
-        monkeypatch.setattr(payload._VirtualBlob, "_queue_all", moved)
+        monkeypatch.setattr(payload.VirtualBlob, "_queue_all", moved)
     return used
 
 
@@ -409,12 +409,12 @@ def _reader_threads(monkeypatch):
     import threading
     from kvstore import payload
     seen = set()
-    readinto = payload._VirtualBlob.readinto
+    readinto = payload.VirtualBlob.readinto
 
     def spy(self, b):
         seen.add(threading.get_ident())
         return readinto(self, b)
-    monkeypatch.setattr(payload._VirtualBlob, "readinto", spy)
+    monkeypatch.setattr(payload.VirtualBlob, "readinto", spy)
     return seen
 
 

@@ -153,7 +153,9 @@ def test_serve_takes_disk_kv_bits(tmp_path):
     opts, _ = p.parse_known_args(["--model", str(tmp_path), "--disk-kv-bits", "4"])
     assert opts.disk_kv_bits == 4
     assert server.main(["--model", str(tmp_path), "--disk-kv-bits", "8", "--kv-codec", "lossless"]) == 2
-    assert server.main(["--model", str(tmp_path), "--disk-kv-bits", "4", "--layout", "whole"]) == 2
+    whole, _ = p.parse_known_args(["--model", str(tmp_path), "--disk-kv-bits", "4", "--layout", "whole"])
+    assert options.check(whole) is None
+    assert (whole.settings.kv_codec, whole.settings.layout) == ("q4", "whole")
 
 
 def test_inspect_names_each_tensors_codec(tmp_path):

@@ -566,7 +566,7 @@ def chain_save(store, n, tag, seed=0, reason=Reason.COLD):
 
 def test_remote_chain_fetches_its_missing_blocks_and_loads_bit_identical(s3, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="kvstore")
-    kw = dict(store_kw=dict(block_tokens=GRID))
+    kw = dict(store_kw=dict(layout="chain", block_tokens=GRID))
     with open_store(s3, tmp_path / "a", "chains", **kw) as a:
         e, text, k = chain_save(a, 100, "shared")
         assert a.remote.flush(30)
@@ -623,7 +623,7 @@ def test_remote_chain_fetches_its_missing_blocks_and_loads_bit_identical(s3, tmp
 
 
 def test_remote_chain_with_a_missing_parent_is_a_clean_miss(s3, tmp_path):
-    kw = dict(store_kw=dict(block_tokens=GRID))
+    kw = dict(store_kw=dict(layout="chain", block_tokens=GRID))
     with open_store(s3, tmp_path / "a", "broken", **kw) as a:
         e, text, k = chain_save(a, 60, "broken")
         assert a.remote.flush(30)
@@ -643,7 +643,7 @@ def test_remote_chain_with_a_missing_parent_is_a_clean_miss(s3, tmp_path):
 
 
 def test_janitor_removes_chain_leaves_first(s3, tmp_path):
-    kw = dict(store_kw=dict(block_tokens=GRID), upload=False)
+    kw = dict(store_kw=dict(layout="chain", block_tokens=GRID), upload=False)
     w = open_store(s3, tmp_path / "w", "gcchain", **kw)
     a, text_a, _ = chain_save(w, 96, "left", seed=1)
     b_text = text_a[:4 * 48] + b"R" * (4 * 48)

@@ -51,13 +51,13 @@ def load(self, *a, **kw):
 kvstore.store.KVStore.load = load
 import threading
 import kvstore.payload
-_readinto = kvstore.payload._VirtualBlob.readinto
+_readinto = kvstore.payload.VirtualBlob.readinto
 def readinto(self, b):
     # Python entered from a thread Python did not start: an MLX task (mx.load's callback).
     if isinstance(threading.current_thread(), threading._DummyThread):
         open(os.path.join(gate, "python_in_mlx"), "w").close()
     return _readinto(self, b)
-kvstore.payload._VirtualBlob.readinto = readinto
+kvstore.payload.VirtualBlob.readinto = readinto
 from kvstore.cli import main
 sys.exit(main(sys.argv[1:]))
 """ % GATE_S

@@ -50,9 +50,13 @@ def test_a_value_of_the_wrong_type_is_a_type_error_naming_it(name, value):
         Settings(**{name: value})
 
 
-def test_a_codec_needs_the_chain_layout():
-    with pytest.raises(BadSetting, match="kv_codec='q8' needs layout='chain'"):
-        Settings(kv_codec="q8", layout="whole")
+def test_every_codec_goes_with_every_layout():
+    for codec in ("raw", "lossless", "q8", "q4"):
+        for layout in ("chain", "whole"):
+            s = Settings(kv_codec=codec, layout=layout)
+            assert (s.kv_codec, s.layout) == (codec, layout)
+    with pytest.raises(BadSetting, match="kv_codec='zip'"):
+        Settings(kv_codec="zip", layout="whole")
 
 
 def test_settings_are_frozen_and_replace_checks_again():

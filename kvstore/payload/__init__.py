@@ -28,11 +28,6 @@ from kvstore.payload.pool import (IO_THREADS, MIN_SLICE, QUEUE_BYTES, gc_paused,
                                   read_block, set_io_priority)
 from kvstore.payload.whole import VirtualBlob, read_tensors_numpy, read_tokens
 
-# Private spellings under which the tests reach these internals.
-_VirtualBlob = VirtualBlob
-_get_pool = io_pool
-_numpy_dtype = numpy_dtype
-
 __all__ = [
     "MAGIC", "PAYLOAD_HEADER", "VERSION", "DATA_ALIGN", "BLOCK_ALIGN", "MAX_ARRAY_BYTES", "MAX_MANIFEST_BYTES",
     "MAX_MODEL_CHARS", "DTYPES", "Manifest", "read_manifest", "numpy_dtype",

@@ -5,8 +5,9 @@ quantised lossy (kvstore.payload.quantizing: q8, q4).
 pack() is what a save makes of a block for the store's kv_codec; parse()
 reads a manifest row's "packed" object back, checked, into the block's
 stored size and a Form that restores it.  The file's payload ABI says which
-codecs its rows may name (codecs_of_abi): a packed block makes a file of ABI
-209, a quantised one of ABI 145, which no build before them loads.
+codecs its rows may name (codecs_of_abi): packed blocks make a chain block
+of ABI 209 or a whole file of 208, quantised ones 145 or 144, which no build
+before them loads.
 
 A Form restores its block with unpack(stored, dst, runs, path, what): the
 stored bytes into dst, a writable byte buffer, at runs = (offset, run,
@@ -14,7 +15,7 @@ count, stride), count runs of run bytes stride apart (a chain block's rows
 in the tensor it lands in).
 """
 
-from kvstore.format import PAYLOAD_ABI_LOSSY_CHAIN, PAYLOAD_ABI_TABLE_CHAIN
+from kvstore.format import LOSSY_ABI_OFFSET, PACKED_ABIS, TABLE_ABI_OFFSET
 from kvstore.payload import packing, quantizing
 
 KV_CODECS = ("raw", "lossless", "q8", "q4")
@@ -26,20 +27,21 @@ _LOSSLESS = frozenset({packing.CODEC})
 
 
 def codecs_of_abi(abi):
-    """The codecs a manifest row of a file of payload ABI abi may name."""
-    if abi == PAYLOAD_ABI_TABLE_CHAIN:
-        return _LOSSLESS
-    if abi == PAYLOAD_ABI_LOSSY_CHAIN:
-        return frozenset(LOSSY)
-    return frozenset()
+    """The codecs a manifest row of a file of payload ABI abi may name: a
+    packed whole file (208) or block (209) lossless, a quantised one (144,
+    145) the lossy codecs, any other none."""
+    if abi not in PACKED_ABIS:
+        return frozenset()
+    return _LOSSLESS if abi >= TABLE_ABI_OFFSET else frozenset(LOSSY)
 
 
 def abi_of(codecs, plain_abi):
-    """The payload ABI of a chain block whose rows name codecs (one store
-    writes one kv_codec: lossless and lossy rows never meet in a block)."""
+    """The payload ABI of a whole file (plain_abi 16) or a chain block (17)
+    whose rows name codecs (one store writes one kv_codec: lossless and
+    lossy rows never meet in a file)."""
     if any(c in LOSSY for c in codecs):
-        return PAYLOAD_ABI_LOSSY_CHAIN
-    return PAYLOAD_ABI_TABLE_CHAIN if codecs else plain_abi
+        return plain_abi + LOSSY_ABI_OFFSET
+    return plain_abi + TABLE_ABI_OFFSET if codecs else plain_abi
 
 
 def lossiest(codecs):

@@ -13,8 +13,8 @@ import os
 
 from kvstore import _native, host, payload
 from kvstore.errors import CorruptCheckpoint
-from kvstore.format import (CHAIN_HEAD_SIZE, HEADER_SIZE, PACKED_ABIS, PAYLOAD_ABI_CHAIN, PAYLOAD_ABI_TENSORS,
-                            PREFIX_SIZE, parse_chain_head)
+from kvstore.format import (CHAIN_HEAD_SIZE, HEADER_SIZE, PACKED_BLOCK_ABIS, PACKED_WHOLE_ABIS, PAYLOAD_ABI_CHAIN,
+                            PAYLOAD_ABI_TENSORS, PREFIX_SIZE, parse_chain_head)
 from kvstore.payload.chains import PREFETCH_ASK
 from kvstore.payload.buffers import thread_scratch
 from kvstore.seal.cipher import decrypt_in_place, decrypt_parts
@@ -65,14 +65,15 @@ def plain_entry(seal, head, entry, key_id, src):
     path, inner_abi = entry.path, seal.inner_abi
     plain = dataclasses.replace(entry, payload_abi=inner_abi, payload_bytes=seal.inner_payload,
                                 file_size=PREFIX_SIZE + seal.grid.body, key_id=key_id)
-    block = inner_abi == PAYLOAD_ABI_CHAIN or inner_abi in PACKED_ABIS
+    block = inner_abi == PAYLOAD_ABI_CHAIN or inner_abi in PACKED_BLOCK_ABIS
     if block:
         text_len = int.from_bytes(head[HEADER_SIZE:PREFIX_SIZE], "little")
         chain = parse_chain_head(src.pread(CHAIN_HEAD_SIZE, PREFIX_SIZE + text_len), seal.header.tokens, path)
         if chain["text_start"] != entry.text_start:
             raise CorruptCheckpoint("auth_failed", path, "sealed body disagrees with the clear heads")
         plain = dataclasses.replace(plain, **chain)
-    if ((not block and inner_abi != PAYLOAD_ABI_TENSORS) or plain.token_start != entry.token_start
+    whole = inner_abi == PAYLOAD_ABI_TENSORS or inner_abi in PACKED_WHOLE_ABIS
+    if ((not block and not whole) or plain.token_start != entry.token_start
             or plain.parent != entry.parent or plain.chain_flags != entry.chain_flags
             or plain.is_block != entry.is_block):
         raise CorruptCheckpoint("auth_failed", path, "sealed body disagrees with the clear heads")

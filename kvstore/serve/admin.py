@@ -46,7 +46,7 @@ GET /v1/cache (numbers are ints unless said; "sha" is a name's first 12 hex digi
     model_tag                 this server's model tag (6 hex), as in models[].tag
     layout, block_tokens,     how this server's store writes (kv_codec: "raw", "lossless", "q8" or "q4",
       kv_codec                docs/format.md §20)
-    kv_ratio                  the bytes this server's chain saves stored of their tensors' bytes
+    kv_ratio                  the bytes this server's saves stored of their tensors' bytes
                               (1.0 raw; ~0.53 q8 on bfloat16), null before its first save
     by_reason                 {reason name (cold, continued, evict, ...): bytes}
     ram                       {entries, bytes} of mlx-lm's RAM cache, or null

@@ -155,7 +155,7 @@ def check_manifest(raw, entry, data_offset):
     for name, dtype, shape, off, n, crc in m.tensors:
         assert math.prod(shape) * payload.DTYPES[dtype][0] == n
         # The reader allocates exactly this: it must be creatable, and no larger than the file.
-        a = np.empty(shape, dtype=payload._numpy_dtype(dtype))
+        a = np.empty(shape, dtype=payload.numpy_dtype(dtype))
         assert a.nbytes == n
     assert isinstance(m.meta, dict)
     return m
@@ -254,7 +254,7 @@ def _check_path(target, path, blob, text, expect_original):
     assert list(ck.tensors) == [t[0] for t in manifest.tensors]
     for name, dtype, shape, off, n, crc in manifest.tensors:
         a = ck.tensors[name]
-        assert a.shape == shape and a.dtype == payload._numpy_dtype(dtype)
+        assert a.shape == shape and a.dtype == payload.numpy_dtype(dtype)
         assert a.tobytes() == blob[P + off:P + off + n]
     if expect_original:
         assert np.array_equal(ck.tokens, ORIGINAL_TOKENS)
