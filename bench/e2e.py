@@ -251,7 +251,7 @@ def main(argv=None):
     print(f"# kvstore end-to-end benchmark: the demo's agent workload ({'quick' if args.quick else 'full'} run)\n")
     print(machine_lines(info))
     print(f"- model: {chat.name}; {len(prompts)} requests a round ({restart} before the restart); demo "
-          f"store policy {demo.DEMO_OPTIONS}; prefill step {PREFILL_STEP} in all three")
+          f"store policy {demo.DEMO_SETTINGS}; prefill step {PREFILL_STEP} in all three")
     print(f"- rounds: {rounds} counted" + ("" if args.quick else " after one uncounted warm-up round")
           + "; each serves the whole workload once per configuration, the order alternating by round")
     print(f"- elapsed {elapsed:.1f} s")

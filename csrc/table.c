@@ -132,7 +132,48 @@ static void decode_portable(uint8_t *out, const uint8_t *codes, size_t first, si
     if (i < count) out[i] = table[*c & 15];
 }
 
+/* The joins of a 16-bit block whose low plane is stored as it is and whose
+ * high plane is a table plane (bfloat16's and float16's usual form), fused:
+ * dst[2i] = low[i], dst[2i + 1] = table[code first + i], for i < count, with
+ * no pass through a step buffer. */
+typedef void (*join2_fn)(uint8_t *dst, const uint8_t *low, const uint8_t *codes, size_t first, size_t count,
+                         const uint8_t table[16]);
+
+static void join2_portable(uint8_t *dst, const uint8_t *low, const uint8_t *codes, size_t first, size_t count,
+                           const uint8_t table[16])
+{
+    for (size_t i = 0; i < count; i++) {
+        size_t k = first + i;
+        dst[2 * i] = low[i];
+        dst[2 * i + 1] = table[(codes[k / 2] >> (4 * (k & 1))) & 15];
+    }
+}
+
 #if defined(KVS_HAVE_X86)
+__attribute__((target("ssse3")))
+static void join2_ssse3(uint8_t *dst, const uint8_t *low, const uint8_t *codes, size_t first, size_t count,
+                        const uint8_t table[16])
+{
+    size_t i = (first & 1) && count ? 1 : 0;
+    join2_portable(dst, low, codes, first, i, table);
+    const uint8_t *c = codes + (first + i) / 2;
+    const __m128i t = _mm_loadu_si128((const __m128i *)table), mask = _mm_set1_epi8(15);
+    for (; i + 32 <= count; i += 32, c += 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)c);
+        __m128i a = _mm_shuffle_epi8(t, _mm_and_si128(v, mask));
+        __m128i b = _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+        __m128i h0 = _mm_unpacklo_epi8(a, b), h1 = _mm_unpackhi_epi8(a, b);
+        __m128i l0 = _mm_loadu_si128((const __m128i *)(low + i));
+        __m128i l1 = _mm_loadu_si128((const __m128i *)(low + i + 16));
+        __m128i *o = (__m128i *)(dst + 2 * i);
+        _mm_storeu_si128(o, _mm_unpacklo_epi8(l0, h0));
+        _mm_storeu_si128(o + 1, _mm_unpackhi_epi8(l0, h0));
+        _mm_storeu_si128(o + 2, _mm_unpacklo_epi8(l1, h1));
+        _mm_storeu_si128(o + 3, _mm_unpackhi_epi8(l1, h1));
+    }
+    join2_portable(dst + 2 * i, low + i, codes, first + i, count - i, table);
+}
+
 __attribute__((target("ssse3")))
 static void decode_ssse3(uint8_t *out, const uint8_t *codes, size_t first, size_t count, const uint8_t table[16])
 {
@@ -152,6 +193,24 @@ static void decode_ssse3(uint8_t *out, const uint8_t *codes, size_t first, size_
 #endif
 
 #if defined(__aarch64__)
+static void join2_neon(uint8_t *dst, const uint8_t *low, const uint8_t *codes, size_t first, size_t count,
+                       const uint8_t table[16])
+{
+    size_t i = (first & 1) && count ? 1 : 0;
+    join2_portable(dst, low, codes, first, i, table);
+    const uint8_t *c = codes + (first + i) / 2;
+    const uint8x16_t t = vld1q_u8(table), mask = vdupq_n_u8(15);
+    for (; i + 32 <= count; i += 32, c += 16) {
+        uint8x16_t v = vld1q_u8(c);
+        uint8x16_t a = vqtbl1q_u8(t, vandq_u8(v, mask)), b = vqtbl1q_u8(t, vshrq_n_u8(v, 4));
+        uint8x16x2_t e0 = {{vld1q_u8(low + i), vzip1q_u8(a, b)}};
+        uint8x16x2_t e1 = {{vld1q_u8(low + i + 16), vzip2q_u8(a, b)}};
+        vst2q_u8(dst + 2 * i, e0);          /* stores the two registers interleaved */
+        vst2q_u8(dst + 2 * i + 32, e1);
+    }
+    join2_portable(dst + 2 * i, low + i, codes, first + i, count - i, table);
+}
+
 static void decode_neon(uint8_t *out, const uint8_t *codes, size_t first, size_t count, const uint8_t table[16])
 {
     size_t i = 0;
@@ -169,6 +228,7 @@ static void decode_neon(uint8_t *out, const uint8_t *codes, size_t first, size_t
 #endif
 
 static decode_fn decode = decode_portable;
+static join2_fn join2 = join2_portable;
 static const char *decode_name = "portable";
 
 int kvs_table_has(int impl)
@@ -200,12 +260,12 @@ int kvs_table_select(int impl)
 #endif
     }
     if (!kvs_table_has(impl)) return -1;
-    decode = decode_portable, decode_name = "portable";
+    decode = decode_portable, join2 = join2_portable, decode_name = "portable";
 #if defined(KVS_HAVE_X86)
-    if (impl == KVS_IMPL_X86) decode = decode_ssse3, decode_name = "ssse3";
+    if (impl == KVS_IMPL_X86) decode = decode_ssse3, join2 = join2_ssse3, decode_name = "ssse3";
 #endif
 #if defined(__aarch64__)
-    if (impl == KVS_IMPL_ARM) decode = decode_neon, decode_name = "neon";
+    if (impl == KVS_IMPL_ARM) decode = decode_neon, join2 = join2_neon, decode_name = "neon";
 #endif
     return 0;
 }
@@ -234,6 +294,11 @@ void kvs_table_join(uint8_t *dst, const kvs_plane planes[], size_t width, size_t
 {
     uint8_t step[KVS_PLANES_MAX][STEP];
     const uint8_t *from[KVS_PLANES_MAX];
+    if (width == 2 && !planes[0].table && planes[1].table) {
+        join2(dst, planes[0].bytes + first, planes[1].bytes + KVS_TABLE_HEAD, first, count, planes[1].bytes);
+        patch(dst, planes[1].bytes, n, 1, width, first, count);
+        return;
+    }
     for (size_t done = 0; done < count;) {
         size_t k = count - done < STEP ? count - done : STEP;
         for (size_t p = 0; p < width; p++) {

@@ -58,7 +58,8 @@ typedef struct {
 /* dst[i * width + p] = byte first + i of plane p, for i < count: elements
  * first .. first + count - 1 of a block of n elements rebuilt from its planes
  * (planes.h's join, with table planes decoded on the way in cache-sized
- * steps, then their exceptions set). */
+ * steps, then their exceptions set; a 16-bit block whose low plane is raw
+ * and whose high plane is a table plane, in one fused pass). */
 void kvs_table_join(uint8_t *dst, const kvs_plane planes[], size_t width, size_t n, size_t first, size_t count);
 
 /* The decoder: portable C, SSSE3 on x86-64, NEON on arm64.  select returns 0,
