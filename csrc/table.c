@@ -150,6 +150,19 @@ static void join2_portable(uint8_t *dst, const uint8_t *low, const uint8_t *code
 }
 
 #if defined(KVS_HAVE_X86)
+/* The 32 values whose codes are the 16 bytes at c: elements 0..15 in *e0,
+ * 16..31 in *e1. */
+__attribute__((target("ssse3")))
+static inline void lookup32_ssse3(const uint8_t *c, __m128i t, __m128i *e0, __m128i *e1)
+{
+    const __m128i mask = _mm_set1_epi8(15);
+    __m128i v = _mm_loadu_si128((const __m128i *)c);
+    __m128i a = _mm_shuffle_epi8(t, _mm_and_si128(v, mask));
+    __m128i b = _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+    *e0 = _mm_unpacklo_epi8(a, b);
+    *e1 = _mm_unpackhi_epi8(a, b);
+}
+
 __attribute__((target("ssse3")))
 static void join2_ssse3(uint8_t *dst, const uint8_t *low, const uint8_t *codes, size_t first, size_t count,
                         const uint8_t table[16])
@@ -157,12 +170,10 @@ static void join2_ssse3(uint8_t *dst, const uint8_t *low, const uint8_t *codes, 
     size_t i = (first & 1) && count ? 1 : 0;
     join2_portable(dst, low, codes, first, i, table);
     const uint8_t *c = codes + (first + i) / 2;
-    const __m128i t = _mm_loadu_si128((const __m128i *)table), mask = _mm_set1_epi8(15);
+    const __m128i t = _mm_loadu_si128((const __m128i *)table);
     for (; i + 32 <= count; i += 32, c += 16) {
-        __m128i v = _mm_loadu_si128((const __m128i *)c);
-        __m128i a = _mm_shuffle_epi8(t, _mm_and_si128(v, mask));
-        __m128i b = _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), mask));
-        __m128i h0 = _mm_unpacklo_epi8(a, b), h1 = _mm_unpackhi_epi8(a, b);
+        __m128i h0, h1;
+        lookup32_ssse3(c, t, &h0, &h1);
         __m128i l0 = _mm_loadu_si128((const __m128i *)(low + i));
         __m128i l1 = _mm_loadu_si128((const __m128i *)(low + i + 16));
         __m128i *o = (__m128i *)(dst + 2 * i);
@@ -180,31 +191,40 @@ static void decode_ssse3(uint8_t *out, const uint8_t *codes, size_t first, size_
     size_t i = 0;
     if (first & 1 && count) out[i++] = table[codes[first / 2] >> 4];
     const uint8_t *c = codes + (first + i) / 2;
-    const __m128i t = _mm_loadu_si128((const __m128i *)table), low = _mm_set1_epi8(15);
+    const __m128i t = _mm_loadu_si128((const __m128i *)table);
     for (; i + 32 <= count; i += 32, c += 16) {
-        __m128i v = _mm_loadu_si128((const __m128i *)c);
-        __m128i a = _mm_shuffle_epi8(t, _mm_and_si128(v, low));
-        __m128i b = _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), low));
-        _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi8(a, b));
-        _mm_storeu_si128((__m128i *)(out + i + 16), _mm_unpackhi_epi8(a, b));
+        __m128i e0, e1;
+        lookup32_ssse3(c, t, &e0, &e1);
+        _mm_storeu_si128((__m128i *)(out + i), e0);
+        _mm_storeu_si128((__m128i *)(out + i + 16), e1);
     }
     decode_portable(out + i, codes, first + i, count - i, table);
 }
 #endif
 
 #if defined(__aarch64__)
+/* The 32 values whose codes are the 16 bytes at c: elements 0..15 in *e0,
+ * 16..31 in *e1. */
+static inline void lookup32_neon(const uint8_t *c, uint8x16_t t, uint8x16_t *e0, uint8x16_t *e1)
+{
+    uint8x16_t v = vld1q_u8(c);
+    uint8x16_t a = vqtbl1q_u8(t, vandq_u8(v, vdupq_n_u8(15))), b = vqtbl1q_u8(t, vshrq_n_u8(v, 4));
+    *e0 = vzip1q_u8(a, b);
+    *e1 = vzip2q_u8(a, b);
+}
+
 static void join2_neon(uint8_t *dst, const uint8_t *low, const uint8_t *codes, size_t first, size_t count,
                        const uint8_t table[16])
 {
     size_t i = (first & 1) && count ? 1 : 0;
     join2_portable(dst, low, codes, first, i, table);
     const uint8_t *c = codes + (first + i) / 2;
-    const uint8x16_t t = vld1q_u8(table), mask = vdupq_n_u8(15);
+    const uint8x16_t t = vld1q_u8(table);
     for (; i + 32 <= count; i += 32, c += 16) {
-        uint8x16_t v = vld1q_u8(c);
-        uint8x16_t a = vqtbl1q_u8(t, vandq_u8(v, mask)), b = vqtbl1q_u8(t, vshrq_n_u8(v, 4));
-        uint8x16x2_t e0 = {{vld1q_u8(low + i), vzip1q_u8(a, b)}};
-        uint8x16x2_t e1 = {{vld1q_u8(low + i + 16), vzip2q_u8(a, b)}};
+        uint8x16x2_t e0, e1;
+        lookup32_neon(c, t, &e0.val[1], &e1.val[1]);
+        e0.val[0] = vld1q_u8(low + i);
+        e1.val[0] = vld1q_u8(low + i + 16);
         vst2q_u8(dst + 2 * i, e0);          /* stores the two registers interleaved */
         vst2q_u8(dst + 2 * i + 32, e1);
     }
@@ -216,12 +236,12 @@ static void decode_neon(uint8_t *out, const uint8_t *codes, size_t first, size_t
     size_t i = 0;
     if (first & 1 && count) out[i++] = table[codes[first / 2] >> 4];
     const uint8_t *c = codes + (first + i) / 2;
-    const uint8x16_t t = vld1q_u8(table), low = vdupq_n_u8(15);
+    const uint8x16_t t = vld1q_u8(table);
     for (; i + 32 <= count; i += 32, c += 16) {
-        uint8x16_t v = vld1q_u8(c);
-        uint8x16_t a = vqtbl1q_u8(t, vandq_u8(v, low)), b = vqtbl1q_u8(t, vshrq_n_u8(v, 4));
-        vst1q_u8(out + i, vzip1q_u8(a, b));
-        vst1q_u8(out + i + 16, vzip2q_u8(a, b));
+        uint8x16_t e0, e1;
+        lookup32_neon(c, t, &e0, &e1);
+        vst1q_u8(out + i, e0);
+        vst1q_u8(out + i + 16, e1);
     }
     decode_portable(out + i, codes, first + i, count - i, table);
 }
