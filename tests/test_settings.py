@@ -137,10 +137,12 @@ def test_kvstore_import_checks_its_options_as_the_store_does(tmp_path, capsys):
     assert "--budget-mb -5.0 must be >= 0" in capsys.readouterr().err
 
 
-def test_the_guide_lists_every_setting_with_its_default():
+def test_the_guide_lists_every_setting_with_its_default_and_doc():
     import pathlib
     guide = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide.md").read_text()
-    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", guide, re.M))
-    for name, default, _ in settings.describe():
+    rows = {name: (default, doc) for name, default, doc in
+            re.findall(r"^\| `(\w+)` \| ([^|]+) \| (.*) \|$", guide, re.M)}
+    for name, default, doc in settings.describe():
         assert name in rows, f"docs/guide.md has no row for the setting {name}"
-        assert rows[name].strip() == settings.shown(default), (name, rows[name])
+        assert rows[name][0].strip() == settings.shown(default), (name, rows[name][0])
+        assert rows[name][1].strip() == doc, f"docs/guide.md's row for {name} is not the field's doc"
