@@ -213,7 +213,7 @@ class Reader:
         check_model(cur, manifest.model, d.model_identity)
         if manifest.packed:
             read = payload.read_chain_mlx if into == "mlx" else payload.read_chain_numpy
-            tokens, tensors = read(payload.ChainLayout([(rfd, plain)]), verify)
+            tokens, tensors = read(payload.ChainLayout([(rfd, plain)], target_manifest=manifest), verify)
         else:
             tokens = payload.read_tokens(rfd, plain, manifest, verify)
             read = payload.read_tensors_mlx if into == "mlx" else payload.read_tensors_numpy

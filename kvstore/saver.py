@@ -101,7 +101,7 @@ class Saver:
         if d.budget_bytes and not policy.file_size_fits(len(text), plan.payload_bytes, len(trailer_raw),
                                                         d.budget_bytes):
             # The budget counts stored bytes: one over it raw may fit packed.
-            codecs = plan.pack(codec) if codec != "raw" else set()
+            codecs = plan.pack(codec)       # (raw packs nothing: no codecs)
             if not policy.file_size_fits(len(text), plan.payload_bytes, len(trailer_raw), d.budget_bytes):
                 return self.refuse("budget", bytes=PREFIX_SIZE + len(text) + plan.payload_bytes,
                                    budget=d.budget_bytes)
@@ -115,7 +115,7 @@ class Saver:
                 self.enqueue(kept)
                 return kept
             if codecs is None:
-                codecs = plan.pack(codec) if codec != "raw" else set()
+                codecs = plan.pack(codec)
             if self.over_write_budget(reason, PREFIX_SIZE + len(text) + plan.payload_bytes + len(trailer_raw)):
                 return None
             header = self._header(reason, int(tokens.size), ctx, plan, ext,

@@ -97,6 +97,7 @@ class ChainLayout:
             block starts where its parent ends.
         heads: the first bytes of each block's file, read already (b"" for
             none; kvstore.chain.block_entry), or None.
+        target_manifest: the target's Manifest, read already, or None.
 
     Raises:
         CorruptCheckpoint: from read_manifest, or "chain_mismatch" naming the
@@ -105,12 +106,12 @@ class ChainLayout:
             above it survives.
     """
 
-    def __init__(self, blocks, heads=None):
+    def __init__(self, blocks, heads=None, target_manifest=None):
         self.blocks = list(blocks)
         self.heads = list(heads) if heads is not None else [b""] * len(self.blocks)
         fd_t, target = self.blocks[-1]
         self.target = target
-        m_t = read_manifest(fd_t, target, first=self.heads[-1])
+        m_t = target_manifest or read_manifest(fd_t, target, first=self.heads[-1])
         m_0 = m_t if len(self.blocks) == 1 else read_manifest(*self.blocks[0], first=self.heads[0])
         self._known = {0: m_0, len(self.blocks) - 1: m_t}
         self._reference = _growing(m_0)
