@@ -81,6 +81,16 @@ HEADLINE = [
     ("serve_trace", "open loop at 50% of the closed loop's throughput: TTFT mean"),
     ("serve_trace", "after a restart, closed loop: TTFT mean"),
     ("canary", "canary llama bfloat16, tail: largest rounding vs smallest wrong-model distance"),
+    ("packed", "bytes stored, 8,192 tokens: lossless vs raw", ("Llama-3.1-8B:",)),
+    ("packed", "bytes stored, 8,192 tokens: q8 vs raw", ("Llama-3.1-8B:",)),
+    ("packed", "bytes stored, 8,192 tokens: q4 vs raw", ("Llama-3.1-8B:",)),
+    ("packed", "load into MLX, cold, 9,192 tokens (1.12 GiB): lossless vs raw", ("Llama-3.1-8B:",)),
+    ("packed", "load into MLX, warm, 9,192 tokens (1.12 GiB): lossless vs raw", ("Llama-3.1-8B:",)),
+    ("packed", "durable save: lossless vs raw", ("Llama-3.1-8B:",)),
+    ("quality", "q8: 1,024-token prefix stored"),
+    ("quality", "q4: 1,024-token prefix stored"),
+    ("remote", "remote hit (find + fetch + load), 256 MiB session: lossless vs raw"),
+    ("remote", "remote hit (find + fetch + load), 256 MiB session: q8 vs raw"),
 ]
 
 # The three rows README.md quotes, each one of HEADLINE: (harness, substring,
@@ -99,6 +109,7 @@ README_HEADLINE = [
 # and bench/serve_sizes.py measure those); bench/shapes.py rows name their
 # own geometry (their section).
 TOY = "toy: 3 layers × 2 KV heads × 32, float32 (1.5 KiB a token)"
+REMOTE_KV = "4 layers × 8 KV heads × 128, bfloat16 (16 KiB a token)"
 GEOMETRY = {
     "foundation": "no model (bytes)",
     "store": "Llama-3.1-8B's, float16 (128 KiB a token), 4,096 tokens; warm page cache",
@@ -111,8 +122,16 @@ GEOMETRY = {
     "canary": "toy: a llama of 4 layers, hidden 256",
     "serve_sizes": "Qwen3-8B's: 36 layers × 8 KV heads × 128, bfloat16 (144 KiB a token)",
     "agents": TOY,
+    "remote": "checkpoints of 4 and 64 MiB (bytes); its codec rows: " + REMOTE_KV,
+    "lossless": "each section's: the trained model of quality.py (2 KV heads × 64) and the zoo's 8 heads × 128, "
+                "bfloat16, blocks of 256 tokens",
+    "packed": "each section's geometry: Llama-3.1-8B's (128 KiB a token) and gpt-oss-20b's, bfloat16; "
+              "and the trained model of quality.py",
+    "quality": "a llama trained here: 4 layers × 2 KV heads × 64, bfloat16 (2 KiB a token)",
 }
 GEOMETRY_ROWS = {
+    ("remote", "remote hit (find + fetch + load), 256 MiB session: lossless vs raw"): REMOTE_KV,
+    ("remote", "remote hit (find + fetch + load), 256 MiB session: q8 vs raw"): REMOTE_KV,
     # serve_load's decode row runs its own model (bench/serve_load.py LOAD_MODEL).
     ("serve_load", "cold page cache, vs without load"): "16 layers × 16 KV heads × 128, float32 (256 KiB a token)",
 }
@@ -120,7 +139,7 @@ GEOMETRY_ROWS = {
 
 def headline_geometry(name, needle, row):
     """The KV a headline row was measured at (GEOMETRY), or its section's first part."""
-    if name == "shapes":
+    if name in ("shapes", "packed"):
         return row.get("section", "").split(";")[0] + ", bfloat16"
     return GEOMETRY_ROWS.get((name, needle), GEOMETRY.get(name, ""))
 

@@ -7,15 +7,16 @@ one imported:
     python bench/lossless.py --quick      # fewer repeats
     python bench/lossless.py --json results.json
 
-The candidates need their libraries (``pip install zstandard lz4 blosc2``);
-one whose library is missing is listed as skipped.
+The candidates need their libraries (the ``bench`` extra installs
+zstandard, lz4 and blosc2); one whose library is missing is listed as
+skipped.
 
 The data: KV blocks as a chained checkpoint stores them, one tensor's
 256 tokens (BLOCK_TOKENS) at a time, in bfloat16:
 
 - the trained model of bench/quality.py (a 4-layer llama trained here on
-  the standard library's sources, its weights cached; quick recipe unless
-  ``--trained full``): K and V of held-out windows after their prefill,
+  the standard library's sources, its weights cached; its quick recipe
+  with ``--quick``): K and V of held-out windows after their prefill,
   apart, since they differ (V's low bytes repeat more);
 - the zoo's random values (bench/shapes.py's normal bfloat16): what every
   storage row of python -m bench stores, so what compression does to those
@@ -64,11 +65,11 @@ RANDOM_BLOCKS = 16
 
 # ---- the data ----------------------------------------------------------------------
 
-def trained_blocks(recipe_name):
+def trained_blocks(quick):
     """{"trained K": [block, ...], "trained V": [...]}: uint16 arrays of BLOCK_TOKENS tokens."""
     import mlx.core as mx
     import quality
-    recipe = quality.TRAIN if recipe_name == "full" else quality.QUICK_TRAIN
+    recipe = quality.QUICK_TRAIN if quick else quality.TRAIN
     model, tok, path, log = quality.trained_model(recipe)
     out = {"trained K": [], "trained V": []}
     for ids in quality.held_out_windows(tok, WINDOWS):
@@ -253,17 +254,13 @@ def copy_rates(blocks, repeats, pool):
 
 
 def main(argv=None):
-    trained = "quick"
-    if argv is None and "--trained" in sys.argv:
-        i = sys.argv.index("--trained")
-        trained = sys.argv[i + 1]
-        del sys.argv[i:i + 2]
-    args = harness_arguments(__doc__, f"{QUICK_REPEATS} repeats instead of {REPEATS}", argv)
+    args = harness_arguments(__doc__, f"{QUICK_REPEATS} repeats instead of {REPEATS}, quality.py's quick model",
+                             argv)
     args.strict = False
     t0 = time.perf_counter()
     info = machine_info()
     repeats = QUICK_REPEATS if args.quick else REPEATS
-    sets, how = trained_blocks(trained)
+    sets, how = trained_blocks(args.quick)
     sets[f"zoo's random normal ({RANDOM_BLOCK[0]} heads x {RANDOM_BLOCK[1]})"] = random_blocks()
     report = TextTable()
     results = {}

@@ -80,12 +80,13 @@ def bench_geometry(report, tmp, g, tokens, order, dropped, rounds):
     return dict(geometry=g[0], tokens=tokens, saves=saves, loads=loads)
 
 
-def trained_bytes(report, tmp):
+def trained_bytes(report, tmp, quick):
     """A session of the trained model (bench/quality.py) saved raw and through each codec: the bytes."""
     import kvstore
     import kvstore.mlx
     import quality
-    model, tok, path, log = quality.trained_model(quality.QUICK_TRAIN)
+    recipe = quality.QUICK_TRAIN if quick else quality.TRAIN
+    model, tok, path, log = quality.trained_model(recipe)
     ids = quality.held_out_windows(tok, 1)[0][:quality.PREFIX]
     cache = quality.as_cache(quality.prefix_state(model, ids))
     sizes = {}
@@ -98,7 +99,7 @@ def trained_bytes(report, tmp):
                                               text_offsets=lambda i: i * shapes.TOKEN_TEXT)
             assert e is not None
             sizes[codec] = store.stats()["bytes"]
-    report.section(f"the trained model of bench/quality.py ({quality.ARCH}, {quality.QUICK_TRAIN['steps']} "
+    report.section(f"the trained model of bench/quality.py ({quality.ARCH}, {recipe['steps']} "
                    f"steps): a {len(ids):,}-token session")
     for codec in CODECS:
         bytes_row(report, f"bytes stored: {codec} vs raw", codec, sizes[codec], sizes["raw"],
@@ -122,7 +123,7 @@ def main(argv=None):
             results.append(bench_geometry(report, tmp, shapes.geometry_named(name), tokens, order, dropped,
                                           QUICK_ROUNDS if args.quick else ROUNDS))
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-packed-") as tmp:
-        trained = trained_bytes(report, tmp)
+        trained = trained_bytes(report, tmp, args.quick)
     elapsed = time.perf_counter() - t0
     print(f"# Packed blocks at real KV sizes ({'quick' if args.quick else 'full'} run)\n")
     print(machine_lines(info))

@@ -172,3 +172,33 @@ def test_the_readme_quotes_three_headline_rows():
     body = figures.current_block(_read("README.md"), "bench", "README.md")
     rows = [line for line in body.splitlines() if line.startswith("| ") and not line.startswith("| comparison")]
     assert len(rows) == 3, rows
+
+
+def test_every_harness_imports_and_takes_its_options(tmp_path):
+    """Each harness that `python -m bench` runs imports against the installed
+    kvstore and parses its command line (--help).  CI's quick bench runs only
+    the harnesses that take seconds (.ci/run says which); this keeps the
+    others from rotting at import time between full runs."""
+    import subprocess
+    import sys
+    code = """
+import contextlib, importlib, importlib.util, io, sys
+bench = sys.argv[1]
+sys.path.insert(0, bench)
+spec = importlib.util.spec_from_file_location("bench_main", bench + "/__main__.py")
+runner = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(runner)
+for name in runner.HARNESSES:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            importlib.import_module(name).main(["--help"])
+    except SystemExit as e:
+        assert e.code == 0, (name, e.code)
+    assert "--quick" in out.getvalue(), name
+print("harnesses", len(runner.HARNESSES))
+"""
+    r = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "bench")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.split() == ["harnesses", "16"]

@@ -622,6 +622,31 @@ def test_remote_chain_fetches_its_missing_blocks_and_loads_bit_identical(s3, tmp
         assert c.stats()["remote_bytes_fetched"] == sum(x.file_size for x in blocks[3:])
 
 
+@pytest.mark.parametrize("layout", ["chain", "whole"])
+@pytest.mark.parametrize("codec", ["lossless", "q8"])
+def test_packed_checkpoints_travel_as_stored_and_load_from_the_bucket(s3, tmp_path, codec, layout):
+    """The remote tier moves a codec's stored bytes: each object is the file as
+    it is on disk (packed or quantised, smaller than raw's), and a host with
+    nothing fetches those bytes and loads them: lossless bit for bit, lossy
+    within its codec's error."""
+    from test_packed import save
+    from test_whole_codecs import check_restored
+    prefix, kw = f"codec-{codec}-{layout}", dict(store_kw=dict(layout=layout, kv_codec=codec))
+    with open_store(s3, tmp_path / "a", prefix, **kw) as a:
+        text, tensors, e = save(a)
+        assert a.remote.flush(30) and a.stats()["remote_upload_errors"] == 0
+        stored = {object_key_of(prefix, a.remote.fingerprint, x): x for x in a.entries()}
+        assert bucket_objects(s3, prefix) == {k: x.file_size for k, x in stored.items()}
+        assert all(get_object(s3, k) == open(x.path, "rb").read() for k, x in stored.items())
+        assert a.stats()["kv_ratio"] < (0.8 if codec == "lossless" else 0.6)
+    with open_store(s3, tmp_path / "b", prefix, **kw) as b:
+        assert b.remote.refresh()
+        found = b.find(text + b"more")
+        assert found is not None and found.remote is not None and found.sha == e.sha
+        check_restored(b.load(found), tensors, codec, "numpy")
+        assert b.stats()["remote_bytes_fetched"] == sum(x.file_size for x in stored.values())
+
+
 def test_remote_chain_with_a_missing_parent_is_a_clean_miss(s3, tmp_path):
     kw = dict(store_kw=dict(layout="chain", block_tokens=GRID))
     with open_store(s3, tmp_path / "a", "broken", **kw) as a:
