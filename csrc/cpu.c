@@ -52,7 +52,22 @@ int kvs_cpu_has_avx512_vpclmul(void)
     (void)hi;
     return (lo & 0xE6) == 0xE6;
 }
+int kvs_cpu_has_avx2(void)
+{
+    unsigned l1[4], l7[4];
+    cpuid_regs(1, 0, l1);
+    cpuid_regs(7, 0, l7);
+    /* AVX (leaf 1 ECX bit 28), OSXSAVE (bit 27) and AVX2 (leaf 7 EBX bit
+     * 5); the OS saves the SSE and AVX state components (XCR0 bits 1, 2). */
+    if (!(l1[2] >> 28 & 1) || !(l1[2] >> 27 & 1) || !(l7[1] >> 5 & 1))
+        return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    (void)hi;
+    return (lo & 0x6) == 0x6;
+}
 #else
+int kvs_cpu_has_avx2(void) { return 0; }
 int kvs_cpu_has_shani(void) { return 0; }
 int kvs_cpu_has_ssse3(void) { return 0; }
 int kvs_cpu_has_sse42(void) { return 0; }

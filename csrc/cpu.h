@@ -28,6 +28,7 @@ int kvs_cpu_has_shani(void);
 int kvs_cpu_has_ssse3(void);
 int kvs_cpu_has_sse42(void);
 int kvs_cpu_has_avx512_vpclmul(void);
+int kvs_cpu_has_avx2(void);
 int kvs_cpu_has_arm_sha1(void);
 int kvs_cpu_has_arm_crc32(void);
 

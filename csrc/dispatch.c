@@ -2,6 +2,7 @@
 #include "crc32c.h"
 #include "dispatch.h"
 #include "io.h"
+#include "quant.h"
 #include "table.h"
 
 void kvs_init(void)
@@ -13,5 +14,6 @@ void kvs_init(void)
     kvs_sha1_select(KVS_IMPL_AUTO);
     kvs_crc32c_select(KVS_IMPL_AUTO);
     kvs_table_select(KVS_IMPL_AUTO);
+    kvs_quant_select(KVS_IMPL_AUTO);
     done = 1;
 }

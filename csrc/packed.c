@@ -1,6 +1,7 @@
 /* packed.c: reads of packed chain blocks (see packed.h). */
 #include "io.h"
 #include "packed.h"
+#include "quant.h"
 #include "table.h"
 
 int kvs_packed_join(const uint8_t *stored, size_t len, const uint8_t *table, const size_t *lens, size_t width,
@@ -24,6 +25,22 @@ int kvs_packed_join(const uint8_t *stored, size_t len, const uint8_t *table, con
     return 0;
 }
 
+int kvs_quant_join(const uint8_t *stored, size_t len, int bits, int dtype, size_t group, size_t width,
+                   uint8_t *dst, size_t run, size_t count, size_t stride)
+{
+    if ((bits != 8 && bits != 4) || !width || !group || run % width) return KVS_EBADTABLE;
+    size_t per = run / width, n = per * count, groups = per / group;
+    if (per % group || len != n * (size_t)bits / 8 + 2 * (n / group) * width) return KVS_EBADTABLE;
+    const uint8_t *q = stored, *scales = stored + n * (size_t)bits / 8, *biases = scales + (n / group) * width;
+    for (size_t r = 0; r < count; r++) {
+        uint8_t *out = dst + r * stride;
+        kvs_populate(out, run);
+        kvs_dequantize(q + r * per * (size_t)bits / 8, scales + r * groups * width, biases + r * groups * width,
+                       per, dtype, bits, group, out);
+    }
+    return 0;
+}
+
 size_t kvs_read_packed(kvs_packed_piece *pieces, size_t n, uint8_t *scratch, int check_crc)
 {
     size_t failed = 0;
@@ -32,8 +49,10 @@ size_t kvs_read_packed(kvs_packed_piece *pieces, size_t n, uint8_t *scratch, int
         p->crc = 0;
         p->status = kvs_pread_full(p->fd, scratch, p->stored, p->off, &p->crc);
         if (p->status == 0 && (!check_crc || p->crc == p->want))
-            p->status = kvs_packed_join(scratch, p->stored, p->table, p->lens, p->width, p->dst, p->run,
-                                        p->count, p->stride);
+            p->status = p->qbits ? kvs_quant_join(scratch, p->stored, p->qbits, p->qdtype, p->group, p->width,
+                                                  p->dst, p->run, p->count, p->stride)
+                                 : kvs_packed_join(scratch, p->stored, p->table, p->lens, p->width, p->dst,
+                                                   p->run, p->count, p->stride);
         failed += p->status != 0;
     }
     return failed;

@@ -4,6 +4,9 @@
 #include <math.h>
 #include <string.h>
 
+#include "cpu.h"
+#include "dispatch.h"
+
 /* a * b + c must round twice, as NumPy's separate operations do. */
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
@@ -216,10 +219,66 @@ int kvs_quantize(const void *src, size_t count, int dtype, int bits, size_t grou
     return -1;
 }
 
+/* The dequantizers: one body, compiled for the baseline (SSE2 on x86-64,
+ * NEON on arm64: the compiler vectorises both) and, on x86-64, for AVX2
+ * (twice the lanes), chosen at run time.  The arithmetic is the same IEEE
+ * float32 multiply and add either way (no fused multiply-add), so both
+ * give the same bits. */
+typedef void (*dequantize_fn)(const uint8_t *q, const void *scales, const void *biases, size_t count, int dtype,
+                              int bits, size_t group, void *dst);
+
+#define KVS_Q_CALL(d, b) dequantize_all(q, scales, biases, count, d, b, group, dst); return
+
+static void dequantize_portable(const uint8_t *q, const void *scales, const void *biases, size_t count, int dtype,
+                                int bits, size_t group, void *dst)
+{
+    KVS_Q_CASES(KVS_Q_CALL)
+}
+
+#if defined(KVS_HAVE_X86)
+__attribute__((target("avx2")))
+static void dequantize_avx2(const uint8_t *q, const void *scales, const void *biases, size_t count, int dtype,
+                            int bits, size_t group, void *dst)
+{
+    KVS_Q_CASES(KVS_Q_CALL)
+}
+#endif
+#undef KVS_Q_CALL
+
+static dequantize_fn dequantize = dequantize_portable;
+static const char *dequantize_name = "portable";
+
+int kvs_quant_has(int impl)
+{
+    switch (impl) {
+    case KVS_IMPL_AUTO:
+    case KVS_IMPL_PORTABLE:
+        return 1;
+#if defined(KVS_HAVE_X86)
+    case KVS_IMPL_X86:
+        return kvs_cpu_has_avx2();
+#endif
+    default:
+        return 0;
+    }
+}
+
+int kvs_quant_select(int impl)
+{
+    if (impl == KVS_IMPL_AUTO)
+        impl = kvs_quant_has(KVS_IMPL_X86) ? KVS_IMPL_X86 : KVS_IMPL_PORTABLE;
+    if (!kvs_quant_has(impl)) return -1;
+    dequantize = dequantize_portable, dequantize_name = "portable";
+#if defined(KVS_HAVE_X86)
+    if (impl == KVS_IMPL_X86) dequantize = dequantize_avx2, dequantize_name = "avx2";
+#endif
+    return 0;
+}
+
+const char *kvs_quant_impl_name(void) { return dequantize_name; }
+
 void kvs_dequantize(const uint8_t *q, const void *scales, const void *biases, size_t count, int dtype, int bits,
                     size_t group, void *dst)
 {
-#define KVS_Q_CALL(d, b) dequantize_all(q, scales, biases, count, d, b, group, dst); return
-    KVS_Q_CASES(KVS_Q_CALL)
-#undef KVS_Q_CALL
+    dequantize(q, scales, biases, count, dtype, bits, group, dst);
 }

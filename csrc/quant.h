@@ -31,4 +31,13 @@ int kvs_quantize(const void *src, size_t count, int dtype, int bits, size_t grou
 void kvs_dequantize(const uint8_t *q, const void *scales, const void *biases, size_t count, int dtype, int bits,
                     size_t group, void *dst);
 
+/* The dequantizer's implementations (dispatch.h's KVS_IMPL_*): portable
+ * (the baseline build, vectorised by the compiler) and, on x86-64 with
+ * AVX2, KVS_IMPL_X86.  kvs_quant_has says whether impl can run here;
+ * kvs_quant_select picks one (KVS_IMPL_AUTO: the fastest), returning -1
+ * when it cannot run; kvs_quant_impl_name names the one running. */
+int kvs_quant_has(int impl);
+int kvs_quant_select(int impl);
+const char *kvs_quant_impl_name(void);
+
 #endif

@@ -121,6 +121,9 @@ cdef extern from "packed.h" nogil:
         size_t width
         size_t lens[16]
         uint8_t table[16]
+        int qbits
+        int qdtype
+        size_t group
         uint8_t *dst
         size_t run, count, stride
         uint32_t want
@@ -133,6 +136,9 @@ cdef extern from "packed.h" nogil:
 
 cdef extern from "quant.h" nogil:
     enum: KVS_Q_F32, KVS_Q_F16, KVS_Q_BF16
+    int kvs_quant_has(int impl)
+    int kvs_quant_select(int impl)
+    const char *kvs_quant_impl_name()
     int kvs_quantize(const void *src, size_t count, int dtype, int bits, size_t group,
                      uint8_t *q, void *scales, void *biases)
     void kvs_dequantize(const uint8_t *q, const void *scales, const void *biases, size_t count, int dtype,

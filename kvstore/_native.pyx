@@ -50,42 +50,44 @@ cdef int _raise_status(int rc, object path, str what) except -1:
     raise CorruptCheckpoint(_REASONS.get(rc, f"status_{rc}"), path, what)
 
 
-def select(sha1=None, crc32c=None, table=None):
-    """Selects the SHA1, CRC32C and/or table-plane decoder implementation.
+def select(sha1=None, crc32c=None, table=None, quant=None):
+    """Selects the SHA1, CRC32C, table-plane decoder and/or dequantizer implementation.
 
     Args:
-        sha1, crc32c, table: "auto", "portable", "x86" or "arm"; for crc32c
-            also "avx512" (x86-64 with VPCLMULQDQ); for table "x86" is SSSE3
-            and "arm" NEON.  None keeps the current.
+        sha1, crc32c, table, quant: "auto", "portable", "x86" or "arm"; for
+            crc32c also "avx512" (x86-64 with VPCLMULQDQ); for table "x86"
+            is SSSE3 and "arm" NEON; for quant "x86" is AVX2 (it has no
+            "arm": the portable build is NEON there).  None keeps the current.
 
     Raises:
         ValueError: the name is unknown or that path cannot run on this CPU.
     """
-    for name, value in (("sha1", sha1), ("crc32c", crc32c), ("table", table)):
+    for name, value in (("sha1", sha1), ("crc32c", crc32c), ("table", table), ("quant", quant)):
         if value is None:
             continue
         if value not in _IMPLS:
             raise ValueError(f"unknown {name} implementation {value!r}; expected one of {sorted(_IMPLS)}")
         impl = _IMPLS[value]
         rc = (kvs_sha1_select(impl) if name == "sha1" else kvs_crc32c_select(impl) if name == "crc32c"
-              else kvs_table_select(impl))
+              else kvs_table_select(impl) if name == "table" else kvs_quant_select(impl))
         if rc != 0:
             raise ValueError(f"{name} implementation {value!r} is not available on this machine")
 
 
 def available():
-    """The implementations that can run here: {"sha1": [...], "crc32c": [...], "table": [...]}."""
+    """The implementations that can run here: {"sha1": [...], "crc32c": [...], "table": [...], "quant": [...]}."""
     return {
         "sha1": [n for n in _ORDER if kvs_sha1_has(_IMPLS[n])],
         "crc32c": [n for n in _ORDER if kvs_crc32c_has(_IMPLS[n])],
         "table": [n for n in _ORDER if kvs_table_has(_IMPLS[n])],
+        "quant": [n for n in _ORDER if kvs_quant_has(_IMPLS[n])],
     }
 
 
 def implementation():
-    """The running implementations, e.g. {"sha1": "sha-ni", "crc32c": "sse4.2", "table": "ssse3"}."""
+    """The running implementations, e.g. {"sha1": "sha-ni", "crc32c": "sse4.2", "table": "ssse3", "quant": "avx2"}."""
     return {"sha1": kvs_sha1_impl_name().decode(), "crc32c": kvs_crc32c_impl_name().decode(),
-            "table": kvs_table_impl_name().decode()}
+            "table": kvs_table_impl_name().decode(), "quant": kvs_quant_impl_name().decode()}
 
 
 def read_prefaults():
@@ -496,5 +498,5 @@ def pwrite_blocks(int fd, blocks, path=None, crc=True):
 
 
 if os.environ.get("KVSTORE_PORTABLE", "") not in ("", "0"):
-    select(sha1="portable", crc32c="portable", table="portable")
+    select(sha1="portable", crc32c="portable", table="portable", quant="portable")
     set_read_prefaults(False)

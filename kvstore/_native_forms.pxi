@@ -204,15 +204,23 @@ cdef int _packed_piece(kvs_packed_piece *c, Py_ssize_t i, piece, Py_buffer *view
     """c set from read_packed's piece i, checked (see read_packed)."""
     cdef size_t k
     cdef uint64_t dst, run, count, stride
-    b, fd, off, stored, planes, dst, run, count, stride, want = piece
-    width = len(planes)
+    b, fd, off, stored, form, dst, run, count, stride, want = piece
     _check_runs(i, b, nb, <uint64_t>views[b].len if 0 <= b < nb else 0, dst, run, count, stride)
-    if width < 1 or width > KVS_PLANES_MAX or run % width:
-        raise ValueError(f"piece {i}: {width} planes for runs of {run} bytes")
+    c.qbits, c.qdtype, c.group = 0, 0, 0
+    if isinstance(form, tuple):                 # ("quant", bits, dtype, group)
+        kind, bits, dtype, group = form
+        code, width, _ = _q_geometry(dtype, bits, group, 0)
+        if kind != "quant" or run % width or (run // width) % group:
+            raise ValueError(f"piece {i}: runs of {run} bytes are not whole groups of {group} {dtype}")
+        c.qbits, c.qdtype, c.group = bits, code, group
+    else:
+        width = len(form)
+        if width < 1 or width > KVS_PLANES_MAX or run % width:
+            raise ValueError(f"piece {i}: {width} planes for runs of {run} bytes")
+        for k in range(width):
+            c.table[k] = 1 if form[k][0] else 0
+            c.lens[k] = form[k][1]
     c.fd, c.off, c.stored, c.width = fd, off, stored, width
-    for k in range(width):
-        c.table[k] = 1 if planes[k][0] else 0
-        c.lens[k] = planes[k][1]
     c.dst = <uint8_t *>views[b].buf + dst
     c.run, c.count, c.stride = <size_t>run, <size_t>count, <size_t>stride
     c.want, c.crc, c.status = want, 0, 0
@@ -220,14 +228,17 @@ cdef int _packed_piece(kvs_packed_piece *c, Py_ssize_t i, piece, Py_buffer *view
 
 
 def read_packed(buffers, pieces, verify=True):
-    """Reads a batch of packed chain blocks (table planes) into buffers in
-    one call, GIL released (csrc/packed.h): the share of one I/O thread.
+    """Reads a batch of packed chain blocks (table planes) and quantised
+    ones into buffers in one call, GIL released (csrc/packed.h): the share
+    of one I/O thread.
 
     Args:
         buffers: writable buffers (the destinations).
         pieces: sequence of (buffer index, fd, file offset, stored length,
-            planes [(is_table, stored length), ...], destination offset,
-            run, count, stride, expected CRC32C of the stored bytes).
+            form, destination offset, run, count, stride, expected CRC32C
+            of the stored bytes); form is the planes [(is_table, stored
+            length), ...] or ("quant", bits, dtype, group), each run whole
+            groups.
         verify: join only a block whose CRC is the one expected.
 
     Returns:
@@ -236,8 +247,8 @@ def read_packed(buffers, pieces, verify=True):
         crc the CRC32C of the stored bytes read.
 
     Raises:
-        ValueError: a piece does not fit its buffer, or its planes are not
-            1 to 16 of whole elements.
+        ValueError: a piece does not fit its buffer, its planes are not 1
+            to 16 of whole elements, or its runs not whole groups.
     """
     cdef Py_ssize_t nb = len(buffers), n = len(pieces), i, got = 0
     cdef Py_buffer *views = NULL

@@ -43,8 +43,9 @@ def ref_crc(off, n):
 
 # ---- selection ------------------------------------------------------------
 
-EXPECTED_NAMES = {"portable": ("portable", "portable", "portable"), "x86": ("sha-ni", "sse4.2", "ssse3"),
-                  "avx512": (None, "avx512-vpclmulqdq", None), "arm": ("armv8", "armv8", "neon")}
+EXPECTED_NAMES = {"portable": ("portable", "portable", "portable", "portable"),
+                  "x86": ("sha-ni", "sse4.2", "ssse3", "avx2"),
+                  "avx512": (None, "avx512-vpclmulqdq", None, None), "arm": ("armv8", "armv8", "neon", None)}
 
 
 def test_implementation_reports_selection(impl):
@@ -63,17 +64,18 @@ def test_available_always_has_portable():
 
 
 def test_select_auto_picks_fastest_available(impl):
-    before = _native.implementation()["table"]
-    _native.select(sha1="auto", crc32c="auto", table="auto")
+    before = _native.implementation()
+    _native.select(sha1="auto", crc32c="auto", table="auto", quant="auto")
     av = _native.available()
     try:
         assert _native.implementation() == {
             "sha1": EXPECTED_NAMES[av["sha1"][-1]][0],
             "crc32c": EXPECTED_NAMES[av["crc32c"][-1]][1],
             "table": EXPECTED_NAMES[av["table"][-1]][2],
+            "quant": EXPECTED_NAMES[av["quant"][-1]][3],
         }
     finally:
-        _native.select(table="portable" if before == "portable" else "auto")
+        _native.select(**{k: "portable" if before[k] == "portable" else "auto" for k in ("table", "quant")})
 
 
 @pytest.mark.parametrize("kw", [{"sha1": "nope"}, {"crc32c": "nope"}, {"sha1": "X86"},
@@ -112,12 +114,13 @@ def test_kvstore_portable_env_forces_portable_at_import(env, forced, tmp_path):
                          cwd=tmp_path, env={**os.environ, "KVSTORE_PORTABLE": env}).stdout
     impls = json.loads(out)
     if forced:
-        assert impls == {"sha1": "portable", "crc32c": "portable", "table": "portable"}
+        assert impls == {"sha1": "portable", "crc32c": "portable", "table": "portable", "quant": "portable"}
     else:
         av = _native.available()
         assert impls == {"sha1": EXPECTED_NAMES[av["sha1"][-1]][0],
                          "crc32c": EXPECTED_NAMES[av["crc32c"][-1]][1],
-                         "table": EXPECTED_NAMES[av["table"][-1]][2]}
+                         "table": EXPECTED_NAMES[av["table"][-1]][2],
+                         "quant": EXPECTED_NAMES[av["quant"][-1]][3]}
 
 
 # ---- sha1 -----------------------------------------------------------------

@@ -1,7 +1,9 @@
 """kvstore._native.quantize / dequantize (csrc/quant.c) against their NumPy
 twins in tests/reference.py, bit for bit: every dtype, both widths, the
 group sizes a block may have, and the values that test the conversions
-(half subnormals, the largest halves, constant groups, signs)."""
+(half subnormals, the largest halves, constant groups, signs); the
+dequantizer on each of its run-time-dispatched paths present here
+(portable, and AVX2 on x86-64: the `quant` fixture)."""
 
 import numpy as np
 import pytest
@@ -35,10 +37,36 @@ def native(src, dtype, bits, group):
     return ok, bytes(q), bytes(s), bytes(b)
 
 
+@pytest.fixture(params=_native.available()["quant"])
+def quant(request):
+    """Runs the test on one dequantizer path; the import-time one after."""
+    before = _native.implementation()["quant"]
+    _native.select(quant=request.param)
+    try:
+        yield request.param
+    finally:
+        _native.select(quant="portable" if before == "portable" else "auto")
+
+
+def test_the_dequantizer_paths_are_named():
+    av = _native.available()["quant"]
+    assert av[0] == "portable" and set(av) <= {"portable", "x86"}
+    names = {"portable": "portable", "x86": "avx2"}
+    before = _native.implementation()["quant"]
+    try:
+        for name in av:
+            _native.select(quant=name)
+            assert _native.implementation()["quant"] == names[name]
+        with pytest.raises(ValueError, match="'arm' is not available"):
+            _native.select(quant="arm")
+    finally:
+        _native.select(quant="portable" if before == "portable" else "auto")
+
+
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("group", [64, 32, 16])
-def test_quantize_and_dequantize_equal_the_numpy_twin(dtype, bits, group):
+def test_quantize_and_dequantize_equal_the_numpy_twin(quant, dtype, bits, group):
     for seed in range(3):
         src = values(dtype, 64 * 40, seed)
         got = native(src, dtype, bits, group)

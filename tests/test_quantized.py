@@ -65,6 +65,46 @@ def test_a_block_round_trips_within_the_codecs_error(codec, dtype):
     assert (np.abs(g - w) <= step[:, None] * 0.51 + np.abs(w) * 2 ** -7 + 1e-6).all()
 
 
+@pytest.mark.parametrize("codec", ["q8", "q4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_chain_reads_quantised_blocks_in_one_native_call(tmp_path, codec, dtype):
+    """_native.read_packed takes quantised blocks as a chain load's I/O
+    thread hands them (runs of whole groups, strided): the runs land as
+    Form.unpack restores them, bit for bit; a block whose stored length
+    lies lands nothing (bad_payload); runs that cut a group are refused
+    (the load restores those with Form.unpack)."""
+    from kvstore import _native
+    from kvstore.errors import CorruptCheckpoint
+    x = np.random.default_rng(2).standard_normal(4 * 128).astype(np.float32)
+    raw = stored_bytes(x, dtype)
+    desc, parts = quantizing.pack([memoryview(raw).cast("B")], dtype, codec)
+    stored = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    form = quantizing.Form(codec, dtype, desc["group"])
+    run = 128 * raw.itemsize                                 # 4 runs of 128 values, 3 runs' room apart
+    native = form.native_for(run)
+    assert native == ("quant", quantizing.BITS[codec], dtype, desc["group"]) and form.native_for(run // 2 + 8) is None
+    path = tmp_path / "blocks"
+    path.write_bytes(stored + stored[:-1])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = [bytearray(12 * run + 8) for _ in range(2)]
+        got = _native.read_packed(out, [
+            (0, fd, 0, len(stored), native, 8, run, 4, 3 * run, _native.crc32c(stored)),
+            (1, fd, len(stored), len(stored) - 1, native, 0, run, 4, 3 * run, _native.crc32c(stored[:-1])),
+        ], verify=True)
+        with pytest.raises(ValueError, match="whole groups"):
+            _native.read_packed(out, [(0, fd, 0, len(stored), native, 0, run // 2 + 8, 4, run, 0)])
+    finally:
+        os.close(fd)
+    want = bytearray(12 * run + 8)
+    form.unpack(stored, memoryview(want), (8, run, 4, 3 * run), "f", "k")
+    assert got[0] == (0, _native.crc32c(stored)) and out[0] == want and any(want)
+    assert got[1][0] != 0 and not any(out[1])
+    with pytest.raises(CorruptCheckpoint) as e:
+        _native.raise_status(got[1][0], "f.kv", "tensor 'k'")
+    assert e.value.reason == "bad_payload"
+
+
 def test_constant_groups_and_unquantisable_blocks():
     flat = np.full(4096, 1.5, np.float32)
     desc, parts = quantizing.pack([memoryview(flat).cast("B")], "float32", "q4")

@@ -269,14 +269,16 @@ class Batch:
     def _unpack(self, pos, pieces):
         """A job of packed pieces: each one's stored bytes read and checked,
         then unpacked into its runs; [(status, CRC32C of its stored bytes)].
-        Table-plane blocks of plain files go in one native call
-        (_native.read_packed); the others one by one."""
+        Table-plane and quantised blocks of plain files go in one native
+        call (_native.read_packed); the others (sealed files, quantised
+        runs that are not whole groups) one by one."""
         if self.pace is not None:
             self.pace(pos)
-        if all(p.packed[1].native is not None and not sealed(p.fd) for _, p in pieces):
+        forms = [p.packed[1].native_for(p.run) for _, p in pieces]
+        if all(f is not None and not sealed(p.fd) for f, (_, p) in zip(forms, pieces)):
             return _native.read_packed(self.buffers, [
-                (b, p.fd, p.file_offset, p.packed[0], p.packed[1].native, p.dst, p.run, p.count, p.stride, p.crc)
-                for b, p in pieces], self.verify)
+                (b, p.fd, p.file_offset, p.packed[0], f, p.dst, p.run, p.count, p.stride, p.crc)
+                for f, (b, p) in zip(forms, pieces)], self.verify)
         out = []
         for b, p in pieces:
             stored, form = p.packed

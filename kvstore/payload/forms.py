@@ -79,15 +79,18 @@ def pack(kv_codec, dtype, width, nbytes, pieces):
 
 
 class _Planes:
-    """How one lossless block is restored (its planes, checked).  native:
-    the planes as csrc/packed.h reads them, [(is_table, stored length)]: a
-    chain load joins such blocks in one native call per job."""
+    """How one lossless block is restored (its planes, checked).  A chain
+    load joins such blocks in one native call per job (native_for)."""
 
     __slots__ = ("codec", "planes", "native")
 
     def __init__(self, planes):
         self.codec, self.planes = packing.CODEC, planes
         self.native = [(kind == "table", length) for kind, length in planes]
+
+    def native_for(self, run):
+        """The form as csrc/packed.h reads it, [(is_table, stored length)]."""
+        return self.native
 
     def unpack(self, stored, dst, runs, path, what):
         packing.unpack(stored, self.planes, dst, runs, path, what)

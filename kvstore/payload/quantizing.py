@@ -114,10 +114,17 @@ class Form:
     """How one quantised block is restored (the manifest's row, checked)."""
 
     __slots__ = ("codec", "dtype", "group")
-    native = None               # restored in Python (a native join is a table plane's: forms._Planes)
 
     def __init__(self, codec, dtype, group):
         self.codec, self.dtype, self.group = codec, dtype, group
+
+    def native_for(self, run):
+        """The form as csrc/packed.h reads it, ("quant", bits, dtype,
+        group), where a run of run bytes is whole groups (a chain block's
+        rows: whole head vectors); else None (restored by unpack)."""
+        if run % _WIDTH[self.dtype] or (run // _WIDTH[self.dtype]) % self.group:
+            return None
+        return ("quant", BITS[self.codec], self.dtype, self.group)
 
     def unpack(self, stored, dst, runs, path, what):
         """Restores the block from its stored bytes into dst at runs
