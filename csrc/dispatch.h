@@ -37,4 +37,27 @@ int kvs_crc32c_has(int impl);
 const char *kvs_sha1_impl_name(void);
 const char *kvs_crc32c_impl_name(void);
 
+/* A codec path's kvs_*_has: auto and portable run everywhere; KVS_IMPL_X86
+ * where this is an x86-64 build and x86 (its CPU probe's answer) says so;
+ * KVS_IMPL_ARM where this is an arm64 build and arm says so. */
+static inline int kvs_impl_has(int impl, int x86, int arm)
+{
+    switch (impl) {
+    case KVS_IMPL_AUTO:
+    case KVS_IMPL_PORTABLE:
+        return 1;
+#if defined(__x86_64__) || defined(_M_X64)
+    case KVS_IMPL_X86:
+        return x86;
+#endif
+#if defined(__aarch64__)
+    case KVS_IMPL_ARM:
+        return arm;
+#endif
+    default:
+        (void)x86, (void)arm;
+        return 0;
+    }
+}
+
 #endif

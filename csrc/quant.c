@@ -250,17 +250,7 @@ static const char *dequantize_name = "portable";
 
 int kvs_quant_has(int impl)
 {
-    switch (impl) {
-    case KVS_IMPL_AUTO:
-    case KVS_IMPL_PORTABLE:
-        return 1;
-#if defined(KVS_HAVE_X86)
-    case KVS_IMPL_X86:
-        return kvs_cpu_has_avx2();
-#endif
-    default:
-        return 0;
-    }
+    return kvs_impl_has(impl, impl == KVS_IMPL_X86 && kvs_cpu_has_avx2(), 0);
 }
 
 int kvs_quant_select(int impl)

@@ -253,21 +253,8 @@ static const char *decode_name = "portable";
 
 int kvs_table_has(int impl)
 {
-    switch (impl) {
-    case KVS_IMPL_AUTO:
-    case KVS_IMPL_PORTABLE:
-        return 1;
-#if defined(KVS_HAVE_X86)
-    case KVS_IMPL_X86:
-        return kvs_cpu_has_ssse3();
-#endif
-#if defined(__aarch64__)
-    case KVS_IMPL_ARM:
-        return 1;                   /* NEON is part of every arm64 core */
-#endif
-    default:
-        return 0;
-    }
+    /* NEON is part of every arm64 core. */
+    return kvs_impl_has(impl, impl == KVS_IMPL_X86 && kvs_cpu_has_ssse3(), 1);
 }
 
 int kvs_table_select(int impl)
