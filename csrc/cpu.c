@@ -52,6 +52,7 @@ int kvs_cpu_has_avx512_vpclmul(void)
     (void)hi;
     return (lo & 0xE6) == 0xE6;
 }
+
 int kvs_cpu_has_avx2(void)
 {
     unsigned l1[4], l7[4];

@@ -1,4 +1,4 @@
-/* cpu.h: run-time CPU feature probes shared by sha1.c, crc32c.c and table.c.
+/* cpu.h: run-time CPU feature probes shared by sha1.c, crc32c.c, table.c and quant.c.
  * Only compile-time-available paths are probed; each probe is cheap and
  * called once from kvs_init(). */
 #ifndef KVS_CPU_H

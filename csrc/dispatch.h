@@ -2,7 +2,8 @@
  *
  * Every hot path in csrc/ has a portable C version and, where the compiler
  * and CPU allow, hardware versions (SHA-NI, SSE4.2 and AVX-512 VPCLMULQDQ on
- * x86-64, the ARMv8 crypto and CRC extensions on arm64).  The choice is made
+ * x86-64, the ARMv8 crypto and CRC extensions on arm64; for the codecs,
+ * table.h's SSSE3 and NEON decoders and quant.h's AVX2 dequantizer).  The choice is made
  * once at run time by kvs_init(); a caller can force the portable paths
  * (tests and CI do) with kvs_select().  Nothing here reads the environment:
  * that is the binding's job.
