@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvstore import host
-from kvstore.payload import chains
+from kvstore.payload import batch as batches, chains
 from kvhelpers import make_store
 
 
@@ -256,7 +256,7 @@ def test_a_chain_loads_jobs_move_the_window_to_their_place_before_they_read(tmp_
     fd = os.open(path, os.O_RDONLY)
     try:
         events = []
-        batch = chains.Batch([memoryview(out)], verify=False)
+        batch = batches.Batch([memoryview(out)], verify=False)
         batch.pace = lambda pos: events.append(pos)
         piece = chains.Piece(fd, str(path), 0, 1 << 20, 40, 1 << 20, 0, 0, "tokens")
         batch.add([(0, piece)], pos=1000)
@@ -265,10 +265,10 @@ def test_a_chain_loads_jobs_move_the_window_to_their_place_before_they_read(tmp_
         os.close(fd)
     assert np.array_equal(out, data)
     events.sort()
-    assert len(events) == -(-data.nbytes // chains.JOB_BYTES) >= 3
+    assert len(events) == -(-data.nbytes // batches.JOB_BYTES) >= 3
     assert events[0] == 1000 and events[-1] < 1000 + data.nbytes
     steps = [b - a for a, b in zip(events, events[1:])]
-    assert all(0 < d <= chains.JOB_BYTES for d in steps), steps
+    assert all(0 < d <= batches.JOB_BYTES for d in steps), steps
 
 
 def test_the_prefetcher_leaves_earlier_restorable_blocks_of_a_chain_with_snapshots(monkeypatch):

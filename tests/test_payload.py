@@ -644,10 +644,10 @@ def test_a_chain_load_into_several_blobs_reads_them_in_one_pass(tmp_path, monkey
     # for the next blob), and each block's manifest is read once, not once
     # per blob.
     pytest.importorskip("mlx.core")
-    from kvstore.payload import chains, mlx_io
+    from kvstore.payload import batch, chains, mlx_io
     monkeypatch.setattr(mlx_io, "MLX_BLOB_MAX", 5 << 19)
     batches, manifests = [], []
-    batch_init, read_manifest = chains.Batch.__init__, chains.read_manifest
+    batch_init, read_manifest = batch.Batch.__init__, chains.read_manifest
 
     def count_batch(self, *a, **kw):
         batches.append(self)
@@ -656,7 +656,7 @@ def test_a_chain_load_into_several_blobs_reads_them_in_one_pass(tmp_path, monkey
     def count_manifest(fd, e, **kw):
         manifests.append(e.path)
         return read_manifest(fd, e, **kw)
-    monkeypatch.setattr(chains.Batch, "__init__", count_batch)
+    monkeypatch.setattr(batch.Batch, "__init__", count_batch)
     monkeypatch.setattr(chains, "read_manifest", count_manifest)
     old = mlx_io.set_mlx_threaded(threaded)
     try:

@@ -11,14 +11,16 @@ Rooms:
     whole     reads of one whole payload: NumPy, and the virtual safetensors
               file mx.load reads
     chains    chain reads: a chain of blocks into one set of tensors
+    batch     a chain load's read jobs on the I/O threads, packed blocks' included
     mlx_io    every MLX call: MLX arrays as write sources, loads into MLX
     plan      the write plan of one payload and the pass that writes it
     packing   packed blocks: a tensor block as byte planes, table planes where
               they shrink (ABI 209)
 """
 
+from kvstore.payload.batch import Batch
 from kvstore.payload.buffers import bytes_view, pread, pread_into, pwrite_from
-from kvstore.payload.chains import Batch, ChainBlob, ChainLayout, ChainRead, ChainTensor, Piece, read_chain_numpy
+from kvstore.payload.chains import ChainBlob, ChainLayout, ChainRead, ChainTensor, Piece, read_chain_numpy
 from kvstore.payload.manifest import (BLOCK_ALIGN, DATA_ALIGN, DTYPES, MAGIC, MAX_ARRAY_BYTES, MAX_MANIFEST_BYTES,
                                       MAX_MODEL_CHARS, PAYLOAD_HEADER, VERSION, Manifest, numpy_dtype, read_manifest)
 from kvstore.payload.mlx_io import (host_tensors, host_views, is_mlx_array, read_chain_mlx, read_tensors_mlx,

@@ -200,7 +200,7 @@ class SealedSource:
     @staticmethod
     def read_pieces(buffers, pieces, verify=False):
         """kvstore._native.pread_pieces for sealed sources (a chain load's
-        reads, kvstore.payload.chains.Batch): each piece (buffer index, source,
+        reads, kvstore.payload.batch.Batch): each piece (buffer index, source,
         file offset, run, count, stride, destination offset) covers
         run * count consecutive plain bytes that land every stride bytes.
 
@@ -257,7 +257,7 @@ class SealedSource:
         I/O thread asks for its own share: the asking costs a walk of the
         page cache, which the threads then share).
 
-        Returns [] (a job of kvstore.payload.chains.Batch: no per-piece results).
+        Returns [] (a job of kvstore.payload.batch.Batch: no per-piece results).
         """
         _read_ahead(work)
         views = [payload.bytes_view(x) for x in buffers]
