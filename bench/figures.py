@@ -32,6 +32,10 @@ RESULTS = os.path.join(HERE, "results")
 MACHINE_FIELDS = ("cpu", "cpu_flags", "cores", "usable_cores", "platform")
 VERSION_FIELDS = ("python", "mlx", "mlx_lm", "kvstore", "implementation", "openssl")
 
+# bench/remote.py's codec rows quoted in docs/benchmarks.md (their KV: REMOTE_KV).
+REMOTE_CODEC_ROWS = ("remote hit (find + fetch + load), 256 MiB session: lossless vs raw",
+                     "remote hit (find + fetch + load), 256 MiB session: q8 vs raw")
+
 # The rows quoted in docs/benchmarks.md: (harness, substring of the
 # comparison), or (harness, substring, substrings its section must hold)
 # where a harness repeats a comparison per section (bench/shapes.py: per
@@ -89,9 +93,7 @@ HEADLINE = [
     ("packed", "durable save: lossless vs raw", ("Llama-3.1-8B:",)),
     ("quality", "q8: 1,024-token prefix stored"),
     ("quality", "q4: 1,024-token prefix stored"),
-    ("remote", "remote hit (find + fetch + load), 256 MiB session: lossless vs raw"),
-    ("remote", "remote hit (find + fetch + load), 256 MiB session: q8 vs raw"),
-]
+] + [("remote", row) for row in REMOTE_CODEC_ROWS]
 
 # The three rows README.md quotes, each one of HEADLINE: (harness, substring,
 # substrings its section must hold, the peer where the comparison does not
@@ -130,8 +132,7 @@ GEOMETRY = {
     "quality": "a llama trained here: 4 layers × 2 KV heads × 64, bfloat16 (2 KiB a token)",
 }
 GEOMETRY_ROWS = {
-    ("remote", "remote hit (find + fetch + load), 256 MiB session: lossless vs raw"): REMOTE_KV,
-    ("remote", "remote hit (find + fetch + load), 256 MiB session: q8 vs raw"): REMOTE_KV,
+    **{("remote", row): REMOTE_KV for row in REMOTE_CODEC_ROWS},
     # serve_load's decode row runs its own model (bench/serve_load.py LOAD_MODEL).
     ("serve_load", "cold page cache, vs without load"): "16 layers × 16 KV heads × 128, float32 (256 KiB a token)",
 }
